@@ -1,0 +1,135 @@
+"""The one typed config tree. Every face (YAML, CLI overrides, web form) produces this object."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    path: str | None = None
+    preset: str | None = None
+    tokenizer: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("set exactly one of model.path (an HF folder) or model.preset (a preset name)")
+        if self.preset is not None and self.tokenizer is None:
+            raise ValueError("model.preset needs model.tokenizer (a folder with a tokenizer)")
+        return self
+
+
+DataFormat = Literal["alpaca", "sharegpt", "openai", "text"]
+
+
+class DatasetSpec(Section):
+    """One dataset: a file in a known format, or a named entry of a LLaMA-Factory dataset_info.json."""
+
+    path: str | None = None
+    format: DataFormat | None = None
+    name: str | None = None
+    dataset_info: str | None = None
+    text_column: str = "text"
+    max_samples: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if self.path is not None and self.name is not None:
+            raise ValueError("set either path (+ format) or name (+ dataset_info), not both")
+        if self.path is None and self.name is None:
+            raise ValueError("a dataset needs path (+ format) or name (+ dataset_info)")
+        if self.name is not None and self.dataset_info is None:
+            raise ValueError(f"dataset name {self.name!r} needs dataset_info (path to dataset_info.json)")
+        return self
+
+
+class DataSection(Section):
+    train: list[DatasetSpec] = Field(min_length=1)
+    eval: list[DatasetSpec] = []
+    max_length: int = Field(default=1024, ge=8)
+    packing: bool = True
+    train_on_prompt: bool = False
+    template: Literal["auto", "chatml"] = "auto"
+    truncation: Literal["right", "error"] = "right"
+    eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+
+
+class MethodSection(Section):
+    stage: Literal["pt", "sft"] = "sft"
+    finetuning: Literal["full"] = "full"
+
+
+class ParallelSection(Section):
+    """Parallel layout. Single-process defaults; later engine work fills in the degrees."""
+
+    dp_replicate: int = Field(default=1, ge=1)
+    dp_shard: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    activation_checkpoint: Literal["none", "full"] = "none"
+
+
+class TrainSection(Section):
+    steps: int | None = Field(default=200, gt=0)
+    epochs: float | None = Field(default=None, gt=0)
+    micro_batch: int = Field(default=8, ge=1)
+    grad_accum: int = Field(default=1, ge=1)
+    lr: float = Field(default=3.0e-4, gt=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup: int = Field(default=10, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    clip: float | None = Field(default=1.0, gt=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    seed: int = 0
+    log_every: int = Field(default=10, ge=1)
+    eval_every: int | None = Field(default=None, ge=1)
+    compile: bool = False
+
+    @model_validator(mode="after")
+    def _length(self) -> TrainSection:
+        if self.steps is None and self.epochs is None:
+            raise ValueError("set train.steps or train.epochs")
+        return self
+
+
+class CheckpointSection(Section):
+    save_final: bool = True
+
+
+class LogSection(Section):
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+
+
+class HardwareSection(Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    peak_flops: float | None = Field(default=None, gt=0)
+    threads: int | None = Field(default=None, ge=1)
+
+
+class Config(Section):
+    output_dir: str = "runs/default"
+    model: ModelSection
+    data: DataSection
+    method: MethodSection = MethodSection()
+    parallel: ParallelSection = ParallelSection()
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    log: LogSection = LogSection()
+    hardware: HardwareSection = HardwareSection()

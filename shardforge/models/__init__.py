@@ -1,0 +1,8 @@
+"""Model families, presets and HF checkpoint I/O."""
+
+import shardforge.models.llama.spec  # noqa: F401  (registers the Llama-family specs)
+from shardforge.models.io import load_model, save_model
+from shardforge.models.presets import build_preset, preset_names
+from shardforge.models.spec import ModelSpec, spec_for, supported
+
+__all__ = ["ModelSpec", "build_preset", "load_model", "preset_names", "save_model", "spec_for", "supported"]

@@ -1,0 +1,147 @@
+"""Load an HF checkpoint folder into our model and write our model back as an HF folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoConfig
+
+from shardforge.errors import ModelError
+from shardforge.models.spec import ModelSpec, spec_by_name, spec_for
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_IGNORED_HF_KEYS = ("rotary_emb.inv_freq",)
+
+
+def _read_config_json(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelError(f"{folder} is not a Hugging Face model folder: {path.name} is missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    if (folder / INDEX_FILE).is_file():
+        index = json.loads((folder / INDEX_FILE).read_text())
+        return [folder / name for name in sorted(set(index["weight_map"].values()))]
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    found = sorted(p.name for p in folder.glob("*.bin"))
+    extra = f" (found {', '.join(found)}: convert .bin checkpoints to safetensors first)" if found else ""
+    raise ModelError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}{extra}")
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+    """Read an HF folder (config.json + safetensors, single or sharded) into our model implementation."""
+    folder = Path(path)
+    meta = _read_config_json(folder)
+    spec = spec_for(meta.get("model_type"), meta.get("architectures"))
+    cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
+    with torch.device("meta"):
+        model = spec.model_cls(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.reset_rope()
+    load_hf_weights(model, spec, _weight_files(folder), dtype)
+    return model.to(dtype)
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, spec: ModelSpec, files: list[Path], dtype: torch.dtype) -> None:
+    """Copy safetensors weights into the model's parameters, checking that every parameter is filled exactly once."""
+    params = dict(model.named_parameters())
+    missing = set(params)
+    tied = getattr(model.config, "tie_embeddings", False)
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for hf_key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if hf_key.endswith(_IGNORED_HF_KEYS) or (tied and hf_key == "lm_head.weight"):
+                    continue
+                key = spec.key_from_hf(hf_key)
+                if key not in params:
+                    raise ModelError(f"{file.name}: weight {hf_key!r} does not exist in this model config")
+                tensor = f.get_tensor(hf_key)
+                if tensor.shape != params[key].shape:
+                    raise ModelError(
+                        f"{file.name}: weight {hf_key!r} has shape {tuple(tensor.shape)}, "
+                        f"config.json implies {tuple(params[key].shape)}"
+                    )
+                params[key].copy_(tensor.to(dtype))
+                missing.discard(key)
+    if missing:
+        names = ", ".join(sorted(spec.key_to_hf(k) for k in missing)[:8])
+        raise ModelError(f"checkpoint is missing {len(missing)} weight(s): {names}")
+
+
+def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Our weights under HF names (the tied head is written once, as the embedding)."""
+    spec = spec_by_name(model.config.family)
+    tied = model.config.tie_embeddings
+    out = {}
+    for key, tensor in model.state_dict().items():
+        if tied and key == "lm_head.weight":
+            continue
+        out[spec.key_to_hf(key)] = tensor.detach().contiguous().cpu()
+    return out
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    return shards
+
+
+def save_model(
+    model: nn.Module,
+    path: str | Path,
+    tokenizer: Any = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write an HF folder that `transformers.AutoModelForCausalLM.from_pretrained` loads as it is."""
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = spec_by_name(model.config.family)
+    tensors = hf_state_dict(model)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    shards = _shards(tensors, max_shard_bytes)
+    for stale in [folder / SINGLE_FILE, folder / INDEX_FILE, *folder.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE_FILE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+    hf_config = spec.hf_config_from(model.config)
+    hf_config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    if tokenizer is not None:
+        hf_config.eos_token_id = tokenizer.eos_token_id
+        hf_config.pad_token_id = tokenizer.pad_token_id
+        hf_config.bos_token_id = tokenizer.bos_token_id
+        tokenizer.save_pretrained(folder)
+    hf_config.save_pretrained(folder)
+    return folder

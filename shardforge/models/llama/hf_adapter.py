@@ -1,0 +1,114 @@
+"""Hugging Face <-> shardforge for the Llama family: config translation and safetensors key names.
+
+transformers' own config classes resolve each family's defaults (head_dim, layer_types, rope parameters), so we
+read config.json through them and translate the result; on export we write a config of the same class back.
+"""
+
+from __future__ import annotations
+
+import re
+
+from transformers import AutoConfig, PretrainedConfig
+
+from shardforge.errors import ModelError
+from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.llama.rope import SUPPORTED_ROPE_TYPES
+
+# Our module names differ from HF's only in these path segments; everything but lm_head lives under "model.".
+_SEGMENTS = [(".input_norm.", ".input_layernorm."), (".post_attn_norm.", ".post_attention_layernorm."), (".attn.", ".self_attn.")]
+_OUR_KEY = re.compile(
+    r"^(embed_tokens\.weight|norm\.weight|lm_head\.weight|layers\.\d+\.(input_norm|post_attn_norm)\.weight"
+    r"|layers\.\d+\.attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.(weight|bias)"
+    r"|layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias))$"
+)
+
+
+def key_to_hf(key: str) -> str:
+    if not _OUR_KEY.match(key):
+        raise ModelError(f"no HF name for weight {key!r}")
+    if key == "lm_head.weight":
+        return key
+    for ours, hf in _SEGMENTS:
+        key = key.replace(ours, hf)
+    return "model." + key
+
+
+def key_from_hf(key: str) -> str:
+    ours = key.removeprefix("model.") if key != "lm_head.weight" else key
+    for mine, hf in _SEGMENTS:
+        ours = ours.replace(hf, mine)
+    if not _OUR_KEY.match(ours) or (ours != "lm_head.weight" and not key.startswith("model.")):
+        raise ModelError(f"checkpoint weight {key!r} is not part of this model family (unexpected key)")
+    return ours
+
+
+def _rope(hf: PretrainedConfig) -> tuple[float, dict | None]:
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ModelError(f"rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    return theta, (params if kind != "default" else None)
+
+
+def config_from_hf(hf: PretrainedConfig, family: str) -> DecoderConfig:
+    """Translate a transformers config of a supported family into our DecoderConfig."""
+    act = getattr(hf, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelError(f"hidden_act {act!r} is not supported (supported: silu)")
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    theta, scaling = _rope(hf)
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    sliding = getattr(hf, "sliding_window", None)
+    if family in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
+        sliding = None
+    return DecoderConfig(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rms_eps=hf.rms_norm_eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position=hf.max_position_embeddings,
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or attention_bias,
+        o_bias=family in ("llama", "qwen3") and attention_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        sliding_window=sliding,
+        layer_types=list(hf.layer_types) if sliding is not None and getattr(hf, "layer_types", None) else None,
+        family=family,
+        hf_config=hf.to_dict(),
+    )
+
+
+def hf_config_from(cfg: DecoderConfig, model_type: str, architecture: str) -> PretrainedConfig:
+    """A transformers config for our model; starts from the loaded checkpoint's config when there is one."""
+    base = dict(cfg.hf_config)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
+    base.update(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_eps,
+        rope_parameters=rope,
+        max_position_embeddings=cfg.max_position,
+        tie_word_embeddings=cfg.tie_embeddings,
+        architectures=[architecture],
+    )
+    if model_type in ("llama", "qwen3"):
+        base["attention_bias"] = cfg.o_bias or (cfg.qkv_bias and model_type == "qwen3")
+    if model_type == "llama":
+        base["mlp_bias"] = cfg.mlp_bias
+    for key in ("model_type", "transformers_version", "rope_theta", "rope_scaling"):
+        base.pop(key, None)
+    return AutoConfig.for_model(model_type, **base)

@@ -1,0 +1,148 @@
+"""The Llama decoder family in plain PyTorch. No parallel code here: layouts are applied from outside."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 instead of the head count keeps this correct when TP shards the projections by heads.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.sliding = cfg.is_sliding(layer)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.attn = Attention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: dict) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), cos, sin, masks["sliding" if self.sliding else "full"])
+        return h + self.mlp(self.post_attn_norm(h))
+
+
+def attention_masks(cfg: DecoderConfig, seq: int, doc_ids: torch.Tensor | None, device: torch.device) -> dict:
+    """Boolean masks [b, 1, s, s] (True = attend): causal, within one document, within the sliding window.
+
+    None means plain causal attention, which SDPA handles without materializing a mask.
+    """
+    needs_window = cfg.sliding_window is not None and seq > cfg.sliding_window
+    if doc_ids is None and not needs_window:
+        return {"full": None, "sliding": None}
+    pos = torch.arange(seq, device=device)
+    allowed = (pos[None, :] <= pos[:, None])[None]
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    full = allowed[:, None]
+    if not needs_window:
+        return {"full": full, "sliding": full}
+    window = (pos[:, None] - pos[None, :]) < cfg.sliding_window
+    return {"full": full, "sliding": full & window[None, None]}
+
+
+class Decoder(nn.Module):
+    """Token ids -> logits. `position_ids` and `doc_ids` describe packed rows (positions restart per document)."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
+        self.reset_rope()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the checkpoint says so (again after `to_empty`)."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def reset_rope(self) -> None:
+        """(Re)compute RoPE frequencies; needed after building on the meta device."""
+        cfg = self.config
+        freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = freq.to(self.inv_freq.device) if self.inv_freq.device.type != "meta" else freq
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Fresh weights for training from scratch (HF's scheme: normal(0, std), zero bias, unit norms)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        h = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, h.dtype)
+        masks = attention_masks(self.config, s, doc_ids, input_ids.device)
+        for layer in self.layers:
+            h = layer(h, cos, sin, masks)
+        return self.lm_head(self.norm(h))

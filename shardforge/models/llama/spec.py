@@ -1,0 +1,33 @@
+"""Register the Llama-family specs: one model class, four HF flavours."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from shardforge.models.llama import hf_adapter
+from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.llama.model import Decoder
+from shardforge.models.spec import ModelSpec, register
+
+_FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+for _family, _arch in _FAMILIES.items():
+    register(
+        ModelSpec(
+            name=_family,
+            model_type=_family,
+            architecture=_arch,
+            config_cls=DecoderConfig,
+            model_cls=Decoder,
+            config_from_hf=partial(hf_adapter.config_from_hf, family=_family),
+            hf_config_from=partial(hf_adapter.hf_config_from, model_type=_family, architecture=_arch),
+            key_to_hf=hf_adapter.key_to_hf,
+            key_from_hf=hf_adapter.key_from_hf,
+            flops_per_token=DecoderConfig.flops_per_token,
+        )
+    )
