@@ -1,0 +1,108 @@
+"""Turn rows of documents into tensors, and order rows globally so any data-parallel split sees the same samples."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardforge.data.examples import Example
+
+IGNORE = -100
+
+
+@dataclass
+class Batch:
+    """A micro-batch. `targets` are already shifted: targets[b, t] is the token to predict at position t."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor | None  # None: one document per row, plain causal attention suffices
+    num_tokens: int  # real (non-pad) tokens
+    num_targets: int
+
+    def to(self, device: torch.device) -> Batch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.doc_ids),
+                     self.num_tokens, self.num_targets)
+
+
+def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int) -> Batch:
+    """Build a micro-batch from rows (lists of example indices), padded to the longest row.
+
+    Targets never cross a document boundary, positions restart at each document, and `doc_ids` keeps attention
+    inside each document, so a packed row computes exactly what its documents would compute one by one.
+    """
+    width = max(sum(len(examples[i].input_ids) for i in row) for row in rows)
+    n = len(rows)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    targets = torch.full((n, width), IGNORE, dtype=torch.long)
+    positions = torch.zeros((n, width), dtype=torch.long)
+    docs = torch.full((n, width), -1, dtype=torch.long)
+    num_tokens = num_targets = 0
+    multi_doc = False
+    for r, row in enumerate(rows):
+        col = 0
+        multi_doc |= len(row) > 1
+        for d, idx in enumerate(row):
+            ex = examples[idx]
+            length = len(ex.input_ids)
+            tokens = torch.tensor(ex.input_ids, dtype=torch.long)
+            ids[r, col : col + length] = tokens
+            shifted = torch.where(torch.tensor(ex.trained[1:], dtype=torch.bool), tokens[1:], IGNORE)
+            targets[r, col : col + length - 1] = shifted
+            positions[r, col : col + length] = torch.arange(length)
+            docs[r, col : col + length] = d
+            col += length
+            num_tokens += length
+            num_targets += ex.num_targets
+    return Batch(ids, targets, positions, docs if multi_doc else None, num_tokens, num_targets)
+
+
+class GlobalOrder:
+    """Deterministic order of rows over epochs; the position is a global sample index (resumable, any dp size).
+
+    Rows for global step k are positions [k*G, (k+1)*G) of the concatenated per-epoch permutations, so the
+    samples of a step depend only on the seed and the global batch size G, never on how G is split.
+    """
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True) -> None:
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self.position = 0
+        self._epoch, self._perm = -1, torch.arange(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            n = self.num_rows
+            self._perm = torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)
+            self._epoch = epoch
+        return self._perm
+
+    def take(self, count: int) -> list[int]:
+        out = []
+        while len(out) < count:
+            epoch, offset = divmod(self.position, self.num_rows)
+            chunk = self._permutation(epoch)[offset : offset + count - len(out)]
+            out.extend(chunk.tolist())
+            self.position += len(chunk)
+        return out
+
+    @property
+    def epoch(self) -> float:
+        return self.position / self.num_rows
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "num_rows": self.num_rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def split_global_batch(row_ids: list[int], micro_batch: int, grad_accum: int, dp: int, rank: int) -> list[list[int]]:
+    """This rank's micro-batches of a global batch: micro-step j, rank r takes rows [(j*dp + r)*mb, +mb)."""
+    return [
+        row_ids[(j * dp + rank) * micro_batch : (j * dp + rank + 1) * micro_batch] for j in range(grad_accum)
+    ]

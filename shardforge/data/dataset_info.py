@@ -1,0 +1,141 @@
+"""LLaMA-Factory dataset_info.json support.
+
+A named entry is only translated into (file path, format, FieldMap); the readers in formats.py do the rest,
+so LF datasets get exactly the same validation and error messages as ours.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from shardforge.data.formats import FieldMap, default_fields
+from shardforge.errors import DataError
+
+HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+# LF column name -> our FieldMap attribute, per formatting.
+ALPACA_COLUMNS = {
+    "prompt": "instruction",
+    "query": "input",
+    "response": "output",
+    "system": "system",
+    "history": "history",
+}
+CHAT_COLUMNS = {"messages": "messages", "system": "system"}
+TAG_KEYS = (
+    "role_tag",
+    "content_tag",
+    "user_tag",
+    "assistant_tag",
+    "system_tag",
+    "observation_tag",
+    "function_tag",
+)
+MAX_LISTED = 20
+
+
+@dataclass(frozen=True)
+class ResolvedEntry:
+    """What a dataset_info entry means for our readers."""
+
+    path: Path
+    format: str
+    fields: FieldMap
+
+
+def load_dataset_info(info_path: str | Path) -> dict[str, Any]:
+    """Parse dataset_info.json, with file:line:column on syntax errors."""
+    path = Path(info_path)
+    if not path.is_file():
+        raise DataError(f"dataset_info file not found: {path} (resolved to {path.resolve()})")
+    try:
+        info = json.loads(path.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg})") from None
+    if not isinstance(info, dict):
+        raise DataError(f"{path}: expected a JSON object mapping dataset names to entries")
+    return info
+
+
+def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str = "text") -> ResolvedEntry:
+    """Look up `name` in dataset_info.json and translate its file_name, formatting, columns and tags."""
+    info_path = Path(info_path)
+    info = load_dataset_info(info_path)
+    if name not in info:
+        raise DataError(f'{info_path}: no dataset named "{name}"; {_available(name, list(info))}')
+    entry = info[name]
+    where = f'{info_path}: dataset "{name}"'
+    if not isinstance(entry, dict):
+        raise DataError(f"{where} is not a JSON object")
+    if entry.get("ranking"):
+        raise DataError(
+            f"{where} is preference data (ranking: true); it needs a preference stage (not available yet)"
+        )
+    if "file_name" not in entry:
+        if any(key in entry for key in HUB_KEYS):
+            raise DataError(
+                f"{where} is a hub dataset; hub datasets cannot be fetched, use a local file (file_name)"
+            )
+        raise DataError(f"{where} has no file_name")
+    path = info_path.parent / str(entry["file_name"])
+    if not path.exists():
+        raise DataError(
+            f"{where}: file_name {entry['file_name']!r} not found at {path} (resolved to {path.resolve()})"
+        )
+
+    fmt = entry.get("formatting", "alpaca")
+    if fmt not in ("alpaca", "sharegpt", "openai"):
+        raise DataError(f"{where} has formatting {fmt!r}; expected alpaca, sharegpt or openai")
+    columns = _str_dict(entry.get("columns", {}), f"{where} columns")
+    tags = _str_dict(entry.get("tags", {}), f"{where} tags")
+
+    if fmt == "alpaca" and set(columns) == {"prompt"} and stage == "pt":  # LF pretraining text
+        return ResolvedEntry(path, "text", replace(default_fields("text"), text=columns["prompt"]))
+
+    allowed = ALPACA_COLUMNS if fmt == "alpaca" else CHAT_COLUMNS
+    unknown = sorted(set(columns) - set(allowed))
+    if unknown:
+        raise DataError(f"{where}: unsupported columns {unknown} for {fmt} (supported: {', '.join(allowed)})")
+    fields = replace(default_fields(fmt, text_column), **{allowed[k]: v for k, v in columns.items()})
+    if tags and fmt == "alpaca":
+        raise DataError(f"{where}: tags only apply to sharegpt/openai formatting, not alpaca")
+    return ResolvedEntry(path, fmt, _apply_tags(fields, tags, where))
+
+
+def _apply_tags(fields: FieldMap, tags: dict[str, str], where: str) -> FieldMap:
+    """A given user/assistant/system tag replaces our lenient defaults; LF's tool tags only sharpen errors."""
+    unknown = sorted(set(tags) - set(TAG_KEYS))
+    if unknown:
+        raise DataError(f"{where}: unknown tags {unknown} (supported: {', '.join(TAG_KEYS)})")
+    changes: dict[str, Any] = {}
+    for key, attr in (("role_tag", "role"), ("content_tag", "content")):
+        if key in tags:
+            changes[attr] = tags[key]
+    for key, attr in (
+        ("user_tag", "user_roles"),
+        ("assistant_tag", "assistant_roles"),
+        ("system_tag", "system_roles"),
+    ):
+        if key in tags:
+            changes[attr] = (tags[key],)
+    extra_tools = tuple(tags[k] for k in ("observation_tag", "function_tag") if k in tags)
+    changes["tool_roles"] = fields.tool_roles + extra_tools
+    return replace(fields, **changes)
+
+
+def _str_dict(value: Any, what: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise DataError(f"{what} must be a JSON object of strings, got {json.dumps(value)[:80]}")
+    return value
+
+
+def _available(name: str, names: list[str]) -> str:
+    """Every name, closest to the typo first, so the likely intended one is read first."""
+    if not names:
+        return "the file has no entries"
+    ordered = difflib.get_close_matches(name, names, n=len(names), cutoff=0.0)
+    more = f", ... ({len(ordered) - MAX_LISTED} more)" if len(ordered) > MAX_LISTED else ""
+    return f"available (closest first): {', '.join(ordered[:MAX_LISTED])}{more}"

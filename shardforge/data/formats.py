@@ -1,0 +1,371 @@
+"""Dataset readers: JSONL / JSON / Parquet files in alpaca, sharegpt, openai or text form -> normalized records.
+
+No tokenization here. Every malformed record raises a DataError that starts with the record's source
+("file:line", "file:row N" or "file:record N (line L)") so the user can open the file at the right place.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from shardforge.config.schema import DatasetSpec
+from shardforge.errors import DataError
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+CHAT_FORMATS = ("alpaca", "sharegpt", "openai")
+FORMATS = (*CHAT_FORMATS, "text")
+
+Message = dict[str, str]
+RawRow = tuple[str, Any]  # (source, decoded object)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One example: chat messages (for sft) or plain text (for pt); `source` points back into the file."""
+
+    source: str
+    messages: tuple[Message, ...] | None
+    text: str | None
+
+
+@dataclass(frozen=True)
+class FieldMap:
+    """Where each field lives and which role names mean what, so one reader serves every naming
+    (our standard keys, or a LLaMA-Factory dataset_info entry's columns and tags)."""
+
+    instruction: str = "instruction"
+    input: str = "input"
+    output: str = "output"
+    system: str = "system"
+    history: str = "history"
+    messages: str = "conversations"
+    role: str = "from"
+    content: str = "value"
+    user_roles: tuple[str, ...] = ("human", "user")
+    assistant_roles: tuple[str, ...] = ("gpt", "assistant", "model")
+    system_roles: tuple[str, ...] = ("system",)
+    tool_roles: tuple[str, ...] = ("function_call", "observation", "tool", "function", "ipython")
+    text: str = "text"
+
+
+def default_fields(fmt: str, text_column: str = "text") -> FieldMap:
+    """The standard keys of a format (openai differs from sharegpt only in its key and role names)."""
+    if fmt == "openai":
+        return FieldMap(
+            messages="messages",
+            role="role",
+            content="content",
+            user_roles=("user",),
+            assistant_roles=("assistant",),
+            text=text_column,
+        )
+    return FieldMap(text=text_column)
+
+
+def read_dataset(spec: DatasetSpec, stage: str) -> list[Record]:
+    """Read one configured dataset (a file/folder path, or a named dataset_info.json entry) for `stage`."""
+    if spec.name is not None:
+        from shardforge.data.dataset_info import resolve_entry
+
+        entry = resolve_entry(spec.name, spec.dataset_info or "", stage, spec.text_column)
+        if spec.format is not None and spec.format != entry.format:
+            raise DataError(
+                f'dataset "{spec.name}": format {spec.format} conflicts with its dataset_info formatting '
+                f"({entry.format}); drop format or make them agree"
+            )
+        return read_records(entry.path, entry.format, stage, entry.fields, spec.max_samples)
+    path = Path(spec.path or "")
+    fmt = spec.format or detect_format(path, spec.text_column)
+    return read_records(path, fmt, stage, default_fields(fmt, spec.text_column), spec.max_samples)
+
+
+def read_records(
+    path: Path, fmt: str, stage: str, fields: FieldMap | None = None, max_samples: int | None = None
+) -> list[Record]:
+    """Read a file or a folder of files in format `fmt`; a chat format read for stage "pt" becomes text."""
+    if fmt not in FORMATS:
+        raise DataError(f"{path}: unknown format {fmt!r}; expected one of: {', '.join(FORMATS)}")
+    if fmt == "text" and stage != "pt":
+        raise DataError(
+            f"{path}: stage {stage} needs a chat format ({', '.join(CHAT_FORMATS)}); "
+            'format "text" is plain text for pretraining (stage pt)'
+        )
+    fields = fields or default_fields(fmt)
+    rows = islice(iter_raw(path), max_samples)
+    records = [_record(obj, src, fmt, fields, stage) for src, obj in rows]
+    if not records:
+        raise DataError(f"{path} has no records")
+    return records
+
+
+def detect_format(path: Path, text_column: str = "text") -> str:
+    """Guess the format from the first record's keys, for a dataset configured without `format`."""
+    for src, obj in islice(iter_raw(path), 1):
+        if isinstance(obj, dict):
+            for fmt, key in (
+                ("alpaca", "instruction"),
+                ("sharegpt", "conversations"),
+                ("openai", "messages"),
+            ):
+                if key in obj:
+                    return fmt
+            if text_column in obj:
+                return "text"
+        raise DataError(
+            f"{src}: cannot tell the dataset format from this record; set format to one of: {', '.join(FORMATS)}"
+        )
+    raise DataError(f"{path} has no records")
+
+
+# ---------------------------------------------------------------- files -> (source, object) rows
+
+
+def iter_raw(path: Path) -> Iterator[RawRow]:
+    """Yield (source, decoded object) for every record of a file, or of every data file in a folder."""
+    if not path.exists():
+        raise DataError(f"dataset file not found: {path} (resolved to {path.resolve()})")
+    if path.is_dir():
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if p.is_file()
+            and p.suffix.lower() in SUFFIXES
+            and not p.name.startswith(".")
+            and p.name != "dataset_info.json"
+        )
+        if not files:
+            raise DataError(f"{path}: folder has no data files (supported: {', '.join(SUFFIXES)})")
+        for file in files:
+            yield from _iter_file(file)
+    else:
+        yield from _iter_file(path)
+
+
+def _iter_file(path: Path) -> Iterator[RawRow]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _iter_jsonl(path)
+    if suffix == ".json":
+        return _iter_json(path)
+    if suffix == ".parquet":
+        return _iter_parquet(path)
+    raise DataError(
+        f"{path}: unsupported file type {suffix or '(no extension)'!r}; "
+        f"supported: {', '.join(SUFFIXES)} (or a folder of them)"
+    )
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
+
+
+def _iter_jsonl(path: Path) -> Iterator[RawRow]:
+    with path.open("rb") as fh:  # bytes, so lines split on "\n" only and a bad byte names its line
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}:{e.start + 1}: not UTF-8 text; save the file as UTF-8"
+                ) from None
+            if line.strip():
+                yield f"{path}:{lineno}", _decode_line(line, path, lineno)
+
+
+def _decode_line(line: str, path: Path, lineno: int) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        hint = "; this looks like a JSON array, name the file .json" if line.strip() == "[" else ""
+        raise DataError(
+            f"{path}:{lineno}:{e.colno}: invalid JSON ({e.msg}); expected one object per line{hint}"
+        ) from None
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    match = _WS.match(text, pos)
+    return match.end() if match else pos
+
+
+def _iter_json(path: Path) -> Iterator[RawRow]:
+    """Decode a top-level array element by element, so each record knows the line it starts on."""
+    text = _read_text(path)
+    decoder = json.JSONDecoder()
+
+    def fail(pos: int, what: str) -> DataError:
+        line = text.count("\n", 0, pos) + 1
+        return DataError(f"{path}:{line}:{pos - text.rfind(chr(10), 0, pos)}: {what}")
+
+    pos = _skip_ws(text, 0)
+    if pos == len(text):
+        return  # an empty file has no records
+    if text[pos] != "[":
+        raise fail(pos, "expected a top-level JSON array of records (for one object per line, use .jsonl)")
+    pos = _skip_ws(text, pos + 1)
+    line, counted, index = 1, 0, 0
+    more = text[pos : pos + 1] != "]"
+    while more:
+        try:
+            obj, end = decoder.raw_decode(text, pos)  # after a trailing comma this fails on "]", as it should
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg})") from None
+        line, counted = line + text.count("\n", counted, pos), pos
+        yield f"{path}:record {index} (line {line})", obj
+        index += 1
+        pos = _skip_ws(text, end)
+        more = text[pos : pos + 1] == ","
+        if more:
+            pos = _skip_ws(text, pos + 1)
+        elif text[pos : pos + 1] != "]":
+            raise fail(pos, "invalid JSON (expected ',' or ']' after a record)")
+    pos = _skip_ws(text, pos + 1)
+    if pos < len(text):
+        raise fail(pos, "invalid JSON (extra content after the top-level array)")
+
+
+def _iter_parquet(path: Path) -> Iterator[RawRow]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: cannot read Parquet file ({e})") from None
+    row = 0
+    for batch in batches:
+        for obj in batch.to_pylist():
+            yield f"{path}:row {row}", obj
+            row += 1
+
+
+# ---------------------------------------------------------------- objects -> records
+
+
+def _record(obj: Any, src: str, fmt: str, f: FieldMap, stage: str) -> Record:
+    if not isinstance(obj, dict):
+        raise DataError(f"{src}: {fmt} record is {_kind(obj)}; expected a JSON object")
+    if fmt == "text":
+        return Record(src, None, _text(obj, src, f))
+    msgs = _alpaca(obj, src, f) if fmt == "alpaca" else _conversation(obj, src, fmt, f)
+    if stage == "pt":
+        return Record(src, None, "\n".join(m["content"] for m in msgs))
+    return Record(src, tuple(msgs), None)
+
+
+def _kind(value: Any) -> str:
+    """The JSON name of a value's type, for messages written in the user's terms."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)[:60]
+
+
+def _text(obj: dict[str, Any], src: str, f: FieldMap) -> str:
+    value = obj.get(f.text)
+    if value is None:
+        raise DataError(
+            f'{src}: text record has no "{f.text}" (expected a string; text_column names the key)'
+        )
+    if not isinstance(value, str):
+        raise DataError(f'{src}: text record "{f.text}" is {_kind(value)}; expected a string')
+    return value
+
+
+def _optional_str(obj: dict[str, Any], key: str, src: str, fmt: str) -> str:
+    value = obj.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f'{src}: {fmt} "{key}" is {_kind(value)}; expected a string')
+    return value
+
+
+def _alpaca(obj: dict[str, Any], src: str, f: FieldMap) -> list[Message]:
+    expected = f"expected keys: {f.instruction}, {f.input}, {f.output}, optional {f.system}, {f.history}"
+    for key in (f.instruction, f.output):
+        if obj.get(key) is None:
+            raise DataError(f'{src}: alpaca record has no "{key}" ({expected})')
+    instruction = _optional_str(obj, f.instruction, src, "alpaca")
+    output = _optional_str(obj, f.output, src, "alpaca")
+    query = _optional_str(obj, f.input, src, "alpaca")
+    system = _optional_str(obj, f.system, src, "alpaca")
+    msgs = [{"role": "system", "content": system}] if system else []
+    history = obj.get(f.history)
+    if history is not None and not isinstance(history, list):
+        raise DataError(
+            f'{src}: alpaca "{f.history}" is {_kind(history)}; expected a list of [user, assistant]'
+        )
+    for i, pair in enumerate(history or []):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
+            raise DataError(
+                f'{src}: alpaca "{f.history}" item {i} is {_show(pair)}; expected a [user, assistant] pair of strings'
+            )
+        msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    msgs.append({"role": "user", "content": f"{instruction}\n{query}" if query else instruction})
+    msgs.append({"role": "assistant", "content": output})
+    return msgs
+
+
+def _conversation(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> list[Message]:
+    """sharegpt / openai: map role names, check user/assistant alternation after an optional system turn."""
+    turns = obj.get(f.messages)
+    shape = f'a list of {{"{f.role}": ..., "{f.content}": ...}} turns'
+    if turns is None:
+        raise DataError(f'{src}: {fmt} record has no "{f.messages}" (expected {shape})')
+    if not isinstance(turns, list):
+        raise DataError(f'{src}: {fmt} "{f.messages}" is {_kind(turns)}; expected {shape}')
+    if not turns:
+        raise DataError(f'{src}: {fmt} "{f.messages}" is empty; expected a user turn and an assistant turn')
+    msgs: list[Message] = []
+    expect = "user"
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise DataError(
+                f'{src}: {fmt} turn {i} is {_kind(turn)}; expected an object with "{f.role}" and "{f.content}"'
+            )
+        role = _role(turn.get(f.role), src, i, fmt, f)
+        if role == "system" and i > 0:
+            raise DataError(f"{src}: {fmt} turn {i} is a system turn; a system turn is only allowed first")
+        if role != "system":
+            if role != expect:
+                raise DataError(
+                    f"{src}: {fmt} turn {i} is a {role} turn where a {expect} turn was expected; "
+                    "roles must alternate user/assistant after an optional leading system turn"
+                )
+            expect = "assistant" if role == "user" else "user"
+        content = turn.get(f.content)
+        if not isinstance(content, str):
+            raise DataError(f'{src}: {fmt} turn {i} "{f.content}" is {_kind(content)}; expected a string')
+        msgs.append({"role": role, "content": content})
+    if msgs[-1]["role"] != "assistant":
+        raise DataError(
+            f"{src}: {fmt} conversation ends with a {msgs[-1]['role']} turn; it must end with an assistant turn"
+        )
+    system = _optional_str(obj, f.system, src, fmt)  # LLaMA-Factory's separate system column
+    if system and msgs[0]["role"] != "system":
+        msgs.insert(0, {"role": "system", "content": system})
+    return msgs
+
+
+def _role(value: Any, src: str, i: int, fmt: str, f: FieldMap) -> str:
+    for role, names in (("user", f.user_roles), ("assistant", f.assistant_roles), ("system", f.system_roles)):
+        if value in names:
+            return role
+    allowed = ", ".join(f.user_roles + f.assistant_roles + f.system_roles)
+    hint = "; tool/function-call turns are not supported yet" if value in f.tool_roles else ""
+    what = f'has no "{f.role}"' if value is None else f'has "{f.role}" {_show(value)}'
+    raise DataError(f"{src}: {fmt} turn {i} {what}{hint}; allowed: {allowed} (system only first)")

@@ -1,0 +1,43 @@
+"""Build what a run needs from the config: tokenizer and model (HF folder or preset)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardforge.config.schema import ModelSection
+from shardforge.errors import ModelError
+from shardforge.models import build_preset, load_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(model: ModelSection) -> Any:
+    from transformers import AutoTokenizer
+
+    folder = model.tokenizer or model.path
+    if folder is None or not Path(folder).is_dir():
+        raise ModelError(f"tokenizer folder {folder!r} does not exist (set model.tokenizer to a folder)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load a tokenizer from {folder}: {exc}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_model(model: ModelSection, tokenizer: Any, seed: int, device: torch.device) -> nn.Module:
+    dtype = _DTYPES[model.dtype]
+    if model.preset is not None:
+        net = build_preset(model.preset, vocab_size=len(tokenizer), dtype=dtype, seed=seed)
+    else:
+        net = load_model(model.path, dtype=dtype)
+        if len(tokenizer) > net.config.vocab_size:
+            raise ModelError(
+                f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {net.config.vocab_size}"
+            )
+    return net.to(device)
