@@ -92,13 +92,17 @@ def _line_of(tree: Any, loc: tuple) -> int | None:
     return line
 
 
-def _explain(exc: ValidationError, tree: dict, source: str) -> str:
+def _explain(exc: ValidationError, tree: dict, source: str, overrides: dict[str, str]) -> str:
     lines = []
     for err in exc.errors():
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in loc) or "(top level)"
         line = _line_of(tree, loc)
-        where = f"{source}:{line}: " if line else (f"{source}: " if source else "")
+        override = next((text for k, text in overrides.items() if key == k or key.startswith(k + ".")), None)
+        if override is not None:
+            where = f"override {override!r}: "
+        else:
+            where = f"{source}:{line}: " if line else (f"{source}: " if source else "")
         if err["type"] == "extra_forbidden":
             section = ".".join(str(p) for p in loc[:-1]) or "top level"
             model = _schema_at(loc)
@@ -130,13 +134,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         tree = loaded or _LineDict({}, {})
+    applied: dict[str, str] = {}
     for text in overrides or []:
         parts, value = parse_override(text)
         _set_dotted(tree, parts, value, text)
+        applied[".".join(parts)] = text
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, tree, source)) from None
+        raise ConfigError(_explain(exc, tree, source, applied)) from None
 
 
 def dump_config(config: Config, path: str | Path) -> None:

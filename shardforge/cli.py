@@ -1,0 +1,97 @@
+"""The `shardforge` command. Thin: parses arguments, builds a Config, calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+from rich.console import Console
+from rich.text import Text
+
+from shardforge.errors import ShardforgeError
+
+
+def _cmd_train(args: argparse.Namespace, console: Console) -> int:
+    from shardforge.config import load_config
+    from shardforge.train.trainer import train
+
+    config = load_config(args.config, args.overrides)
+    result = train(config, console)
+    eval_part = f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
+    console.print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}{eval_part}; run folder {result.run_dir}")
+    return 0
+
+
+def _cmd_env(args: argparse.Namespace, console: Console) -> int:
+    import torch
+    import transformers
+
+    from shardforge import __version__
+    from shardforge.models import preset_names, supported
+    from shardforge.train.runtime import measure_matmul_peak
+
+    rows = [
+        ("shardforge", __version__),
+        ("python", platform.python_version()),
+        ("torch", torch.__version__),
+        ("transformers", transformers.__version__),
+        ("platform", platform.platform()),
+        ("cpu cores", str(os.cpu_count())),
+        ("torch threads", str(torch.get_num_threads())),
+        ("cuda", f"{torch.cuda.device_count()} device(s)" if torch.cuda.is_available() else "not available"),
+        ("distributed backends", ", ".join(b for b in ("gloo", "nccl", "mpi") if _has_backend(b))),
+        ("model families", ", ".join(supported())),
+        ("presets", ", ".join(preset_names())),
+    ]
+    for i in range(torch.cuda.device_count()):
+        rows.append((f"cuda:{i}", torch.cuda.get_device_name(i)))
+    rows.append(("matmul peak fp32 (cpu)", f"{measure_matmul_peak(torch.device('cpu')) / 1e9:.1f} GFLOP/s"))
+    if torch.cuda.is_available():
+        peak = measure_matmul_peak(torch.device("cuda"), torch.bfloat16)
+        rows.append(("matmul peak bf16 (cuda)", f"{peak / 1e12:.1f} TFLOP/s"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        console.print(f"{key:<{width}}  {value}", highlight=False)
+    return 0
+
+
+def _has_backend(name: str) -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and getattr(dist, f"is_{name}_available", lambda: False)()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardforge", description="Train and fine-tune LLMs, HF checkpoints in and out.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="run a training job from a YAML config")
+    p_train.add_argument("config", help="path to the YAML config")
+    p_train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.max_length=512")
+    p_train.set_defaults(func=_cmd_train)
+    p_env = sub.add_parser("env", help="versions, threads, devices and measured matmul peak")
+    p_env.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    console = Console(soft_wrap=True)
+    try:
+        return args.func(args, console)
+    except ShardforgeError as exc:
+        if args.debug:
+            raise
+        Console(stderr=True, soft_wrap=True).print(Text("error: ", style="bold red") + Text(str(exc)))
+        return 2
+    except KeyboardInterrupt:
+        Console(stderr=True).print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Shared fixtures: the repo's bundled tokenizer and tiny data files written per test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "examples" / "data" / "tokenizer"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    return TOKENIZER
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def alpaca_records(n: int, seed: int = 0) -> list[dict]:
+    """Deterministic alpaca records of varied length (so packing and target counts are uneven)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randint(1, 999), rng.randint(1, 999)
+        words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "echo"]) for _ in range(rng.randint(0, 12)))
+        out.append({"instruction": f"Add the numbers. {words}".strip(), "input": f"{a} + {b}",
+                    "output": f"The sum is {a + b}." + " ok" * (i % 5)})
+    return out
+
+
+def tiny_config(tmp_path: Path, train_file: Path, fmt: str = "alpaca", **sections) -> dict:
+    """A config dict for a few fast steps of a tiny preset on `train_file`."""
+    cfg = {
+        "output_dir": str(tmp_path / "run"),
+        "model": {"preset": "tiny-llama", "tokenizer": str(TOKENIZER)},
+        "data": {"train": [{"path": str(train_file), "format": fmt}], "max_length": 128},
+        "train": {"steps": 4, "micro_batch": 2, "lr": 1e-3, "warmup": 1, "log_every": 1},
+        "log": {"tensorboard": False, "plot": False, "progress": False},
+        "hardware": {"peak_flops": 1e11},
+    }
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values) if isinstance(values, dict) else cfg.__setitem__(section, values)
+    return cfg

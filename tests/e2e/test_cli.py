@@ -1,0 +1,92 @@
+"""The `shardforge` command end to end, as a user runs it (subprocesses, real files)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import REPO, alpaca_records, tiny_config, write_jsonl
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardforge", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+
+
+def _config(tmp_path, cfg: dict):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_train_alpaca_writes_a_loadable_hf_model(tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(24))
+    cfg = _config(tmp_path, tiny_config(tmp_path, data))
+    proc = _cli("train", str(cfg), "train.steps=3", "log.tensorboard=true", "log.plot=true")
+    assert proc.returncode == 0, proc.stderr
+    assert "done: 3 steps" in proc.stdout
+    run = tmp_path / "run"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+    assert (run / "loss.png").is_file() and (run / "config.yaml").is_file()
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Add 1 + 2"}], add_generation_prompt=True,
+                                     tokenize=False)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert out.shape[1] > ids.shape[1]
+
+
+def test_train_sharegpt(tmp_path):
+    records = [{"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": f"hi {i}"},
+                                  {"from": "gpt", "value": f"hello {i}"}, {"from": "human", "value": "again"},
+                                  {"from": "gpt", "value": "hello " * (i % 4 + 1)}]} for i in range(16)]
+    data = write_jsonl(tmp_path / "s.jsonl", records)
+    proc = _cli("train", str(_config(tmp_path, tiny_config(tmp_path, data, fmt="sharegpt"))))
+    assert proc.returncode == 0, proc.stderr
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_llama_factory_dataset_info(tmp_path):
+    write_jsonl(tmp_path / "lf.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"},
+                                                      {"role": "assistant", "content": f"a{i}"}]} for i in range(8)])
+    info = {"my_data": {"file_name": "lf.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages"},
+                        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                 "assistant_tag": "assistant"}}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    cfg = tiny_config(tmp_path, tmp_path / "unused.jsonl")
+    cfg["data"]["train"] = [{"name": "my_data", "dataset_info": str(tmp_path / "dataset_info.json")}]
+    proc = _cli("train", str(_config(tmp_path, cfg)), "train.steps=2")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_malformed_line_is_one_clear_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    lines = [json.dumps(r) for r in alpaca_records(2)] + ['{"instruction": "x", "input": "y"}']
+    bad.write_text("\n".join(lines) + "\n")
+    cfg = _config(tmp_path, tiny_config(tmp_path, bad))
+    proc = _cli("train", str(cfg))
+    assert proc.returncode == 2
+    assert f"{bad}:3:" in proc.stderr and "output" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    debug = _cli("--debug", "train", str(cfg))
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_bad_config_value_is_one_clear_error(tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(4))
+    proc = _cli("train", str(_config(tmp_path, tiny_config(tmp_path, data))), "train.precision=fp8")
+    assert proc.returncode == 2 and "train.precision = 'fp8'" in proc.stderr and "'bf16'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_env_reports_versions_and_peak():
+    proc = _cli("env")
+    assert proc.returncode == 0, proc.stderr
+    assert "torch" in proc.stdout and "2.13.0" in proc.stdout and "GFLOP/s" in proc.stdout

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from shardforge.config import dump_config, load_config
+from shardforge.errors import ConfigError
+
+GOOD = """\
+output_dir: runs/x
+model: {preset: tiny-llama, tokenizer: tok}
+data:
+  train: [{path: data/x.jsonl, format: alpaca}]
+  max_length: 256
+train:
+  steps: 10
+  lr: 3.0e-4
+"""
+
+
+def _write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(_write(tmp_path, GOOD), ["train.lr=1e-3", "data.packing=false", "train.betas=[0.9, 0.99]"])
+    assert cfg.train.lr == 1e-3 and cfg.data.packing is False and cfg.train.betas == (0.9, 0.99)
+    assert cfg.method.stage == "sft" and cfg.parallel.tp == 1 and cfg.train.precision == "fp32"
+
+
+def test_unknown_key_names_line_section_and_closest(tmp_path):
+    path = _write(tmp_path, GOOD.replace("max_length: 256", "max_lenght: 256"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert f"{path}:5:" in msg and "'data.max_lenght'" in msg and "section 'data'" in msg
+    assert "did you mean 'max_length'" in msg
+
+
+def test_unknown_section_suggests(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'train'"):
+        load_config(_write(tmp_path, GOOD + "trian: {steps: 3}\n"))
+
+
+def test_bad_value_names_key_value_and_allowed(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, GOOD), ["train.schedule=cosin", "train.micro_batch=0"])
+    msg = str(err.value)
+    assert "train.schedule = 'cosin'" in msg and "'cosine'" in msg and "override 'train.schedule=cosin'" in msg
+    assert "train.micro_batch = 0" in msg and "greater than or equal to 1" in msg
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["train.lr"])
+
+
+def test_model_needs_one_source(tmp_path):
+    with pytest.raises(ConfigError, match="exactly one of model.path"):
+        load_config(_write(tmp_path, GOOD), ["model.path=/x"])
+
+
+def test_dump_is_resolved_and_reloadable(tmp_path):
+    cfg = load_config(_write(tmp_path, GOOD))
+    out = tmp_path / "run" / "config.yaml"
+    dump_config(cfg, out)
+    data = yaml.safe_load(out.read_text())
+    assert data["train"]["schedule"] == "cosine" and data["parallel"]["zero_stage"] == 0
+    assert load_config(out) == cfg

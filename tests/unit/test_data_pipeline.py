@@ -1,0 +1,139 @@
+"""Encoding, masking, packing and ordering: packed rows must compute exactly what separate documents do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardforge.config.schema import DataSection
+from shardforge.data.batching import IGNORE, GlobalOrder, collate, split_global_batch
+from shardforge.data.examples import Example, encode_all
+from shardforge.data.formats import Record
+from shardforge.data.packing import pack_rows
+from shardforge.errors import DataError
+from shardforge.models import build_preset
+from shardforge.stages import get_stage
+
+DOCS = [
+    "the quick brown fox jumps over the lazy dog",
+    "one two three",
+    "packing must never let attention cross from one document into the next one in the row",
+    "short",
+    "a b c d e f g h i j k l m n o p",
+]
+
+
+def _data(**kw) -> DataSection:
+    return DataSection(train=[{"path": "x.jsonl", "format": "text"}], **kw)
+
+
+def _pt_examples(tokenizer) -> list[Example]:
+    stage = get_stage("pt")
+    records = [Record(f"x:{i}", None, t) for i, t in enumerate(DOCS)]
+    examples, _ = encode_all(records, stage.encoder(tokenizer, _data()), 512, "right", "x")
+    return examples
+
+
+def test_pretrain_packing_is_exact(tokenizer):
+    """Loss and gradients of pt on one packed row equal those of the documents run one by one."""
+    examples = _pt_examples(tokenizer)
+    model = build_preset("tiny-qwen3", vocab_size=len(tokenizer), seed=3)
+    stage = get_stage("pt")
+    pad = tokenizer.pad_token_id
+
+    packed = collate(examples, [list(range(len(examples)))], pad)
+    assert packed.doc_ids is not None and packed.input_ids.shape[0] == 1
+    loss_packed = stage.loss_sum(model, packed)
+    loss_packed.backward()
+    grads_packed = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    loss_single = torch.zeros(())
+    targets_single = 0
+    for i in range(len(examples)):
+        one = collate(examples, [[i]], pad)
+        assert one.doc_ids is None
+        loss_single = loss_single + stage.loss_sum(model, one)
+        targets_single += one.num_targets
+    loss_single.backward()
+
+    assert packed.num_targets == targets_single == sum(len(e.input_ids) - 1 for e in examples)
+    torch.testing.assert_close(loss_packed, loss_single, rtol=1e-5, atol=1e-5)
+    for gp, p in zip(grads_packed, model.parameters()):
+        torch.testing.assert_close(gp, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_padding_rows_match_packing(tokenizer):
+    examples = _pt_examples(tokenizer)
+    model = build_preset("tiny-llama", vocab_size=len(tokenizer), seed=1)
+    stage = get_stage("pt")
+    padded = collate(examples, [[i] for i in range(len(examples))], tokenizer.pad_token_id)
+    packed = collate(examples, [list(range(len(examples)))], tokenizer.pad_token_id)
+    assert padded.input_ids.shape[0] == len(examples) and padded.num_targets == packed.num_targets
+    torch.testing.assert_close(stage.loss_sum(model, padded), stage.loss_sum(model, packed), rtol=1e-5, atol=1e-5)
+
+
+def test_targets_do_not_cross_documents(tokenizer):
+    examples = _pt_examples(tokenizer)[:2]
+    batch = collate(examples, [[0, 1]], tokenizer.pad_token_id)
+    first = len(examples[0].input_ids)
+    assert batch.targets[0, first - 1].item() == IGNORE  # last token of doc 0 predicts nothing
+    assert batch.position_ids[0, first].item() == 0  # positions restart
+    assert batch.targets[0, first].item() == examples[1].input_ids[1]
+
+
+def test_sft_labels_only_assistant_tokens(tokenizer):
+    stage = get_stage("sft")
+    messages = (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add 2 + 2"},
+        {"role": "assistant", "content": "The sum is 4."},
+        {"role": "user", "content": "And 3 + 3?"},
+        {"role": "assistant", "content": "6"},
+    )
+    ids, trained = stage.encoder(tokenizer, _data())(Record("x:1", messages, None))
+    assert tokenizer.decode([t for t, m in zip(ids, trained) if m]) == "The sum is 4.<|im_end|>\n6<|im_end|>\n"
+    ids2, trained2 = stage.encoder(tokenizer, _data(train_on_prompt=True))(Record("x:1", messages, None))
+    assert ids2 == ids and all(trained2)
+
+
+def test_truncation_is_counted_or_an_error(tokenizer):
+    stage = get_stage("pt")
+    enc = stage.encoder(tokenizer, _data())
+    records = [Record(f"f.jsonl:{i + 1}", None, t) for i, t in enumerate(DOCS)]
+    examples, stats = encode_all(records, enc, 8, "right", "x")
+    assert all(len(e.input_ids) <= 8 for e in examples)
+    assert stats.truncated == 3 and stats.tokens_cut > 0 and "3 truncated" in stats.summary()
+    with pytest.raises(DataError, match=r"f.jsonl:1: \d+ tokens > data.max_length=8"):
+        encode_all(records, enc, 8, "error", "x")
+
+
+def test_no_trainable_tokens_is_an_error(tokenizer):
+    stage = get_stage("sft")
+    long_prompt = ({"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"})
+    with pytest.raises(DataError, match="no example has a trainable token"):
+        encode_all([Record("f.jsonl:1", long_prompt, None)], stage.encoder(tokenizer, _data()), 32, "right", "x")
+
+
+def test_pack_rows_fills_and_respects_capacity():
+    lengths = [7, 3, 5, 1, 9, 2, 4, 4, 8, 6]
+    rows = pack_rows(lengths, 10)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= 10 for r in rows)
+    assert len(rows) == 5  # 49 tokens need at least 5 rows of 10
+    with pytest.raises(ValueError):
+        pack_rows([11], 10)
+
+
+def test_global_order_is_split_invariant_and_covers_each_epoch():
+    order = GlobalOrder(10, seed=5)
+    first_epoch = order.take(10)
+    assert sorted(first_epoch) == list(range(10))
+    assert sorted(order.take(10)) == list(range(10))
+    step = GlobalOrder(100, seed=1).take(8)
+    for mb, accum, dp in [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 4, 2)]:
+        parts = [split_global_batch(step, mb, accum, dp, r) for r in range(dp)]
+        assert sorted(i for rank in parts for micro in rank for i in micro) == sorted(step)
+    resumed = GlobalOrder(10, seed=5)
+    resumed.load_state_dict({"position": 7})
+    assert resumed.take(6) == (first_epoch + GlobalOrder(10, seed=5).take(20)[10:])[7:13]

@@ -1,0 +1,83 @@
+"""The one loop: split-invariant batches, accumulation, schedules, precision modes, checkpointing, outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardforge.config import load_config
+from shardforge.config.schema import TrainSection
+from shardforge.models import load_model
+from shardforge.train.optim import lr_factor
+from shardforge.train.trainer import Trainer, train
+from tests.conftest import alpaca_records, tiny_config, write_jsonl
+
+
+def _run(tmp_path, name, **sections):
+    data = write_jsonl(tmp_path / "train.jsonl", alpaca_records(40))
+    cfg = tiny_config(tmp_path / name, data, **sections)
+    trainer = Trainer(load_config(None, base=cfg))
+    trainer.train()
+    losses = [json.loads(line)["loss"] for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
+    return losses, trainer.model
+
+
+def test_split_of_global_batch_does_not_change_loss_or_update(tmp_path):
+    """Same global batch (4 rows) as 4x1, 2x2 and 1x4: per-step loss and final weights agree (mean over
+    all target tokens of the global batch, not a mean of micro-batch means; rows have unequal target counts)."""
+    runs = {
+        split: _run(tmp_path, f"s{split[0]}x{split[1]}", train={"micro_batch": split[0], "grad_accum": split[1]})
+        for split in [(4, 1), (2, 2), (1, 4)]
+    }
+    (ref_losses, ref_model), *others = runs.values()
+    assert len(ref_losses) == 4
+    for losses, model in others:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for a, b in zip(ref_model.parameters(), model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_activation_checkpointing_gives_identical_losses(tmp_path):
+    plain, _ = _run(tmp_path, "none")
+    ckpt, model = _run(tmp_path, "full", parallel={"activation_checkpoint": "full"})
+    assert ckpt == pytest.approx(plain, rel=1e-6)
+    assert type(model.layers[0]).__name__ == "CheckpointWrapper"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_modes_train(tmp_path, precision):
+    losses, _ = _run(tmp_path, precision, train={"precision": precision, "steps": 6, "lr": 3e-3})
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+    record = json.loads((tmp_path / precision / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert ("loss_scale" in record) == (precision == "fp16")
+
+
+def test_lr_schedules():
+    t = TrainSection(lr=1.0, warmup=4, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_factor(0, 100, t) == pytest.approx(0.2) and lr_factor(3, 100, t) == pytest.approx(0.8)
+    assert lr_factor(4, 100, t) == pytest.approx(1.0) and lr_factor(100, 100, t) == pytest.approx(0.1)
+    lin = TrainSection(lr=1.0, warmup=0, schedule="linear", min_lr_ratio=0.0)
+    assert lr_factor(50, 100, lin) == pytest.approx(0.5)
+    assert lr_factor(77, 100, TrainSection(schedule="constant", warmup=0)) == 1.0
+
+
+def test_epochs_set_the_step_count_and_outputs_exist(tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", alpaca_records(30))
+    cfg = tiny_config(tmp_path, data, train={"epochs": 2, "steps": None, "micro_batch": 4},
+                      data={"packing": False, "eval_fraction": 0.2},
+                      log={"tensorboard": True, "plot": True})
+    result = train(load_config(None, base=cfg))
+    assert result.steps == 12  # 24 rows (after 6 held out) x 2 epochs / 4 rows per step
+    run = result.run_dir
+    for name in ["config.yaml", "metrics.jsonl", "loss.png", "final/config.json", "final/model.safetensors",
+                 "final/tokenizer.json"]:
+        assert (run / name).is_file(), name
+    assert any((run / "tensorboard").iterdir())
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "target_tokens_per_s", "mfu", "eval_loss"} <= set(record)
+    assert 0 < record["mfu"] < 1 and record["target_tokens_per_s"] < record["tokens_per_s"]
+    reloaded = load_model(run / "final")
+    assert reloaded.config.vocab_size == 1024
