@@ -1,4 +1,5 @@
-"""shardforge: train and fine-tune LLMs from one CPU to a cluster, with Hugging Face checkpoints in and out."""
+"""shardforge: train and fine-tune LLMs from one CPU to a cluster, with Hugging Face checkpoints in and
+out."""
 
 from shardforge.errors import ShardforgeError
 from shardforge.models import load_model, save_model

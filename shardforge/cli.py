@@ -20,7 +20,10 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config, args.overrides)
     result = train(config, console)
     eval_part = f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
-    console.print(f"done: {result.steps} steps, final loss {result.final_loss:.4f}{eval_part}; run folder {result.run_dir}")
+    console.print(
+        f"done: {result.steps} steps, final loss {result.final_loss:.4f}{eval_part}; "
+        f"run folder {result.run_dir}"
+    )
     return 0
 
 
@@ -64,12 +67,16 @@ def _has_backend(name: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardforge", description="Train and fine-tune LLMs, HF checkpoints in and out.")
+    parser = argparse.ArgumentParser(
+        prog="shardforge", description="Train and fine-tune LLMs, HF checkpoints in and out."
+    )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="run a training job from a YAML config")
     p_train.add_argument("config", help="path to the YAML config")
-    p_train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.max_length=512")
+    p_train.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.max_length=512"
+    )
     p_train.set_defaults(func=_cmd_train)
     p_env = sub.add_parser("env", help="versions, threads, devices and measured matmul peak")
     p_env.set_defaults(func=_cmd_env)

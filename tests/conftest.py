@@ -36,9 +36,16 @@ def alpaca_records(n: int, seed: int = 0) -> list[dict]:
     out = []
     for i in range(n):
         a, b = rng.randint(1, 999), rng.randint(1, 999)
-        words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "echo"]) for _ in range(rng.randint(0, 12)))
-        out.append({"instruction": f"Add the numbers. {words}".strip(), "input": f"{a} + {b}",
-                    "output": f"The sum is {a + b}." + " ok" * (i % 5)})
+        words = " ".join(
+            rng.choice(["alpha", "beta", "gamma", "delta", "echo"]) for _ in range(rng.randint(0, 12))
+        )
+        out.append(
+            {
+                "instruction": f"Add the numbers. {words}".strip(),
+                "input": f"{a} + {b}",
+                "output": f"The sum is {a + b}." + " ok" * (i % 5),
+            }
+        )
     return out
 
 
@@ -53,5 +60,7 @@ def tiny_config(tmp_path: Path, train_file: Path, fmt: str = "alpaca", **section
         "hardware": {"peak_flops": 1e11},
     }
     for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values) if isinstance(values, dict) else cfg.__setitem__(section, values)
+        cfg.setdefault(section, {}).update(values) if isinstance(values, dict) else cfg.__setitem__(
+            section, values
+        )
     return cfg

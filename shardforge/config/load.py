@@ -109,7 +109,9 @@ def _explain(exc: ValidationError, tree: dict, source: str, overrides: dict[str,
             valid = sorted(model.model_fields) if model else []
             close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            lines.append(f"{where}unknown key {key!r} in section {section!r}{hint} (valid: {', '.join(valid)})")
+            lines.append(
+                f"{where}unknown key {key!r} in section {section!r}{hint} (valid: {', '.join(valid)})"
+            )
         else:
             value = err.get("input")
             shown = "" if isinstance(value, dict) else f" = {value!r}"
@@ -117,7 +119,9 @@ def _explain(exc: ValidationError, tree: dict, source: str, overrides: dict[str,
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None
+) -> Config:
     """Build a validated Config from a YAML file (or a dict) plus dotted overrides."""
     source = ""
     tree: dict = dict(base or {})
@@ -128,11 +132,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
         try:
-            loaded = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+            loaded = yaml.load(text, Loader=_LineLoader)  # SafeLoader subclass
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
+            )
         tree = loaded or _LineDict({}, {})
     applied: dict[str, str] = {}
     for text in overrides or []:

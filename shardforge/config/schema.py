@@ -80,6 +80,24 @@ class ParallelSection(Section):
     zero_stage: Literal[0, 1, 2, 3] = 0
     activation_checkpoint: Literal["none", "full"] = "none"
 
+    @model_validator(mode="after")
+    def _single_process_only(self) -> ParallelSection:
+        # The distributed engine lands in later releases; refuse layouts we cannot run rather than ignore
+        # them.
+        asked = {
+            k: getattr(self, k)
+            for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
+            if getattr(self, k) > 1
+        }
+        if self.zero_stage:
+            asked["zero_stage"] = self.zero_stage
+        if asked:
+            shown = ", ".join(f"parallel.{k}={v}" for k, v in asked.items())
+            raise ValueError(
+                f"{shown}: this version trains in a single process only; keep degrees 1 and zero_stage 0"
+            )
+        return self
+
 
 class TrainSection(Section):
     steps: int | None = Field(default=200, gt=0)

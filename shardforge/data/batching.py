@@ -1,4 +1,5 @@
-"""Turn rows of documents into tensors, and order rows globally so any data-parallel split sees the same samples."""
+"""Turn rows of documents into tensors, and order rows globally so any data-parallel split sees the same
+samples."""
 
 from __future__ import annotations
 
@@ -25,8 +26,14 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.input_ids), move(self.targets), move(self.position_ids), move(self.doc_ids),
-                     self.num_tokens, self.num_targets)
+        return Batch(
+            move(self.input_ids),
+            move(self.targets),
+            move(self.position_ids),
+            move(self.doc_ids),
+            self.num_tokens,
+            self.num_targets,
+        )
 
 
 def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int) -> Batch:
@@ -62,7 +69,8 @@ def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: 
 
 
 class GlobalOrder:
-    """Deterministic order of rows over epochs; the position is a global sample index (resumable, any dp size).
+    """Deterministic order of rows over epochs; the position is a global sample index (resumable, any dp
+    size).
 
     Rows for global step k are positions [k*G, (k+1)*G) of the concatenated per-epoch permutations, so the
     samples of a step depend only on the seed and the global batch size G, never on how G is split.
@@ -101,7 +109,9 @@ class GlobalOrder:
         self.position = int(state["position"])
 
 
-def split_global_batch(row_ids: list[int], micro_batch: int, grad_accum: int, dp: int, rank: int) -> list[list[int]]:
+def split_global_batch(
+    row_ids: list[int], micro_batch: int, grad_accum: int, dp: int, rank: int
+) -> list[list[int]]:
     """This rank's micro-batches of a global batch: micro-step j, rank r takes rows [(j*dp + r)*mb, +mb)."""
     return [
         row_ids[(j * dp + rank) * micro_batch : (j * dp + rank + 1) * micro_batch] for j in range(grad_accum)

@@ -1,4 +1,5 @@
-"""Dataset readers: JSONL / JSON / Parquet files in alpaca, sharegpt, openai or text form -> normalized records.
+"""Dataset readers: JSONL / JSON / Parquet files in alpaca, sharegpt, openai or text form -> normalized
+records.
 
 No tokenization here. Every malformed record raises a DataError that starts with the record's source
 ("file:line", "file:row N" or "file:record N (line L)") so the user can open the file at the right place.
@@ -118,7 +119,8 @@ def detect_format(path: Path, text_column: str = "text") -> str:
             if text_column in obj:
                 return "text"
         raise DataError(
-            f"{src}: cannot tell the dataset format from this record; set format to one of: {', '.join(FORMATS)}"
+            f"{src}: cannot tell the dataset format from this record; "
+            f"set format to one of: {', '.join(FORMATS)}"
         )
     raise DataError(f"{path} has no records")
 
@@ -312,7 +314,8 @@ def _alpaca(obj: dict[str, Any], src: str, f: FieldMap) -> list[Message]:
     for i, pair in enumerate(history or []):
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
             raise DataError(
-                f'{src}: alpaca "{f.history}" item {i} is {_show(pair)}; expected a [user, assistant] pair of strings'
+                f'{src}: alpaca "{f.history}" item {i} is {_show(pair)}; '
+                "expected a [user, assistant] pair of strings"
             )
         msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
     msgs.append({"role": "user", "content": f"{instruction}\n{query}" if query else instruction})
@@ -335,7 +338,8 @@ def _conversation(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> list[
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise DataError(
-                f'{src}: {fmt} turn {i} is {_kind(turn)}; expected an object with "{f.role}" and "{f.content}"'
+                f"{src}: {fmt} turn {i} is {_kind(turn)}; "
+                f'expected an object with "{f.role}" and "{f.content}"'
             )
         role = _role(turn.get(f.role), src, i, fmt, f)
         if role == "system" and i > 0:
@@ -353,7 +357,8 @@ def _conversation(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> list[
         msgs.append({"role": role, "content": content})
     if msgs[-1]["role"] != "assistant":
         raise DataError(
-            f"{src}: {fmt} conversation ends with a {msgs[-1]['role']} turn; it must end with an assistant turn"
+            f"{src}: {fmt} conversation ends with a {msgs[-1]['role']} turn; "
+            "it must end with an assistant turn"
         )
     system = _optional_str(obj, f.system, src, fmt)  # LLaMA-Factory's separate system column
     if system and msgs[0]["role"] != "system":

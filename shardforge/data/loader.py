@@ -45,7 +45,8 @@ def build_rows(records: list[Record], encoder: Any, data: DataSection, what: str
 
 
 def build_datasets(data: DataSection, stage: str, encoder: Any, seed: int) -> tuple[RowSet, RowSet | None]:
-    """Training rows and (optional) evaluation rows; `data.eval_fraction` holds out a seeded share of train."""
+    """Training rows and (optional) evaluation rows; `data.eval_fraction` holds out a seeded share of
+    train."""
     train_records = _read_all(data.train, stage)
     eval_records = _read_all(data.eval, stage) if data.eval else []
     if data.eval_fraction > 0:

@@ -41,7 +41,9 @@ def _weight_files(folder: Path) -> list[Path]:
     raise ModelError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}{extra}")
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> nn.Module:
     """Read an HF folder (config.json + safetensors, single or sharded) into our model implementation."""
     folder = Path(path)
     meta = _read_config_json(folder)
@@ -58,7 +60,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, spec: ModelSpec, files: list[Path], dtype: torch.dtype) -> None:
-    """Copy safetensors weights into the model's parameters, checking that every parameter is filled exactly once."""
+    """Copy safetensors weights into the model's parameters, checking that every parameter is filled
+    exactly once."""
     params = dict(model.named_parameters())
     missing = set(params)
     tied = getattr(model.config, "tie_embeddings", False)

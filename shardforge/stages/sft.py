@@ -19,6 +19,8 @@ class SFTStage:
         template = resolve_template(tokenizer, data.template)
 
         def encode(record: Record) -> tuple[list[int], list[bool]]:
-            return encode_chat(tokenizer, template, list(record.messages or ()), data.train_on_prompt, record.source)
+            return encode_chat(
+                tokenizer, template, list(record.messages or ()), data.train_on_prompt, record.source
+            )
 
         return encode

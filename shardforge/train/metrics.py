@@ -61,9 +61,9 @@ def plot_loss(history: list[dict[str, Any]], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
-        ax.plot(*zip(*train), label="train loss")
+        ax.plot(*zip(*train, strict=True), label="train loss")
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean over target tokens)")
     ax.grid(alpha=0.3)

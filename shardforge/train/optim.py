@@ -15,7 +15,10 @@ def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimi
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     on_cuda = all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
@@ -41,5 +44,7 @@ def lr_factor(step: int, total: int, train: TrainSection) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, total: int, train: TrainSection) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, total: int, train: TrainSection
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, train))

@@ -26,7 +26,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+def measure_matmul_peak(
+    device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.3
+) -> float:
     """FLOP/s of a square matmul on this device: the MFU denominator when hardware.peak_flops is unset."""
     n = 1024 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device, dtype=dtype)

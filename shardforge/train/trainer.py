@@ -78,13 +78,18 @@ class Trainer:
         n_params = sum(p.numel() for p in self.model.parameters())
         self.console.print(
             f"model: {self.model_config.family}, {n_params / 1e6:.2f}M parameters, {cfg.train.precision}; "
-            f"{self.total_steps} steps of {self.global_batch} rows ({cfg.train.micro_batch} x {cfg.train.grad_accum}"
+            f"{self.total_steps} steps of {self.global_batch} rows "
+            f"({cfg.train.micro_batch} x {cfg.train.grad_accum}"
             f" accumulation); peak {self.peak_flops / 1e9:.1f} GFLOP/s on {self.device}"
         )
 
     def _log_data(self, what: str, rows: RowSet) -> None:
         fill = rows.num_tokens / (len(rows.rows) * self.config.data.max_length)
-        mode = f"packed into {len(rows.rows)} rows ({fill:.0%} full)" if self.config.data.packing else "one per row"
+        mode = (
+            f"packed into {len(rows.rows)} rows ({fill:.0%} full)"
+            if self.config.data.packing
+            else "one per row"
+        )
         self.console.print(
             f"{what} data: {rows.stats.summary()}; {len(rows.examples)} examples, {rows.num_tokens} tokens, "
             f"{rows.num_targets} targets, {mode}"
@@ -114,8 +119,14 @@ class Trainer:
         self.precision.step(self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = Batch(micro[0].input_ids, micro[0].targets, micro[0].position_ids, None,
-                      sum(mb.num_tokens for mb in micro), num_targets)
+        stats = Batch(
+            micro[0].input_ids,
+            micro[0].targets,
+            micro[0].position_ids,
+            None,
+            sum(mb.num_tokens for mb in micro),
+            num_targets,
+        )
         return loss_sum, grad_norm, stats
 
     @torch.no_grad()
@@ -144,8 +155,12 @@ class Trainer:
         seq = cfg.data.max_length
         t0 = time.perf_counter()
         progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-            TextColumn("{task.fields[info]}"), console=self.console,
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=self.console,
             disable=not (cfg.log.progress and self.console.is_terminal),
         )
         with progress:

@@ -14,8 +14,14 @@ from tests.conftest import REPO, alpaca_records, tiny_config, write_jsonl
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardforge", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, "-m", "shardforge", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
 
 
 def _config(tmp_path, cfg: dict):
@@ -35,17 +41,27 @@ def test_train_alpaca_writes_a_loadable_hf_model(tmp_path):
     assert (run / "loss.png").is_file() and (run / "config.yaml").is_file()
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     tok = AutoTokenizer.from_pretrained(run / "final")
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Add 1 + 2"}], add_generation_prompt=True,
-                                     tokenize=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Add 1 + 2"}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     out = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] > ids.shape[1]
 
 
 def test_train_sharegpt(tmp_path):
-    records = [{"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": f"hi {i}"},
-                                  {"from": "gpt", "value": f"hello {i}"}, {"from": "human", "value": "again"},
-                                  {"from": "gpt", "value": "hello " * (i % 4 + 1)}]} for i in range(16)]
+    records = [
+        {
+            "conversations": [
+                {"from": "system", "value": "Be kind."},
+                {"from": "human", "value": f"hi {i}"},
+                {"from": "gpt", "value": f"hello {i}"},
+                {"from": "human", "value": "again"},
+                {"from": "gpt", "value": "hello " * (i % 4 + 1)},
+            ]
+        }
+        for i in range(16)
+    ]
     data = write_jsonl(tmp_path / "s.jsonl", records)
     proc = _cli("train", str(_config(tmp_path, tiny_config(tmp_path, data, fmt="sharegpt"))))
     assert proc.returncode == 0, proc.stderr
@@ -54,11 +70,26 @@ def test_train_sharegpt(tmp_path):
 
 
 def test_llama_factory_dataset_info(tmp_path):
-    write_jsonl(tmp_path / "lf.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"},
-                                                      {"role": "assistant", "content": f"a{i}"}]} for i in range(8)])
-    info = {"my_data": {"file_name": "lf.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages"},
-                        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-                                 "assistant_tag": "assistant"}}}
+    write_jsonl(
+        tmp_path / "lf.jsonl",
+        [
+            {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(8)
+        ],
+    )
+    info = {
+        "my_data": {
+            "file_name": "lf.jsonl",
+            "formatting": "sharegpt",
+            "columns": {"messages": "messages"},
+            "tags": {
+                "role_tag": "role",
+                "content_tag": "content",
+                "user_tag": "user",
+                "assistant_tag": "assistant",
+            },
+        }
+    }
     (tmp_path / "dataset_info.json").write_text(json.dumps(info))
     cfg = tiny_config(tmp_path, tmp_path / "unused.jsonl")
     cfg["data"]["train"] = [{"name": "my_data", "dataset_info": str(tmp_path / "dataset_info.json")}]
@@ -90,3 +121,18 @@ def test_env_reports_versions_and_peak():
     proc = _cli("env")
     assert proc.returncode == 0, proc.stderr
     assert "torch" in proc.stdout and "2.13.0" in proc.stdout and "GFLOP/s" in proc.stdout
+
+
+def test_demo_config_runs(tmp_path):
+    """The README's main job, shortened: the bundled config, data and tokenizer work together."""
+    out = tmp_path / "demo"
+    proc = _cli(
+        "train",
+        "examples/demo.yaml",
+        "train.steps=2",
+        "train.eval_every=null",
+        f"output_dir={out}",
+        "log.tensorboard=false",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "4000 records" in proc.stdout and (out / "final" / "model.safetensors").is_file()

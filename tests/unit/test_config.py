@@ -25,7 +25,9 @@ def _write(tmp_path, text):
 
 
 def test_defaults_and_overrides(tmp_path):
-    cfg = load_config(_write(tmp_path, GOOD), ["train.lr=1e-3", "data.packing=false", "train.betas=[0.9, 0.99]"])
+    cfg = load_config(
+        _write(tmp_path, GOOD), ["train.lr=1e-3", "data.packing=false", "train.betas=[0.9, 0.99]"]
+    )
     assert cfg.train.lr == 1e-3 and cfg.data.packing is False and cfg.train.betas == (0.9, 0.99)
     assert cfg.method.stage == "sft" and cfg.parallel.tp == 1 and cfg.train.precision == "fp32"
 
@@ -48,7 +50,9 @@ def test_bad_value_names_key_value_and_allowed(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(_write(tmp_path, GOOD), ["train.schedule=cosin", "train.micro_batch=0"])
     msg = str(err.value)
-    assert "train.schedule = 'cosin'" in msg and "'cosine'" in msg and "override 'train.schedule=cosin'" in msg
+    assert (
+        "train.schedule = 'cosin'" in msg and "'cosine'" in msg and "override 'train.schedule=cosin'" in msg
+    )
     assert "train.micro_batch = 0" in msg and "greater than or equal to 1" in msg
 
 
@@ -58,7 +62,7 @@ def test_bad_override_syntax():
 
 
 def test_model_needs_one_source(tmp_path):
-    with pytest.raises(ConfigError, match="exactly one of model.path"):
+    with pytest.raises(ConfigError, match=r"exactly one of model\.path"):
         load_config(_write(tmp_path, GOOD), ["model.path=/x"])
 
 
@@ -69,3 +73,29 @@ def test_dump_is_resolved_and_reloadable(tmp_path):
     data = yaml.safe_load(out.read_text())
     assert data["train"]["schedule"] == "cosine" and data["parallel"]["zero_stage"] == 0
     assert load_config(out) == cfg
+
+
+def test_parallel_layouts_not_built_yet_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"parallel.tp=2.*single process"):
+        load_config(_write(tmp_path, GOOD), ["parallel.tp=2"])
+
+
+def test_every_key_is_documented():
+    """docs/config.md must describe every key of the schema."""
+    from pathlib import Path
+
+    from pydantic import BaseModel
+
+    from shardforge.config.schema import Config, DatasetSpec
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+
+    def keys(model: type[BaseModel], prefix: str = ""):
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                yield from keys(field.annotation, f"{prefix}{name}.")
+            else:
+                yield prefix + name
+
+    missing = [k for k in [*keys(Config), *keys(DatasetSpec, "data.train[].")] if f"`{k}`" not in doc]
+    assert not missing, f"undocumented config keys: {missing}"

@@ -59,7 +59,7 @@ def test_pretrain_packing_is_exact(tokenizer):
 
     assert packed.num_targets == targets_single == sum(len(e.input_ids) - 1 for e in examples)
     torch.testing.assert_close(loss_packed, loss_single, rtol=1e-5, atol=1e-5)
-    for gp, p in zip(grads_packed, model.parameters()):
+    for gp, p in zip(grads_packed, model.parameters(), strict=True):
         torch.testing.assert_close(gp, p.grad, rtol=1e-4, atol=1e-6)
 
 
@@ -70,7 +70,9 @@ def test_padding_rows_match_packing(tokenizer):
     padded = collate(examples, [[i] for i in range(len(examples))], tokenizer.pad_token_id)
     packed = collate(examples, [list(range(len(examples)))], tokenizer.pad_token_id)
     assert padded.input_ids.shape[0] == len(examples) and padded.num_targets == packed.num_targets
-    torch.testing.assert_close(stage.loss_sum(model, padded), stage.loss_sum(model, packed), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        stage.loss_sum(model, padded), stage.loss_sum(model, packed), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_targets_do_not_cross_documents(tokenizer):
@@ -92,7 +94,10 @@ def test_sft_labels_only_assistant_tokens(tokenizer):
         {"role": "assistant", "content": "6"},
     )
     ids, trained = stage.encoder(tokenizer, _data())(Record("x:1", messages, None))
-    assert tokenizer.decode([t for t, m in zip(ids, trained) if m]) == "The sum is 4.<|im_end|>\n6<|im_end|>\n"
+    assert (
+        tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if m])
+        == "The sum is 4.<|im_end|>\n6<|im_end|>\n"
+    )
     ids2, trained2 = stage.encoder(tokenizer, _data(train_on_prompt=True))(Record("x:1", messages, None))
     assert ids2 == ids and all(trained2)
 
@@ -112,7 +117,9 @@ def test_no_trainable_tokens_is_an_error(tokenizer):
     stage = get_stage("sft")
     long_prompt = ({"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"})
     with pytest.raises(DataError, match="no example has a trainable token"):
-        encode_all([Record("f.jsonl:1", long_prompt, None)], stage.encoder(tokenizer, _data()), 32, "right", "x")
+        encode_all(
+            [Record("f.jsonl:1", long_prompt, None)], stage.encoder(tokenizer, _data()), 32, "right", "x"
+        )
 
 
 def test_pack_rows_fills_and_respects_capacity():

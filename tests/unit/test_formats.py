@@ -155,7 +155,8 @@ def test_bad_jsonl_line_names_line(tmp_path: Path) -> None:
     with pytest.raises(DataError) as e:
         read(p, "alpaca")
     assert str(e.value) == (
-        f'{p}:3: alpaca record has no "output" (expected keys: instruction, input, output, optional system, history)'
+        f'{p}:3: alpaca record has no "output" '
+        "(expected keys: instruction, input, output, optional system, history)"
     )
 
 
@@ -169,7 +170,8 @@ def test_jsonl_syntax_error_names_line_and_column(tmp_path: Path) -> None:
 def test_bad_json_record_names_start_line(tmp_path: Path) -> None:
     p = tmp_path / "x.json"
     p.write_text(
-        '[\n  {"instruction": "a", "output": "b"},\n  {"instruction": "c",\n   "output": "d"},\n  {\n    "instruction": 5,\n    "output": "e"\n  }\n]\n'
+        '[\n  {"instruction": "a", "output": "b"},\n  {"instruction": "c",\n   "output": "d"},\n'
+        '  {\n    "instruction": 5,\n    "output": "e"\n  }\n]\n'
     )
     with pytest.raises(DataError) as e:
         read(p, "alpaca")
@@ -205,7 +207,8 @@ def test_bad_parquet_row(tmp_path: Path) -> None:
         (
             [{"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "f"}]}],
             (
-                ':1: sharegpt turn 1 has "from" "function_call"; tool/function-call turns are not supported yet; '
+                ':1: sharegpt turn 1 has "from" "function_call"; '
+                "tool/function-call turns are not supported yet; "
                 "allowed: human, user, gpt, assistant, model, system (system only first)"
             ),
         ),
@@ -276,7 +279,7 @@ def test_empty_file(tmp_path: Path, name: str, content: str) -> None:
 
 def test_empty_parquet(tmp_path: Path) -> None:
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "x.parquet")
-    with pytest.raises(DataError, match="x.parquet has no records"):
+    with pytest.raises(DataError, match=r"x\.parquet has no records"):
         read(tmp_path / "x.parquet", "text", "pt")
 
 

@@ -11,16 +11,40 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shardforge import load_model, save_model
 from shardforge.errors import ModelError
 
-BASE = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, max_position_embeddings=256)
+BASE = dict(
+    vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, max_position_embeddings=256
+)
 CASES = {
     # GQA, llama3 rope scaling, odd head count (3 kv heads for 6 heads)
-    "llama3_gqa": ("llama", dict(num_attention_heads=6, num_key_value_heads=3, head_dim=8, rope_theta=500000.0,
-                                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    "llama2_mha_bias": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
-                                      mlp_bias=True)),
-    "llama_tied_linear": ("llama", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
-                                        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama3_gqa": (
+        "llama",
+        dict(
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            head_dim=8,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    ),
+    "llama2_mha_bias": (
+        "llama",
+        dict(num_attention_heads=4, num_key_value_heads=4, attention_bias=True, mlp_bias=True),
+    ),
+    "llama_tied_linear": (
+        "llama",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
     "mistral": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=7)),
     "qwen2": ("qwen2", dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
@@ -98,8 +122,10 @@ def test_packed_positions_match_separate_documents(tmp_path):
 
 
 def test_unsupported_model_is_clear_error(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ModelError, match="supported: .*llama"):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
+    with pytest.raises(ModelError, match=r"supported: .*llama"):
         load_model(tmp_path)
 
 
@@ -110,5 +136,5 @@ def test_missing_weights_is_clear_error(tmp_path):
     weights = load_file(folder / "model.safetensors")
     weights.pop("model.layers.1.mlp.up_proj.weight")
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelError, match="missing 1 weight.*layers.1.mlp.up_proj"):
+    with pytest.raises(ModelError, match=r"missing 1 weight.*layers\.1\.mlp\.up_proj"):
         load_model(folder)

@@ -20,22 +20,28 @@ def _run(tmp_path, name, **sections):
     cfg = tiny_config(tmp_path / name, data, **sections)
     trainer = Trainer(load_config(None, base=cfg))
     trainer.train()
-    losses = [json.loads(line)["loss"] for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [
+        json.loads(line)["loss"]
+        for line in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     return losses, trainer.model
 
 
 def test_split_of_global_batch_does_not_change_loss_or_update(tmp_path):
     """Same global batch (4 rows) as 4x1, 2x2 and 1x4: per-step loss and final weights agree (mean over
-    all target tokens of the global batch, not a mean of micro-batch means; rows have unequal target counts)."""
+    all target tokens of the global batch, not a mean of micro-batch means; rows have unequal target
+    counts)."""
     runs = {
-        split: _run(tmp_path, f"s{split[0]}x{split[1]}", train={"micro_batch": split[0], "grad_accum": split[1]})
+        split: _run(
+            tmp_path, f"s{split[0]}x{split[1]}", train={"micro_batch": split[0], "grad_accum": split[1]}
+        )
         for split in [(4, 1), (2, 2), (1, 4)]
     }
     (ref_losses, ref_model), *others = runs.values()
     assert len(ref_losses) == 4
     for losses, model in others:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
-        for a, b in zip(ref_model.parameters(), model.parameters()):
+        for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -66,18 +72,44 @@ def test_lr_schedules():
 
 def test_epochs_set_the_step_count_and_outputs_exist(tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", alpaca_records(30))
-    cfg = tiny_config(tmp_path, data, train={"epochs": 2, "steps": None, "micro_batch": 4},
-                      data={"packing": False, "eval_fraction": 0.2},
-                      log={"tensorboard": True, "plot": True})
+    cfg = tiny_config(
+        tmp_path,
+        data,
+        train={"epochs": 2, "steps": None, "micro_batch": 4},
+        data={"packing": False, "eval_fraction": 0.2},
+        log={"tensorboard": True, "plot": True},
+    )
     result = train(load_config(None, base=cfg))
     assert result.steps == 12  # 24 rows (after 6 held out) x 2 epochs / 4 rows per step
     run = result.run_dir
-    for name in ["config.yaml", "metrics.jsonl", "loss.png", "final/config.json", "final/model.safetensors",
-                 "final/tokenizer.json"]:
+    for name in [
+        "config.yaml",
+        "metrics.jsonl",
+        "loss.png",
+        "final/config.json",
+        "final/model.safetensors",
+        "final/tokenizer.json",
+    ]:
         assert (run / name).is_file(), name
     assert any((run / "tensorboard").iterdir())
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
-    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "target_tokens_per_s", "mfu", "eval_loss"} <= set(record)
+    assert {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "target_tokens_per_s",
+        "mfu",
+        "eval_loss",
+    } <= set(record)
     assert 0 < record["mfu"] < 1 and record["target_tokens_per_s"] < record["tokens_per_s"]
     reloaded = load_model(run / "final")
     assert reloaded.config.vocab_size == 1024
+
+
+@pytest.mark.slow
+def test_compile_matches_eager(tmp_path):
+    eager, _ = _run(tmp_path, "eager", train={"steps": 2})
+    compiled, _ = _run(tmp_path, "compiled", train={"steps": 2, "compile": True})
+    assert compiled == pytest.approx(eager, rel=1e-4)

@@ -32,7 +32,9 @@ class DecoderConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:

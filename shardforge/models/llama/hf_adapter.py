@@ -1,7 +1,7 @@
 """Hugging Face <-> shardforge for the Llama family: config translation and safetensors key names.
 
-transformers' own config classes resolve each family's defaults (head_dim, layer_types, rope parameters), so we
-read config.json through them and translate the result; on export we write a config of the same class back.
+transformers' own config classes resolve each family's defaults (head_dim, layer_types, rope parameters), so
+we read config.json through them and translate the result; on export we write a config of the same class back.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.rope import SUPPORTED_ROPE_TYPES
 
 # Our module names differ from HF's only in these path segments; everything but lm_head lives under "model.".
-_SEGMENTS = [(".input_norm.", ".input_layernorm."), (".post_attn_norm.", ".post_attention_layernorm."), (".attn.", ".self_attn.")]
+_SEGMENTS = [
+    (".input_norm.", ".input_layernorm."),
+    (".post_attn_norm.", ".post_attention_layernorm."),
+    (".attn.", ".self_attn."),
+]
 _OUR_KEY = re.compile(
     r"^(embed_tokens\.weight|norm\.weight|lm_head\.weight|layers\.\d+\.(input_norm|post_attn_norm)\.weight"
     r"|layers\.\d+\.attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.(weight|bias)"
@@ -47,7 +51,9 @@ def _rope(hf: PretrainedConfig) -> tuple[float, dict | None]:
     theta = float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
-        raise ModelError(f"rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        raise ModelError(
+            f"rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
     return theta, (params if kind != "default" else None)
 
 
@@ -81,7 +87,9 @@ def config_from_hf(hf: PretrainedConfig, family: str) -> DecoderConfig:
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
         qk_norm=family == "qwen3",
         sliding_window=sliding,
-        layer_types=list(hf.layer_types) if sliding is not None and getattr(hf, "layer_types", None) else None,
+        layer_types=list(hf.layer_types)
+        if sliding is not None and getattr(hf, "layer_types", None)
+        else None,
         family=family,
         hf_config=hf.to_dict(),
     )

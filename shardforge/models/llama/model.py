@@ -33,7 +33,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of the head count keeps this correct when TP shards the projections by heads.
         q = self.q_proj(x).view(b, s, -1, self.head_dim)
@@ -96,7 +98,8 @@ def attention_masks(cfg: DecoderConfig, seq: int, doc_ids: torch.Tensor | None, 
 
 
 class Decoder(nn.Module):
-    """Token ids -> logits. `position_ids` and `doc_ids` describe packed rows (positions restart per document)."""
+    """Token ids -> logits. `position_ids` and `doc_ids` describe packed rows (positions restart per
+    document)."""
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()

@@ -29,7 +29,9 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ModelError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    raise ModelError(
+        f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    )
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple:
