@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from shardforge.errors import ModelError
-from shardforge.models.spec import ModelSpec, spec_by_name, spec_for
+from shardforge.models.spec import ModelSpec, spec_for
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -88,7 +88,7 @@ def load_hf_weights(model: nn.Module, spec: ModelSpec, files: list[Path], dtype:
 
 def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Our weights under HF names (the tied head is written once, as the embedding)."""
-    spec = spec_by_name(model.config.family)
+    spec = spec_for(model.config.family)
     tied = model.config.tie_embeddings
     out = {}
     for key, tensor in model.state_dict().items():
@@ -121,7 +121,7 @@ def save_model(
     """Write an HF folder that `transformers.AutoModelForCausalLM.from_pretrained` loads as it is."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    spec = spec_by_name(model.config.family)
+    spec = spec_for(model.config.family)
     tensors = hf_state_dict(model)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}

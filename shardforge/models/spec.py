@@ -51,7 +51,3 @@ def spec_for(model_type: str | None, architectures: list[str] | None = None) -> 
         f"unsupported model (model_type={model_type!r}, architectures={architectures}); "
         f"supported: {', '.join(supported())}"
     )
-
-
-def spec_by_name(family: str) -> ModelSpec:
-    return spec_for(family)

@@ -16,7 +16,7 @@ class MetricsWriter:
         self.run_dir = run_dir
         self.console = console
         self.history: list[dict[str, Any]] = []
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._jsonl = open(run_dir / "metrics.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in close()
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -35,6 +35,14 @@ class TrainResult:
     final_model: Path | None
 
 
+@dataclass
+class StepCounts:
+    """Host-side token counts of one optimizer step (for throughput; known before the step runs)."""
+
+    tokens: int
+    targets: int
+
+
 class Trainer:
     def __init__(self, config: Config, console: Console | None = None) -> None:
         self.config = config
@@ -102,8 +110,8 @@ class Trainer:
         rows = self.train_rows
         return [collate(rows.examples, [rows.rows[i] for i in g], self.pad_id) for g in groups]
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, Batch]:
-        """One optimizer step over the global batch. Returns (loss sum, grad norm) as device tensors."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, StepCounts]:
+        """One optimizer step over the global batch: (loss sum, grad norm) as device tensors, and counts."""
         micro = self._micro_batches()
         num_targets = sum(mb.num_targets for mb in micro)  # known on the host: no sync needed
         loss_sum = torch.zeros((), device=self.device)
@@ -119,15 +127,7 @@ class Trainer:
         self.precision.step(self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        stats = Batch(
-            micro[0].input_ids,
-            micro[0].targets,
-            micro[0].position_ids,
-            None,
-            sum(mb.num_tokens for mb in micro),
-            num_targets,
-        )
-        return loss_sum, grad_norm, stats
+        return loss_sum, grad_norm, StepCounts(sum(mb.num_tokens for mb in micro), num_targets)
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -144,13 +144,16 @@ class Trainer:
         self.model.train()
         return (total / count).item()
 
+    def _new_window(self) -> dict:
+        """Accumulators between two log lines; the loss stays on the device until it is logged."""
+        return {"loss": torch.zeros((), device=self.device), "targets": 0, "tokens": 0}
+
     def train(self) -> TrainResult:
         self.setup()
         cfg = self.config
         writer = MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console)
-        writer._jsonl.truncate(0)
         self.model.train()
-        window = {"loss": torch.zeros((), device=self.device), "targets": 0, "tokens": 0, "steps": 0}
+        window = self._new_window()
         last_loss, eval_loss, tokens_per_s = float("nan"), None, 0.0
         seq = cfg.data.max_length
         t0 = time.perf_counter()
@@ -166,11 +169,10 @@ class Trainer:
         with progress:
             task = progress.add_task("train", total=self.total_steps, info="")
             for step in range(1, self.total_steps + 1):
-                loss_sum, grad_norm, stats = self.train_step()
+                loss_sum, grad_norm, counts = self.train_step()
                 window["loss"] += loss_sum
-                window["targets"] += stats.num_targets
-                window["tokens"] += stats.num_tokens
-                window["steps"] += 1
+                window["targets"] += counts.targets
+                window["tokens"] += counts.tokens
                 progress.advance(task)
                 is_last = step == self.total_steps
                 if step % cfg.train.log_every and not is_last:
@@ -199,7 +201,7 @@ class Trainer:
                     record["eval_loss"] = eval_loss = self.evaluate()
                 writer.write(record)
                 progress.update(task, info=f"loss {last_loss:.4f}")
-                window = {"loss": torch.zeros((), device=self.device), "targets": 0, "tokens": 0, "steps": 0}
+                window = self._new_window()
                 t0 = time.perf_counter()
         writer.close()
         if cfg.log.plot:
