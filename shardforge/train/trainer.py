@@ -77,6 +77,11 @@ class Trainer:
         self.total_steps = (
             math.ceil(cfg.train.epochs * rows / self.global_batch) if cfg.train.epochs else cfg.train.steps
         )
+        if self.global_batch > rows:
+            self.console.print(
+                f"[yellow]warning:[/] the global batch ({self.global_batch} rows) is larger than the "
+                f"training data ({rows} rows): rows repeat within a step"
+            )
         self.optimizer = build_optimizer(self.model, cfg.train)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.train)
         self.precision = Precision(cfg.train.precision, self.device)

@@ -138,3 +138,11 @@ def test_missing_weights_is_clear_error(tmp_path):
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelError, match=r"missing 1 weight.*layers\.1\.mlp\.up_proj"):
         load_model(folder)
+
+
+def test_low_precision_cast_keeps_fp32_rope(tmp_path):
+    _, folder = _hf_model(tmp_path, "llama3_gqa")
+    ours = load_model(folder, dtype=torch.bfloat16)
+    assert ours.inv_freq.dtype == torch.float32
+    assert next(ours.parameters()).dtype == torch.bfloat16
+    torch.testing.assert_close(ours.inv_freq, load_model(folder).inv_freq)

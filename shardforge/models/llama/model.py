@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -116,6 +118,13 @@ class Decoder(nn.Module):
         """Share the embedding with the LM head when the checkpoint says so (again after `to_empty`)."""
         if self.config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> Decoder:
+        # Keep RoPE frequencies in fp32 whatever dtype the weights are cast to (as HF computes them).
+        out = super()._apply(fn, recurse)
+        if self.inv_freq.device.type != "meta":
+            self.reset_rope()
+        return out
 
     def reset_rope(self) -> None:
         """(Re)compute RoPE frequencies; needed after building on the meta device."""
