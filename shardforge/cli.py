@@ -15,9 +15,17 @@ from shardforge.errors import ShardforgeError
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from shardforge.config import load_config
-    from shardforge.train.trainer import train
+    from shardforge.launch import already_a_rank, launch_local
+    from shardforge.parallel.dims import ParallelDims
+    from shardforge.train.trainer import resolve_grad_accum, train
 
     config = load_config(args.config, args.overrides)
+    if args.nproc > 1 and not already_a_rank():
+        # Layout errors surface here, once, before any process starts.
+        dims = ParallelDims.from_config(config.parallel, args.nproc)
+        resolve_grad_accum(config, dims.dp)
+        argv = (["--debug"] if args.debug else []) + ["train", args.config, *args.overrides]
+        return launch_local(args.nproc, args.max_restarts, argv)
     result = train(config, console)
     eval_part = f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
     console.print(
@@ -77,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.max_length=512"
     )
+    p_train.add_argument("--nproc", type=int, default=1, help="processes (ranks) to start on this machine")
+    p_train.add_argument(
+        "--max-restarts", type=int, default=0, help="restart the job this often after a failure"
+    )
     p_train.set_defaults(func=_cmd_train)
     p_env = sub.add_parser("env", help="versions, threads, devices and measured matmul peak")
     p_env.set_defaults(func=_cmd_env)
@@ -86,14 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
-    console = Console(soft_wrap=True)
+    # Overrides may come before or after options (`train cfg.yaml --nproc 2 train.lr=1e-3`).
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or args.command != "train"]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0")  # one voice per job
     try:
         return args.func(args, console)
     except ShardforgeError as exc:
         if args.debug:
             raise
-        Console(stderr=True, soft_wrap=True).print(Text("error: ", style="bold red") + Text(str(exc)))
+        if os.environ.get("RANK", "0") == "0":  # under a launcher every rank fails alike: say it once
+            Console(stderr=True, soft_wrap=True).print(Text("error: ", style="bold red") + Text(str(exc)))
         return 2
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted")

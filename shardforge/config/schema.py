@@ -69,32 +69,41 @@ class MethodSection(Section):
 
 
 class ParallelSection(Section):
-    """Parallel layout. Single-process defaults; later engine work fills in the degrees."""
+    """Parallel layout. Degrees multiply to the world size; -1 on dp_shard means "the rest of the world"."""
 
     dp_replicate: int = Field(default=1, ge=1)
-    dp_shard: int = Field(default=1, ge=1)
+    dp_shard: int = Field(default=-1, ge=-1)
     tp: int = Field(default=1, ge=1)
     pp: int = Field(default=1, ge=1)
     cp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
     zero_stage: Literal[0, 1, 2, 3] = 0
+    offload: Literal["none", "optimizer", "params"] = "none"
+    grad_compression: Literal["none", "fp16", "powersgd"] = "none"
+    powersgd_rank: int = Field(default=1, ge=1)
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_minutes: float = Field(default=10.0, gt=0)
     activation_checkpoint: Literal["none", "full"] = "none"
 
     @model_validator(mode="after")
-    def _single_process_only(self) -> ParallelSection:
-        # The distributed engine lands in later releases; refuse layouts we cannot run rather than ignore
-        # them.
-        asked = {
-            k: getattr(self, k)
-            for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")
-            if getattr(self, k) > 1
-        }
-        if self.zero_stage:
-            asked["zero_stage"] = self.zero_stage
+    def _built_layouts_only(self) -> ParallelSection:
+        # Tensor, pipeline, context and expert parallel land in later releases: refuse, never ignore.
+        asked = {k: getattr(self, k) for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1}
         if asked:
             shown = ", ".join(f"parallel.{k}={v}" for k, v in asked.items())
+            raise ValueError(f"{shown}: not available in this version (data parallel only); keep it 1")
+        if self.dp_shard == 0:
+            raise ValueError("parallel.dp_shard must be >= 1, or -1 for the rest of the world")
+        if self.offload != "none" and self.zero_stage < 2:
             raise ValueError(
-                f"{shown}: this version trains in a single process only; keep degrees 1 and zero_stage 0"
+                f"parallel.offload={self.offload} needs sharded states: set parallel.zero_stage to 2 or 3 "
+                f"(it is {self.zero_stage})"
+            )
+        if self.grad_compression != "none" and self.zero_stage >= 2:
+            raise ValueError(
+                f"parallel.grad_compression={self.grad_compression} is a DDP communication hook: it needs "
+                f"parallel.zero_stage 0 or 1 (it is {self.zero_stage})"
             )
         return self
 
@@ -104,6 +113,7 @@ class TrainSection(Section):
     epochs: float | None = Field(default=None, gt=0)
     micro_batch: int = Field(default=8, ge=1)
     grad_accum: int = Field(default=1, ge=1)
+    global_batch: int | None = Field(default=None, ge=1)
     lr: float = Field(default=3.0e-4, gt=0)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     schedule: Literal["constant", "linear", "cosine"] = "cosine"

@@ -21,6 +21,14 @@ class RowSet:
     rows: list[list[int]]
     stats: EncodeStats
 
+    def row_counts(self) -> tuple[list[int], list[int]]:
+        """(tokens, targets) per row, so any rank can count a whole global batch without communicating."""
+        if not hasattr(self, "_row_counts"):
+            tokens = [sum(len(self.examples[i].input_ids) for i in row) for row in self.rows]
+            targets = [sum(self.examples[i].num_targets for i in row) for row in self.rows]
+            self._row_counts = (tokens, targets)
+        return self._row_counts
+
     @property
     def num_targets(self) -> int:
         return sum(e.num_targets for e in self.examples)

@@ -86,12 +86,15 @@ def load_hf_weights(model: nn.Module, spec: ModelSpec, files: list[Path], dtype:
         raise ModelError(f"checkpoint is missing {len(missing)} weight(s): {names}")
 
 
-def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Our weights under HF names (the tied head is written once, as the embedding)."""
+def hf_state_dict(
+    model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Our weights under HF names (the tied head is written once, as the embedding). `state_dict` overrides
+    the model's own (e.g. full tensors gathered from a sharded model)."""
     spec = spec_for(model.config.family)
     tied = model.config.tie_embeddings
     out = {}
-    for key, tensor in model.state_dict().items():
+    for key, tensor in (model.state_dict() if state_dict is None else state_dict).items():
         if tied and key == "lm_head.weight":
             continue
         out[spec.key_to_hf(key)] = tensor.detach().contiguous().cpu()
@@ -117,12 +120,13 @@ def save_model(
     tokenizer: Any = None,
     max_shard_bytes: int = 5 * 1024**3,
     dtype: torch.dtype | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write an HF folder that `transformers.AutoModelForCausalLM.from_pretrained` loads as it is."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     spec = spec_for(model.config.family)
-    tensors = hf_state_dict(model)
+    tensors = hf_state_dict(model, state_dict)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     shards = _shards(tensors, max_shard_bytes)

@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule (warmup, then constant / linear / cosine decay to a floor)."""
+"""AdamW (plain, ZeRO-1 sharded, or CPU-offloaded), global-norm clipping, and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -6,28 +6,56 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
-from shardforge.config.schema import TrainSection
+from shardforge.config.schema import ParallelSection, TrainSection
+from shardforge.parallel.offload import OffloadedAdamW
 
 
-def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimizer:
-    """AdamW; no weight decay on norms and biases (1-D tensors). Fused kernels on CUDA, foreach elsewhere."""
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on norms and biases (1-D tensors)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
     groups = [
-        {"params": decay, "weight_decay": train.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    on_cuda = all(p.device.type == "cuda" for p in params)
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=train.lr,
-        betas=train.betas,
-        eps=train.eps,
-        fused=True if on_cuda else None,
-        foreach=None if on_cuda else True,
-    )
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: nn.Module,
+    train: TrainSection,
+    parallel: ParallelSection | None = None,
+    dp_mesh: DeviceMesh | None = None,
+) -> torch.optim.Optimizer:
+    """AdamW over the (possibly sharded) parameters. ZeRO-1 shards its states over the data-parallel group;
+    offload=optimizer keeps fp32 masters and states in host memory. Fused kernels on CUDA, foreach
+    elsewhere."""
+    groups = param_groups(model, train.weight_decay)
+    hyper = {"lr": train.lr, "betas": train.betas, "eps": train.eps}
+    on_cuda = all(p.device.type == "cuda" for g in groups for p in g["params"])
+    if parallel is not None and parallel.offload == "optimizer":
+        return OffloadedAdamW(groups, pin_memory=on_cuda, **hyper)
+    kernel = {"fused": True} if on_cuda else {"foreach": True}
+    if parallel is not None and parallel.zero_stage == 1 and dp_mesh is not None:
+        return ZeroRedundancyOptimizer(
+            groups, optimizer_class=torch.optim.AdamW, process_group=dp_mesh.get_group(), **hyper, **kernel
+        )
+    return torch.optim.AdamW(groups, **hyper, **kernel)
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """Global gradient norm over all ranks' shards (DTensor grads are reduced); clips when max_norm is set."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
 
 
 def lr_factor(step: int, total: int, train: TrainSection) -> float:

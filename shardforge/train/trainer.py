@@ -1,26 +1,39 @@
-"""The one training loop. Stages plug in encoding and loss; everything else (batching, accumulation,
+"""The one training loop. Stages plug in encoding and loss; everything else (layout, batching, accumulation,
 clipping, precision, schedule, metrics, export) lives here once."""
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardforge.config import Config, dump_config
 from shardforge.data.batching import Batch, GlobalOrder, collate, split_global_batch
 from shardforge.data.loader import RowSet, build_datasets
+from shardforge.errors import ConfigError
 from shardforge.models import save_model
 from shardforge.parallel import apply_activation_checkpointing
+from shardforge.parallel.data_parallel import apply_data_parallel, gradient_sync, unwrap
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.distributed import (
+    init_distributed,
+    pick_backend,
+    rank_from_env,
+    shutdown,
+    world_size_from_env,
+)
+from shardforge.parallel.memory import memory_report
 from shardforge.stages import get_stage
 from shardforge.train.build import build_model, load_tokenizer
 from shardforge.train.metrics import MetricsWriter, plot_loss
-from shardforge.train.optim import build_optimizer, build_scheduler
+from shardforge.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from shardforge.train.precision import Precision
 from shardforge.train.runtime import measure_matmul_peak, memory_bytes, pick_device, seed_everything
 
@@ -33,14 +46,29 @@ class TrainResult:
     eval_loss: float | None
     tokens_per_s: float
     final_model: Path | None
+    history: list[dict] = field(default_factory=list)  # the logged records (rank 0)
 
 
 @dataclass
 class StepCounts:
-    """Host-side token counts of one optimizer step (for throughput; known before the step runs)."""
+    """Token counts of one optimizer step over the whole global batch (all ranks), known before it runs."""
 
     tokens: int
     targets: int
+
+
+def resolve_grad_accum(cfg: Config, dp: int) -> int:
+    """grad_accum, or the one implied by train.global_batch = micro_batch x grad_accum x dp."""
+    t = cfg.train
+    if t.global_batch is None:
+        return t.grad_accum
+    per_step = t.micro_batch * dp
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by train.micro_batch ({t.micro_batch}) x "
+            f"data-parallel size ({dp}) = {per_step}"
+        )
+    return t.global_batch // per_step
 
 
 class Trainer:
@@ -48,15 +76,32 @@ class Trainer:
         self.config = config
         self.console = console or Console()
         self.run_dir = Path(config.output_dir)
+        self.memory: dict[str, int] = {}
 
+    # ---- setup -------------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.config
+        # Everything that can be checked without talking to other ranks is checked first.
+        world = world_size_from_env()
+        self.dims = ParallelDims.from_config(cfg.parallel, world)
+        self.grad_accum = resolve_grad_accum(cfg, self.dims.dp)
+        self.device = pick_device(
+            cfg.hardware.device, rank_from_env() % max(1, torch.cuda.device_count() or 1)
+        )
+        backend = pick_backend(cfg.parallel.backend, self.device)
         if cfg.hardware.threads:
             torch.set_num_threads(cfg.hardware.threads)
+
+        self.owns_process_group = init_distributed(backend, cfg.parallel.timeout_minutes)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_rank = self.dims.dp_rank(self.mesh)
+        self.is_main = not dist.is_initialized() or dist.get_rank() == 0
+        if not self.is_main:
+            self.console = Console(quiet=True)
         seed_everything(cfg.train.seed)
-        self.device = pick_device(cfg.hardware.device)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, self.run_dir / "config.yaml")
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_config(cfg, self.run_dir / "config.yaml")
 
         self.stage = get_stage(cfg.method.stage)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -66,13 +111,20 @@ class Trainer:
         if self.eval_rows is not None:
             self._log_data("eval", self.eval_rows)
 
-        self.model = build_model(cfg.model, self.tokenizer, cfg.train.seed, self.device)
-        self.model_config = self.model.config
-        apply_activation_checkpointing(self.model, cfg.parallel.activation_checkpoint)
+        model = build_model(cfg.model, self.tokenizer, cfg.train.seed, self.device)
+        self.model_config = model.config
+        # Appliers in a fixed order: activation checkpointing, compile, then data parallel (FSDP2 wraps last).
+        apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
         if cfg.train.compile:
-            for block in self.model.layers:
+            for block in model.layers:
                 block.compile()
-        self.global_batch = cfg.train.micro_batch * cfg.train.grad_accum
+        self.model = apply_data_parallel(
+            model, self.dims, self.mesh, cfg.parallel, cfg.train.precision, self.device
+        )
+        self.inner = unwrap(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+        self.global_batch = cfg.train.micro_batch * self.grad_accum * self.dims.dp
         rows = len(self.train_rows.rows)
         self.total_steps = (
             math.ceil(cfg.train.epochs * rows / self.global_batch) if cfg.train.epochs else cfg.train.steps
@@ -82,18 +134,19 @@ class Trainer:
                 f"[yellow]warning:[/] the global batch ({self.global_batch} rows) is larger than the "
                 f"training data ({rows} rows): rows repeat within a step"
             )
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        self.optimizer = build_optimizer(self.model, cfg.train, cfg.parallel, self.dims.dp_mesh(self.mesh))
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.train)
         self.precision = Precision(cfg.train.precision, self.device)
         self.order = GlobalOrder(rows, cfg.train.seed)
         self.pad_id = self.tokenizer.pad_token_id
         self.peak_flops = cfg.hardware.peak_flops or measure_matmul_peak(self.device, self.precision.dtype)
-        n_params = sum(p.numel() for p in self.model.parameters())
+        n_params = self.model_config.num_params()
         self.console.print(
             f"model: {self.model_config.family}, {n_params / 1e6:.2f}M parameters, {cfg.train.precision}; "
-            f"{self.total_steps} steps of {self.global_batch} rows "
-            f"({cfg.train.micro_batch} x {cfg.train.grad_accum}"
-            f" accumulation); peak {self.peak_flops / 1e9:.1f} GFLOP/s on {self.device}"
+            f"layout: {self.dims.describe()}; {self.total_steps} steps of {self.global_batch} rows "
+            f"({cfg.train.micro_batch} per rank x {self.grad_accum} accumulation x {self.dims.dp} "
+            f"data-parallel); "
+            f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device on {self.device}"
         )
 
     def _log_data(self, what: str, rows: RowSet) -> None:
@@ -108,34 +161,57 @@ class Trainer:
             f"{rows.num_targets} targets, {mode}"
         )
 
-    def _micro_batches(self) -> list[Batch]:
+    # ---- one step ----------------------------------------------------------------------------------------
+    def _next_global_batch(self) -> tuple[list[Batch], StepCounts]:
+        """This rank's micro-batches of the next global batch, and the counts of the whole global batch."""
         t = self.config.train
         ids = self.order.take(self.global_batch)
-        groups = split_global_batch(ids, t.micro_batch, t.grad_accum, dp=1, rank=0)
+        tokens, targets = self.train_rows.row_counts()
+        counts = StepCounts(sum(tokens[i] for i in ids), sum(targets[i] for i in ids))
+        groups = split_global_batch(ids, t.micro_batch, self.grad_accum, self.dims.dp, self.dp_rank)
         rows = self.train_rows
-        return [collate(rows.examples, [rows.rows[i] for i in g], self.pad_id) for g in groups]
+        return [collate(rows.examples, [rows.rows[i] for i in g], self.pad_id) for g in groups], counts
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, StepCounts]:
-        """One optimizer step over the global batch: (loss sum, grad norm) as device tensors, and counts."""
-        micro = self._micro_batches()
-        num_targets = sum(mb.num_targets for mb in micro)  # known on the host: no sync needed
+        """One optimizer step: (this rank's loss sum, global grad norm) as device tensors, and global counts.
+
+        Each micro-batch loss is divided by the target count of the *global* batch; data-parallel gradient
+        averaging divides by dp, so the loss is multiplied back by dp. The result is the gradient of the mean
+        over all target tokens of the global batch, however it is split across ranks and micro-steps.
+        """
+        micro, counts = self._next_global_batch()
+        scale = self.dims.dp / counts.targets
         loss_sum = torch.zeros((), device=self.device)
-        for mb in micro:
+        for j, mb in enumerate(micro):
             mb = mb.to(self.device)
-            with self.precision.autocast():
-                loss = self.stage.loss_sum(self.model, mb)
-            self.precision.scale(loss / num_targets).backward()
+            with gradient_sync(self.model, sync=j == len(micro) - 1):
+                with self.precision.autocast():
+                    loss = self.stage.loss_sum(self.model, mb)
+                self.precision.scale(loss * scale).backward()
             loss_sum += loss.detach()
-        self.precision.unscale(self.optimizer)
-        clip = self.config.train.clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=True)
-        self.precision.step(self.optimizer)
+        overflow = self.precision.unscale(self.params)
+        grad_norm = clip_grad_norm(self.params, self.config.train.clip)
+        first = not self.memory
+        grads = memory_report(self.inner)["grad_bytes"] if first else 0
+        self.precision.step(self.optimizer, overflow)
+        if first:  # gradients exist before the step, optimizer states only after it
+            self.memory = memory_report(self.inner, self.optimizer) | {"grad_bytes": grads}
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm, StepCounts(sum(mb.num_tokens for mb in micro), num_targets)
+        return loss_sum, grad_norm, counts
+
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over all data-parallel ranks (over each dimension of a 2-D HSDP mesh in turn)."""
+        dp_mesh = self.dims.dp_mesh(self.mesh)
+        if dp_mesh is not None:
+            for dim in range(dp_mesh.ndim):
+                dist.all_reduce(value, group=dp_mesh.get_group(dim))
+        return value
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
+        """Mean loss over all eval target tokens. Every rank runs every batch (sharded models need all ranks
+        in each forward), so the result is the same everywhere without a reduction."""
         if self.eval_rows is None:
             return None
         self.model.eval()
@@ -149,6 +225,12 @@ class Trainer:
         self.model.train()
         return (total / count).item()
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights on CPU under our key names; complete on rank 0 (collective call)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.inner, options=options)
+
+    # ---- the loop ----------------------------------------------------------------------------------------
     def _new_window(self) -> dict:
         """Accumulators between two log lines; the loss stays on the device until it is logged."""
         return {"loss": torch.zeros((), device=self.device), "targets": 0, "tokens": 0}
@@ -156,11 +238,12 @@ class Trainer:
     def train(self) -> TrainResult:
         self.setup()
         cfg = self.config
-        writer = MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console)
+        writer = MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console) if self.is_main else None
         self.model.train()
         window = self._new_window()
         last_loss, eval_loss, tokens_per_s = float("nan"), None, 0.0
-        seq = cfg.data.max_length
+        mean_doc = self.train_rows.num_tokens / len(self.train_rows.examples)
+        flops_per_token = self.model_config.flops_per_token(int(min(cfg.data.max_length, mean_doc)))
         t0 = time.perf_counter()
         progress = Progress(
             TextColumn("[bold]train"),
@@ -169,7 +252,7 @@ class Trainer:
             TimeRemainingColumn(),
             TextColumn("{task.fields[info]}"),
             console=self.console,
-            disable=not (cfg.log.progress and self.console.is_terminal),
+            disable=not (cfg.log.progress and self.is_main and self.console.is_terminal),
         )
         with progress:
             task = progress.add_task("train", total=self.total_steps, info="")
@@ -183,10 +266,8 @@ class Trainer:
                 if step % cfg.train.log_every and not is_last:
                     continue
                 elapsed = time.perf_counter() - t0
-                last_loss = (window["loss"] / window["targets"]).item()
+                last_loss = (self._dp_sum(window["loss"]) / window["targets"]).item()
                 tokens_per_s = window["tokens"] / elapsed
-                mean_doc = self.train_rows.num_tokens / len(self.train_rows.examples)
-                flops = self.model_config.flops_per_token(int(min(seq, mean_doc)))
                 record = {
                     "step": step,
                     "loss": last_loss,
@@ -194,30 +275,49 @@ class Trainer:
                     "grad_norm": grad_norm.item(),
                     "tokens_per_s": tokens_per_s,
                     "target_tokens_per_s": window["targets"] / elapsed,
-                    "mfu": flops * tokens_per_s / self.peak_flops,
+                    "mfu": flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
                     "epoch": round(self.order.epoch, 4),
                     **memory_bytes(self.device),
                 }
+                if step == cfg.train.log_every or (is_last and step < cfg.train.log_every):
+                    record.update(self.memory)
                 if self.precision.loss_scale is not None:
                     record["loss_scale"] = self.precision.loss_scale
+                    record["skipped_steps"] = self.precision.skipped_steps
                 if self.eval_rows is not None and (
                     is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
                 ):
                     record["eval_loss"] = eval_loss = self.evaluate()
-                writer.write(record)
+                if writer is not None:
+                    writer.write(record)
                 progress.update(task, info=f"loss {last_loss:.4f}")
                 window = self._new_window()
                 t0 = time.perf_counter()
-        writer.close()
-        if cfg.log.plot:
-            plot_loss(writer.history, self.run_dir / "loss.png")
-        final = None
-        if cfg.checkpoint.save_final:
-            final = save_model(self.model, self.run_dir / "final", tokenizer=self.tokenizer)
+        history = writer.history if writer is not None else []
+        if writer is not None:
+            writer.close()
+            if cfg.log.plot:
+                plot_loss(history, self.run_dir / "loss.png")
+        final = self._save_final() if cfg.checkpoint.save_final else None
+        return TrainResult(self.run_dir, self.total_steps, last_loss, eval_loss, tokens_per_s, final, history)
+
+    def _save_final(self) -> Path:
+        """Gather full weights (a collective) and write the HF folder from rank 0."""
+        state = self.full_state_dict() if dist.is_initialized() else None
+        final = self.run_dir / "final"
+        if self.is_main:
+            save_model(self.inner, final, tokenizer=self.tokenizer, state_dict=state)
             self.console.print(f"saved the final model (HF format) to {final}")
-        return TrainResult(self.run_dir, self.total_steps, last_loss, eval_loss, tokens_per_s, final)
+        if dist.is_initialized():
+            dist.barrier()
+        return final
 
 
 def train(config: Config, console: Console | None = None) -> TrainResult:
     """Run a whole training job described by `config`; the library entry point behind `shardforge train`."""
-    return Trainer(config, console).train()
+    trainer = Trainer(config, console)
+    try:
+        return trainer.train()
+    finally:
+        if getattr(trainer, "owns_process_group", False):
+            shutdown()

@@ -76,7 +76,7 @@ def test_dump_is_resolved_and_reloadable(tmp_path):
 
 
 def test_parallel_layouts_not_built_yet_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"parallel.tp=2.*single process"):
+    with pytest.raises(ConfigError, match=r"parallel.tp=2.*not available in this version"):
         load_config(_write(tmp_path, GOOD), ["parallel.tp=2"])
 
 

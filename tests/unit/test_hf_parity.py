@@ -146,3 +146,11 @@ def test_low_precision_cast_keeps_fp32_rope(tmp_path):
     assert ours.inv_freq.dtype == torch.float32
     assert next(ours.parameters()).dtype == torch.bfloat16
     torch.testing.assert_close(ours.inv_freq, load_model(folder).inv_freq)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parameter_count_formula(tmp_path, case):
+    """DecoderConfig.num_params (used for FLOPs and the planner) equals the real parameter count."""
+    _, folder = _hf_model(tmp_path, case)
+    ours = load_model(folder)
+    assert ours.config.num_params() == sum(p.numel() for p in ours.parameters())

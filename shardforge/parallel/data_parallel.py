@@ -1,0 +1,106 @@
+"""Data parallel and ZeRO, applied over a built model: DDP (stage 0), DDP + sharded optimizer (stage 1),
+FSDP2 without / with resharding after forward (stages 2 / 3), HSDP on a 2-D mesh, CPU offload, DDP
+gradient compression hooks, and the mixed-precision policy for sharded parameters."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from shardforge.config.schema import ParallelSection
+from shardforge.parallel.dims import ParallelDims
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    parallel: ParallelSection,
+    precision: str,
+    device: torch.device,
+) -> nn.Module:
+    """Wrap or shard `model` for data parallelism; returns the module to call in the training loop."""
+    dp_mesh = dims.dp_mesh(mesh)
+    if dp_mesh is None:
+        return model
+    if dims.sharded:
+        return _fully_shard(model, dp_mesh, dims.zero_stage, parallel, precision, device)
+    ddp = DistributedDataParallel(
+        model,
+        process_group=dp_mesh.get_group(),
+        device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False,  # the only buffers are RoPE frequencies, identical everywhere
+    )
+    _register_compression(ddp, parallel, dp_mesh)
+    return ddp
+
+
+def _fully_shard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    stage: int,
+    parallel: ParallelSection,
+    precision: str,
+    device: torch.device,
+) -> nn.Module:
+    param_dtype = None if precision == "fp32" else _DTYPES[precision]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[parallel.reduce_dtype])
+    # Pinned host memory needs an accelerator; on a CPU-only machine plain memory is the only choice.
+    offload = (
+        CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        if parallel.offload == "params"
+        else OffloadPolicy()
+    )
+    reshard = stage == 3  # ZeRO-3 frees gathered params after forward; ZeRO-2 keeps them until backward
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    # The root (embedding, final norm, head) is needed again right at the start of backward: keep it gathered.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    return model
+
+
+def _register_compression(ddp: DistributedDataParallel, parallel: ParallelSection, mesh: DeviceMesh) -> None:
+    """Lossy gradient compression for DDP all-reduce (fp16 works on gloo and nccl; bf16 needs nccl)."""
+    if parallel.grad_compression == "fp16":
+        ddp.register_comm_hook(mesh.get_group(), default_hooks.fp16_compress_hook)
+    elif parallel.grad_compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=mesh.get_group(),
+            matrix_approximation_rank=parallel.powersgd_rank,
+            start_powerSGD_iter=2,  # vanilla all-reduce for the first step, as PowerSGD recommends warm-up
+            min_compression_rate=1,
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
+    """Skip the gradient collective on non-final micro-steps of an accumulation (DDP no_sync / FSDP2 flag)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+        yield
+    elif isinstance(model, DistributedDataParallel) and not sync:
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model itself, without a DDP wrapper (FSDP2 shards in place and needs no unwrapping)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,116 @@
+"""ParallelDims: the layout degrees, validated against the world size, and the one DeviceMesh built from them.
+
+Mesh dimension order, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp. The innermost dimensions
+talk most (TP every layer), so they map onto neighbouring ranks (the same node); pipeline stages talk least.
+Only dimensions of degree > 1 are materialized in the mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from shardforge.config.schema import ParallelSection
+from shardforge.errors import ConfigError
+
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int
+    zero_stage: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, parallel: ParallelSection, world_size: int) -> ParallelDims:
+        """Resolve `dp_shard=-1` (the rest of the world) and check the degrees multiply to the world size."""
+        rest = parallel.cp * parallel.tp * parallel.pp
+        replicate, shard = parallel.dp_replicate, parallel.dp_shard
+        if parallel.zero_stage < 2:
+            if shard > 1:
+                raise ConfigError(
+                    f"parallel.zero_stage={parallel.zero_stage} keeps a full model replica per rank: use "
+                    f"parallel.dp_replicate for its data-parallel degree "
+                    f"(parallel.dp_shard={shard} must be 1 or -1)"
+                )
+            shard = 1
+            if parallel.dp_replicate == 1 and parallel.dp_shard == -1:
+                replicate = max(1, world_size // rest)
+        elif shard == -1:
+            shard = max(1, world_size // (replicate * rest))
+        dims = cls(
+            replicate,
+            shard,
+            parallel.cp,
+            parallel.tp,
+            parallel.pp,
+            parallel.ep,
+            parallel.zero_stage,
+            world_size,
+        )
+        product = replicate * shard * rest
+        if product != world_size:
+            raise ConfigError(
+                f"parallel degrees do not multiply to the world size: dp_replicate ({replicate}) x dp_shard "
+                f"({shard}) x cp ({parallel.cp}) x tp ({parallel.tp}) x pp ({parallel.pp}) = {product}, "
+                f"but {world_size} processes are running"
+            )
+        return dims
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def sharded(self) -> bool:
+        return self.zero_stage >= 2
+
+    def degrees(self) -> dict[str, int]:
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The one mesh of the job (None in a single process)."""
+        if self.world_size == 1:
+            return None
+        names = [n for n in MESH_ORDER if self.degrees()[n] > 1]
+        return init_device_mesh(
+            device_type, tuple(self.degrees()[n] for n in names), mesh_dim_names=tuple(names)
+        )
+
+    def dp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        """The data-parallel sub-mesh: 1-D (replicate or shard) or 2-D (replicate, shard) for HSDP."""
+        if mesh is None:
+            return None
+        names = tuple(n for n in ("dp_replicate", "dp_shard") if self.degrees()[n] > 1)
+        if not names:
+            return None
+        return mesh[names[0]] if len(names) == 1 else mesh[names]
+
+    def dp_rank(self, mesh: DeviceMesh | None) -> int:
+        """This rank's index among data-parallel ranks (which slice of the global batch it reads)."""
+        if mesh is None:
+            return 0
+        names = mesh.mesh_dim_names or ()
+        rep = mesh.get_local_rank("dp_replicate") if "dp_replicate" in names else 0
+        shard = mesh.get_local_rank("dp_shard") if "dp_shard" in names else 0
+        return rep * self.dp_shard + shard
+
+    def describe(self) -> str:
+        kind = {0: "DDP", 1: "DDP + ZeRO-1", 2: "FSDP2 ZeRO-2", 3: "FSDP2 ZeRO-3"}[self.zero_stage]
+        if self.sharded and self.dp_replicate > 1:
+            kind = f"HSDP ({self.dp_replicate} replicas x {self.dp_shard} shards, ZeRO-{self.zero_stage})"
+        shown = " x ".join(f"{k}={v}" for k, v in self.degrees().items() if v > 1) or "single process"
+        return f"{shown} on {self.world_size} rank(s), {kind if self.dp > 1 else 'no data parallel'}"

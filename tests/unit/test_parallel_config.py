@@ -1,0 +1,63 @@
+"""Layout validation happens before any process group exists, with messages that show the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardforge.config import load_config
+from shardforge.config.schema import ParallelSection
+from shardforge.errors import ConfigError
+from shardforge.parallel.dims import ParallelDims
+from shardforge.train.trainer import resolve_grad_accum
+from tests.conftest import tiny_config
+
+
+def test_auto_dp_fills_the_world():
+    assert ParallelDims.from_config(ParallelSection(zero_stage=0), 4).dp_replicate == 4
+    z3 = ParallelDims.from_config(ParallelSection(zero_stage=3), 4)
+    assert (z3.dp_replicate, z3.dp_shard, z3.dp) == (1, 4, 4)
+    hsdp = ParallelDims.from_config(ParallelSection(zero_stage=2, dp_replicate=2), 4)
+    assert (hsdp.dp_replicate, hsdp.dp_shard) == (2, 2) and "HSDP" in hsdp.describe()
+
+
+def test_degrees_that_do_not_multiply_to_the_world():
+    with pytest.raises(ConfigError, match=r"dp_replicate \(2\) x dp_shard \(3\) .* = 6, but 4 processes"):
+        ParallelDims.from_config(ParallelSection(zero_stage=3, dp_replicate=2, dp_shard=3), 4)
+
+
+def test_sharded_degree_needs_a_sharded_stage():
+    with pytest.raises(ConfigError, match=r"use parallel\.dp_replicate"):
+        ParallelDims.from_config(ParallelSection(zero_stage=1, dp_shard=2), 2)
+
+
+def test_global_batch_not_divisible_by_dp(tmp_path):
+    cfg = load_config(
+        None, base=tiny_config(tmp_path, tmp_path / "x.jsonl", train={"global_batch": 6, "micro_batch": 2})
+    )
+    assert resolve_grad_accum(cfg, 1) == 3
+    with pytest.raises(
+        ConfigError,
+        match=r"global_batch=6 is not divisible by train.micro_batch \(2\) x "
+        r"data-parallel size \(2\) = 4",
+    ):
+        resolve_grad_accum(cfg, 2)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("parallel.offload=params", "offload=params needs sharded states: set parallel.zero_stage to 2 or 3"),
+        ("parallel.grad_compression=fp16", None),
+        ("parallel.backend=mpi2", "parallel.backend = 'mpi2'"),
+        ("parallel.tp=2", "not available in this version"),
+    ],
+)
+def test_bad_parallel_settings(tmp_path, override, message):
+    base = tiny_config(tmp_path, tmp_path / "x.jsonl")
+    if message is None:  # compression is fine with DDP, refused with FSDP
+        load_config(None, [override], base=base)
+        with pytest.raises(ConfigError, match=r"needs parallel\.zero_stage 0 or 1"):
+            load_config(None, [override, "parallel.zero_stage=3"], base=base)
+        return
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [override], base=base)
