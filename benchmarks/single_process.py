@@ -49,7 +49,8 @@ def run(preset: str, steps: int, micro_batch: int, seq: int, threads: int, log_e
         )
         trainer = Trainer(cfg)
         trainer.train()
-        windows = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()][1:]
+        logged = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+        windows = logged[1:] or logged  # the first window holds warm-up; keep it only if it is all there is
     params = sum(p.numel() for p in trainer.model.parameters())
     return {
         "preset": preset,

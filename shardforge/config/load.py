@@ -98,7 +98,14 @@ def _explain(exc: ValidationError, tree: dict, source: str, overrides: dict[str,
         loc = tuple(err["loc"])
         key = ".".join(str(p) for p in loc) or "(top level)"
         line = _line_of(tree, loc)
-        override = next((text for k, text in overrides.items() if key == k or key.startswith(k + ".")), None)
+        override = next(
+            (
+                text
+                for k, text in overrides.items()
+                if key == k or key.startswith(k + ".") or k.startswith(key + ".")
+            ),
+            None,
+        )
         if override is not None:
             where = f"override {override!r}: "
         else:
@@ -134,7 +141,10 @@ def load_config(
         try:
             loaded = yaml.load(text, Loader=_LineLoader)  # SafeLoader subclass
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError(f"{where}: not valid YAML: {problem}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(
                 f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"

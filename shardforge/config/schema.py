@@ -161,3 +161,13 @@ class Config(Section):
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
     hardware: HardwareSection = HardwareSection()
+
+    @model_validator(mode="after")
+    def _master_weights(self) -> Config:
+        if self.train.precision == "fp16" and self.model.dtype != "float32":
+            raise ValueError(
+                f"train.precision=fp16 keeps fp32 master weights and scales the loss: "
+                f"set model.dtype=float32 "
+                f"(it is {self.model.dtype})"
+            )
+        return self

@@ -20,7 +20,7 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_HF_KEYS = ("rotary_emb.inv_freq",)
 
 
-def _read_config_json(folder: Path) -> dict:
+def read_config_json(folder: Path) -> dict:
     path = folder / "config.json"
     if not path.is_file():
         raise ModelError(f"{folder} is not a Hugging Face model folder: {path.name} is missing")
@@ -32,8 +32,16 @@ def _read_config_json(folder: Path) -> dict:
 
 def _weight_files(folder: Path) -> list[Path]:
     if (folder / INDEX_FILE).is_file():
-        index = json.loads((folder / INDEX_FILE).read_text())
-        return [folder / name for name in sorted(set(index["weight_map"].values()))]
+        try:
+            names = sorted(set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            raise ModelError(f"{folder / INDEX_FILE}: not a valid safetensors index ({exc})") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ModelError(
+                f"{folder / INDEX_FILE} lists weight files that are missing: {', '.join(missing)}"
+            )
+        return [folder / name for name in names]
     if (folder / SINGLE_FILE).is_file():
         return [folder / SINGLE_FILE]
     found = sorted(p.name for p in folder.glob("*.bin"))
@@ -46,7 +54,7 @@ def load_model(
 ) -> nn.Module:
     """Read an HF folder (config.json + safetensors, single or sharded) into our model implementation."""
     folder = Path(path)
-    meta = _read_config_json(folder)
+    meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"))
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
     with torch.device("meta"):
@@ -66,7 +74,13 @@ def load_hf_weights(model: nn.Module, spec: ModelSpec, files: list[Path], dtype:
     missing = set(params)
     tied = getattr(model.config, "tie_embeddings", False)
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as exc:  # safetensors raises its own error type for truncated or corrupt files
+            raise ModelError(
+                f"{file}: cannot read safetensors weights ({exc}); the file may be truncated"
+            ) from None
+        with handle as f:
             for hf_key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if hf_key.endswith(_IGNORED_HF_KEYS) or (tied and hf_key == "lm_head.weight"):
                     continue

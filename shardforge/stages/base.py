@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 from shardforge.config.schema import DataSection
 from shardforge.data.batching import IGNORE, Batch
-from shardforge.data.examples import Encoder
+from shardforge.data.examples import Encoder, Example
 
 
 class Stage(Protocol):
@@ -18,6 +19,10 @@ class Stage(Protocol):
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
         """Record -> (token ids, per-token target flags)."""
+        ...
+
+    def collate(self, examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int) -> Batch:
+        """Rows of examples -> one micro-batch of tensors."""
         ...
 
     def loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardforge.config.schema import DataSection
+from shardforge.data.batching import collate
 from shardforge.data.examples import Encoder
 from shardforge.data.formats import Record
 from shardforge.data.templates import encode_text
@@ -13,6 +14,7 @@ from shardforge.stages.base import causal_lm_loss_sum
 
 class PretrainStage:
     name = "pt"
+    collate = staticmethod(collate)
     loss_sum = staticmethod(causal_lm_loss_sum)
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:

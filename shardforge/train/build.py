@@ -11,8 +11,24 @@ from torch import nn
 from shardforge.config.schema import ModelSection
 from shardforge.errors import ModelError
 from shardforge.models import build_preset, load_model
+from shardforge.models.io import read_config_json
+from shardforge.models.presets import preset_config
+from shardforge.models.spec import spec_for
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_model_source(model: ModelSection) -> None:
+    """Fail fast (before the data is read) on a missing folder, a missing config.json, an unsupported family
+    or an unknown preset."""
+    if model.preset is not None:
+        preset_config(model.preset, vocab_size=1)
+        return
+    folder = Path(model.path)
+    if not folder.is_dir():
+        raise ModelError(f"model.path {model.path!r} is not a folder (expected a Hugging Face model folder)")
+    meta = read_config_json(folder)
+    spec_for(meta.get("model_type"), meta.get("architectures"))
 
 
 def load_tokenizer(model: ModelSection) -> Any:
@@ -23,8 +39,9 @@ def load_tokenizer(model: ModelSection) -> Any:
         raise ModelError(f"tokenizer folder {folder!r} does not exist (set model.tokenizer to a folder)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load a tokenizer from {folder}: {exc}") from None
+    except (OSError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"cannot load a tokenizer from {folder}: {first}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

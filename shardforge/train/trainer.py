@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from shardforge.config import Config, dump_config
-from shardforge.data.batching import Batch, GlobalOrder, collate, split_global_batch
+from shardforge.data.batching import Batch, GlobalOrder, split_global_batch
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.errors import ConfigError
 from shardforge.models import save_model
@@ -31,7 +31,7 @@ from shardforge.parallel.distributed import (
 )
 from shardforge.parallel.memory import memory_report
 from shardforge.stages import get_stage
-from shardforge.train.build import build_model, load_tokenizer
+from shardforge.train.build import build_model, check_model_source, load_tokenizer
 from shardforge.train.metrics import MetricsWriter, plot_loss
 from shardforge.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from shardforge.train.precision import Precision
@@ -100,8 +100,14 @@ class Trainer:
             self.console = Console(quiet=True)
         seed_everything(cfg.train.seed)
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(
+                    f"output_dir {str(self.run_dir)!r} cannot be created: {exc.strerror}"
+                ) from None
             dump_config(cfg, self.run_dir / "config.yaml")
+        check_model_source(cfg.model)
 
         self.stage = get_stage(cfg.method.stage)
         self.tokenizer = load_tokenizer(cfg.model)
@@ -170,7 +176,9 @@ class Trainer:
         counts = StepCounts(sum(tokens[i] for i in ids), sum(targets[i] for i in ids))
         groups = split_global_batch(ids, t.micro_batch, self.grad_accum, self.dims.dp, self.dp_rank)
         rows = self.train_rows
-        return [collate(rows.examples, [rows.rows[i] for i in g], self.pad_id) for g in groups], counts
+        return [
+            self.stage.collate(rows.examples, [rows.rows[i] for i in g], self.pad_id) for g in groups
+        ], counts
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, StepCounts]:
         """One optimizer step: (this rank's loss sum, global grad norm) as device tensors, and global counts.
@@ -196,6 +204,7 @@ class Trainer:
         self.precision.step(self.optimizer, overflow)
         if first:  # gradients exist before the step, optimizer states only after it
             self.memory = memory_report(self.inner, self.optimizer) | {"grad_bytes": grads}
+        self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step used
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm, counts
@@ -218,7 +227,9 @@ class Trainer:
         rows, mb = self.eval_rows, self.config.train.micro_batch
         total, count = torch.zeros((), device=self.device), 0
         for start in range(0, len(rows.rows), mb):
-            batch = collate(rows.examples, rows.rows[start : start + mb], self.pad_id).to(self.device)
+            batch = self.stage.collate(rows.examples, rows.rows[start : start + mb], self.pad_id).to(
+                self.device
+            )
             with self.precision.autocast():
                 total += self.stage.loss_sum(self.model, batch)
             count += batch.num_targets
@@ -271,7 +282,7 @@ class Trainer:
                 record = {
                     "step": step,
                     "loss": last_loss,
-                    "lr": self.scheduler.get_last_lr()[0],
+                    "lr": self.step_lr,
                     "grad_norm": grad_norm.item(),
                     "tokens_per_s": tokens_per_s,
                     "target_tokens_per_s": window["targets"] / elapsed,

@@ -136,3 +136,22 @@ def test_demo_config_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "4000 records" in proc.stdout and (out / "final" / "model.safetensors").is_file()
+
+
+def test_bad_model_and_output_paths_are_clear_errors(tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(4))
+    cfg = _config(tmp_path, tiny_config(tmp_path, data))
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["model.preset=null", "model.tokenizer=null", f"model.path={tmp_path / 'nope'}"], "is not a folder"),
+        (
+            ["model.preset=null", "model.tokenizer=null", f"model.path={tmp_path / 'empty'}"],
+            "config.json is missing",
+        ),
+        (["model.preset=tiny-lama"], "did you mean 'tiny-llama'"),
+        (["output_dir=/proc/no/such"], "cannot be created"),
+    ]
+    for overrides, message in cases:
+        proc = _cli("train", str(cfg), *overrides)
+        assert proc.returncode == 2 and message in proc.stderr, (overrides, proc.stderr)
+        assert "Traceback" not in proc.stderr

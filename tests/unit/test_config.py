@@ -99,3 +99,18 @@ def test_every_key_is_documented():
 
     missing = [k for k in [*keys(Config), *keys(DatasetSpec, "data.train[].")] if f"`{k}`" not in doc]
     assert not missing, f"undocumented config keys: {missing}"
+
+
+def test_invalid_yaml_points_at_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"c\.yaml:\d+:\d+: not valid YAML"):
+        load_config(_write(tmp_path, "output_dir: x\nmodel:\n  - [1\n"))
+
+
+def test_section_level_error_names_the_override(tmp_path):
+    with pytest.raises(ConfigError, match=r"override 'model\.path=/x'.*exactly one of"):
+        load_config(_write(tmp_path, GOOD), ["model.path=/x"])
+
+
+def test_fp16_needs_fp32_master_weights(tmp_path):
+    with pytest.raises(ConfigError, match=r"set model\.dtype=float32"):
+        load_config(_write(tmp_path, GOOD), ["model.dtype=float16", "train.precision=fp16"])

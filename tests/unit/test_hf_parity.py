@@ -154,3 +154,29 @@ def test_parameter_count_formula(tmp_path, case):
     _, folder = _hf_model(tmp_path, case)
     ours = load_model(folder)
     assert ours.config.num_params() == sum(p.numel() for p in ours.parameters())
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
+def test_preset_export_matches_transformers(tmp_path, preset):
+    """A model built from a preset (no HF config to start from) exports a config transformers runs
+    identically, including the sliding window (sequence longer than tiny-mistral's window of 32)."""
+    from shardforge.models import build_preset
+
+    ours = build_preset(preset, vocab_size=97, seed=2).eval()
+    back = AutoModelForCausalLM.from_pretrained(save_model(ours, tmp_path / preset)).eval()
+    ids = _ids(97, 2, 48)
+    with torch.no_grad():
+        assert (back(ids).logits - ours(ids)).abs().max().item() < 1e-4
+
+
+def test_corrupt_or_incomplete_weights_are_clear_errors(tmp_path):
+    _, folder = _hf_model(tmp_path, "qwen2")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:1000])
+    with pytest.raises(ModelError, match=r"cannot read safetensors weights.*truncated"):
+        load_model(folder)
+    (folder / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelError, match="lists weight files that are missing: model-00001-of-00002"):
+        load_model(folder)

@@ -61,6 +61,12 @@ def test_low_precision_modes_train(tmp_path, precision):
     assert ("loss_scale" in record) == (precision == "fp16")
 
 
+def test_logged_lr_is_the_rate_the_step_used(tmp_path):
+    _run(tmp_path, "lr", train={"steps": 3, "warmup": 4, "lr": 1.0, "schedule": "constant"})
+    records = [json.loads(x) for x in (tmp_path / "lr" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == pytest.approx([0.2, 0.4, 0.6])
+
+
 def test_lr_schedules():
     t = TrainSection(lr=1.0, warmup=4, schedule="cosine", min_lr_ratio=0.1)
     assert lr_factor(0, 100, t) == pytest.approx(0.2) and lr_factor(3, 100, t) == pytest.approx(0.8)

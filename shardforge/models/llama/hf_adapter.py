@@ -117,6 +117,14 @@ def hf_config_from(cfg: DecoderConfig, model_type: str, architecture: str) -> Pr
         base["attention_bias"] = cfg.o_bias or (cfg.qkv_bias and model_type == "qwen3")
     if model_type == "llama":
         base["mlp_bias"] = cfg.mlp_bias
+    if model_type == "mistral":
+        base["sliding_window"] = cfg.sliding_window
+    if model_type in ("qwen2", "qwen3"):
+        base["use_sliding_window"] = cfg.sliding_window is not None
+        base["sliding_window"] = cfg.sliding_window
+        base["layer_types"] = [
+            "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.num_layers)
+        ]
     for key in ("model_type", "transformers_version", "rope_theta", "rope_scaling"):
         base.pop(key, None)
     return AutoConfig.for_model(model_type, **base)
