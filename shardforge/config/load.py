@@ -50,15 +50,26 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def _set_dotted(tree: dict, parts: list[str], value: Any, text: str) -> None:
-    node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {text!r}: {part!r} is not a section")
-        node = child
-    node[parts[-1]] = value
+    """Set a dotted key; numeric parts index into lists (`data.train.0.max_samples=100`)."""
+    node: Any = tree
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {text!r}: {part!r} is not an index of a {len(node)}-item list")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise ConfigError(f"override {text!r}: {parts[i - 1]!r} is not a section")
 
 
 def _schema_at(loc: tuple) -> type[BaseModel] | None:

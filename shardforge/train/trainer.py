@@ -269,6 +269,9 @@ class Trainer:
             task = progress.add_task("train", total=self.total_steps, info="")
             for step in range(1, self.total_steps + 1):
                 loss_sum, grad_norm, counts = self.train_step()
+                if step == 1:
+                    mib = {k: f"{v / 2**20:.1f} MiB" for k, v in self.memory.items()}
+                    self.console.print(f"model-state memory on rank 0 after step 1: {mib}")
                 window["loss"] += loss_sum
                 window["targets"] += counts.targets
                 window["tokens"] += counts.tokens

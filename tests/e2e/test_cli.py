@@ -155,3 +155,28 @@ def test_bad_model_and_output_paths_are_clear_errors(tmp_path):
         proc = _cli("train", str(cfg), *overrides)
         assert proc.returncode == 2 and message in proc.stderr, (overrides, proc.stderr)
         assert "Traceback" not in proc.stderr
+
+
+def _artifacts(run) -> set[str]:
+    return {str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and "tensorboard" not in p.parts}
+
+
+def test_two_rank_zero3_demo_writes_what_one_process_writes(tmp_path):
+    common = ["train.steps=2", "train.eval_every=null", "train.log_every=1", "data.train.0.max_samples=400"]
+    single = _cli("train", "examples/demo.yaml", *common, f"output_dir={tmp_path / 'one'}")
+    assert single.returncode == 0, single.stderr
+    proc = _cli(
+        "train",
+        "examples/demo.yaml",
+        "--nproc",
+        "2",
+        "parallel.zero_stage=3",
+        *common,
+        f"output_dir={tmp_path / 'two'}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "FSDP2 ZeRO-3" in proc.stdout and proc.stdout.count("done:") == 1
+    assert _artifacts(tmp_path / "two") == _artifacts(tmp_path / "one")
+    assert any((tmp_path / "two" / "tensorboard").iterdir())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")
+    assert model.config.vocab_size == 1024

@@ -114,3 +114,12 @@ def test_section_level_error_names_the_override(tmp_path):
 def test_fp16_needs_fp32_master_weights(tmp_path):
     with pytest.raises(ConfigError, match=r"set model\.dtype=float32"):
         load_config(_write(tmp_path, GOOD), ["model.dtype=float16", "train.precision=fp16"])
+
+
+def test_override_into_a_list_item(tmp_path):
+    cfg = load_config(_write(tmp_path, GOOD), ["data.train.0.max_samples=5"])
+    assert cfg.data.train[0].max_samples == 5
+    with pytest.raises(ConfigError, match="not an index of a 1-item list"):
+        load_config(_write(tmp_path, GOOD), ["data.train.3.max_samples=5"])
+    with pytest.raises(ConfigError, match="'lr' is not a section"):
+        load_config(_write(tmp_path, GOOD), ["train.lr.x=5"])
