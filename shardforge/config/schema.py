@@ -118,6 +118,7 @@ class TrainSection(Section):
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     warmup: int = Field(default=10, ge=0)
+    warmup_ratio: float | None = Field(default=None, ge=0, lt=1)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(default=1e-8, gt=0)

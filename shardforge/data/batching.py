@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from shardforge.data.examples import Example
+from shardforge.models.attention import DocLayout, doc_layout
 
 IGNORE = -100
 
@@ -23,9 +24,11 @@ class Batch:
     doc_ids: torch.Tensor | None  # None: one document per row, plain causal attention suffices
     num_tokens: int  # real (non-pad) tokens
     num_targets: int
+    doc_layout: DocLayout | None = None  # per-document attention for packed rows (cheaper than a mask)
 
     def to(self, device: torch.device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        layout = None if self.doc_layout is None else self.doc_layout.to(device)
         return Batch(
             move(self.input_ids),
             move(self.targets),
@@ -33,6 +36,7 @@ class Batch:
             move(self.doc_ids),
             self.num_tokens,
             self.num_targets,
+            layout,
         )
 
 
@@ -49,10 +53,9 @@ def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: 
     positions = torch.zeros((n, width), dtype=torch.long)
     docs = torch.full((n, width), -1, dtype=torch.long)
     num_tokens = num_targets = 0
-    multi_doc = False
+    multi_doc = any(len(row) > 1 for row in rows)
     for r, row in enumerate(rows):
         col = 0
-        multi_doc |= len(row) > 1
         for d, idx in enumerate(row):
             ex = examples[idx]
             length = len(ex.input_ids)
@@ -65,7 +68,13 @@ def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: 
             col += length
             num_tokens += length
             num_targets += ex.num_targets
-    return Batch(ids, targets, positions, docs if multi_doc else None, num_tokens, num_targets)
+    if not multi_doc:
+        return Batch(ids, targets, positions, None, num_tokens, num_targets)
+    lengths = [[len(examples[i].input_ids) for i in row] for row in rows]
+    longest = max(n for row in lengths for n in row)
+    per_doc_cost = sum(len(row) for row in lengths) * longest**2
+    layout = doc_layout(lengths, width) if per_doc_cost < n * width**2 else None
+    return Batch(ids, targets, positions, docs, num_tokens, num_targets, layout)
 
 
 class GlobalOrder:

@@ -45,10 +45,10 @@ def _read_all(specs: list[DatasetSpec], stage: str) -> list[Record]:
     return records
 
 
-def build_rows(records: list[Record], encoder: Any, data: DataSection, what: str) -> RowSet:
+def build_rows(records: list[Record], encoder: Any, data: DataSection, what: str, seed: int = 0) -> RowSet:
     examples, stats = encode_all(records, encoder, data.max_length, data.truncation, what)
     lengths = [len(e.input_ids) for e in examples]
-    rows = pack_rows(lengths, data.max_length) if data.packing else single_rows(len(examples))
+    rows = pack_rows(lengths, data.max_length, seed) if data.packing else single_rows(len(examples))
     return RowSet(examples, rows, stats)
 
 
@@ -65,6 +65,6 @@ def build_datasets(data: DataSection, stage: str, encoder: Any, seed: int) -> tu
             raise DataError(f"data.eval_fraction={data.eval_fraction} leaves no training record")
         eval_records += [r for i, r in enumerate(train_records) if i in held]
         train_records = [r for i, r in enumerate(train_records) if i not in held]
-    train = build_rows(train_records, encoder, data, "training data")
-    evaluation = build_rows(eval_records, encoder, data, "evaluation data") if eval_records else None
+    train = build_rows(train_records, encoder, data, "training data", seed)
+    evaluation = build_rows(eval_records, encoder, data, "evaluation data", seed) if eval_records else None
     return train, evaluation

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 
-def pack_rows(lengths: Sequence[int], max_length: int) -> list[list[int]]:
-    """Group document indices into rows of at most `max_length` tokens, wasting as little as possible.
+def pack_rows(lengths: Sequence[int], max_length: int, seed: int = 0) -> list[list[int]]:
+    """Group document indices into rows of at most `max_length` tokens, wasting little.
 
-    Best-fit decreasing: longest documents first, each into the fullest row that still has room. Deterministic
-    (ties broken by index). Within a row, documents keep ascending index order.
+    Online best fit over a seeded random order: each document goes into the fullest row that still has room.
+    Sorting by length first (best-fit decreasing) wastes slightly less but makes rows of one long document
+    plus fillers and rows of only short ones, so a step's rows are no longer a random mix of the data;
+    random order keeps every row a fair sample. Deterministic for a given seed.
     """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
     rows: list[list[int]] = []
+    room_of: list[int] = []
     by_room: list[list[int]] = [[] for _ in range(max_length + 1)]  # room -> row ids with exactly that room
     for doc in order:
         need = lengths[doc]
@@ -22,11 +27,10 @@ def pack_rows(lengths: Sequence[int], max_length: int) -> list[list[int]]:
         if row is None:
             row = len(rows)
             rows.append([])
-            room = max_length
-        else:
-            room = max_length - sum(lengths[d] for d in rows[row])
+            room_of.append(max_length)
         rows[row].append(doc)
-        by_room[room - need].append(row)
+        room_of[row] -= need
+        by_room[room_of[row]].append(row)
     return [sorted(r) for r in rows]
 
 

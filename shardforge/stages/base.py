@@ -31,8 +31,14 @@ class Stage(Protocol):
 
 
 def causal_lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy summed over target tokens (targets are pre-shifted per document)."""
-    logits = model(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE, reduction="sum"
+    """Next-token cross-entropy summed over target tokens (targets are pre-shifted per document). The LM head
+    runs only on target positions: prompts and padding never pay for the vocabulary projection."""
+    scored = batch.targets != IGNORE
+    logits = model(
+        batch.input_ids,
+        position_ids=batch.position_ids,
+        doc_ids=batch.doc_ids,
+        doc_layout=batch.doc_layout,
+        output_mask=scored,
     )
+    return F.cross_entropy(logits.float(), batch.targets[scored], reduction="sum")

@@ -58,14 +58,19 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.
     return total
 
 
+def warmup_steps(total: int, train: TrainSection) -> int:
+    return int(train.warmup_ratio * total) if train.warmup_ratio is not None else train.warmup
+
+
 def lr_factor(step: int, total: int, train: TrainSection) -> float:
     """Multiplier of train.lr at optimizer step `step` (0-based)."""
-    if train.warmup and step < train.warmup:
-        return (step + 1) / (train.warmup + 1)
+    warmup = warmup_steps(total, train)
+    if warmup and step < warmup:
+        return (step + 1) / (warmup + 1)
     if train.schedule == "constant":
         return 1.0
-    span = max(1, total - train.warmup)
-    progress = min(1.0, (step - train.warmup) / span)
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
     floor = train.min_lr_ratio
     if train.schedule == "linear":
         return floor + (1 - floor) * (1 - progress)

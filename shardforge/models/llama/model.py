@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardforge.models.attention import DocLayout, attention_per_document
 from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
 
@@ -36,7 +38,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext, sliding: bool
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of the head count keeps this correct when TP shards the projections by heads.
@@ -51,7 +53,11 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        if ctx.layout is not None:
+            out = attention_per_document(q, k, v, ctx.layout, ctx.window if sliding else None)
+        else:
+            mask = ctx.sliding if sliding else ctx.full
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -75,33 +81,46 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, masks: dict) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), cos, sin, masks["sliding" if self.sliding else "full"])
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), cos, sin, ctx, self.sliding)
         return h + self.mlp(self.post_attn_norm(h))
 
 
-def attention_masks(cfg: DecoderConfig, seq: int, doc_ids: torch.Tensor | None, device: torch.device) -> dict:
-    """Boolean masks [b, 1, s, s] (True = attend): causal, within one document, within the sliding window.
+@dataclass
+class AttentionContext:
+    """How tokens may attend, computed once per forward: boolean masks [b, 1, s, s] (True = attend; None =
+    plain causal) for full and sliding-window layers, or a per-document layout for packed rows."""
 
-    None means plain causal attention, which SDPA handles without materializing a mask.
-    """
+    full: torch.Tensor | None = None
+    sliding: torch.Tensor | None = None
+    layout: DocLayout | None = None
+    window: int | None = None
+
+
+def attention_context(
+    cfg: DecoderConfig, seq: int, doc_ids: torch.Tensor | None, layout: DocLayout | None, device: torch.device
+) -> AttentionContext:
+    if layout is not None:
+        return AttentionContext(layout=layout, window=cfg.sliding_window)
     needs_window = cfg.sliding_window is not None and seq > cfg.sliding_window
     if doc_ids is None and not needs_window:
-        return {"full": None, "sliding": None}
+        return AttentionContext()
     pos = torch.arange(seq, device=device)
     allowed = (pos[None, :] <= pos[:, None])[None]
     if doc_ids is not None:
         allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
     full = allowed[:, None]
     if not needs_window:
-        return {"full": full, "sliding": full}
+        return AttentionContext(full=full, sliding=full)
     window = (pos[:, None] - pos[None, :]) < cfg.sliding_window
-    return {"full": full, "sliding": full & window[None, None]}
+    return AttentionContext(full=full, sliding=full & window[None, None])
 
 
 class Decoder(nn.Module):
-    """Token ids -> logits. `position_ids` and `doc_ids` describe packed rows (positions restart per
-    document)."""
+    """Token ids -> logits. `position_ids` and `doc_ids` (or the faster `doc_layout`) describe packed rows
+    (positions restart per document); `output_mask` [b, s] limits the LM head to those positions."""
 
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
@@ -148,13 +167,18 @@ class Decoder(nn.Module):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
+        doc_layout: DocLayout | None = None,
+        output_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, h.dtype)
-        masks = attention_masks(self.config, s, doc_ids, input_ids.device)
+        ctx = attention_context(self.config, s, doc_ids, doc_layout, input_ids.device)
         for layer in self.layers:
-            h = layer(h, cos, sin, masks)
-        return self.lm_head(self.norm(h))
+            h = layer(h, cos, sin, ctx)
+        h = self.norm(h)
+        if output_mask is not None:  # only the positions that are scored: [n, vocab]
+            h = h[output_mask]
+        return self.lm_head(h)

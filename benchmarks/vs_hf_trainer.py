@@ -1,0 +1,468 @@
+"""The same SFT job on Hugging Face Trainer (as a LLaMA-Factory user runs it) and on shardforge, side by side.
+
+One invocation builds the job once (a random-init Llama-family model saved as an HF folder, the bundled
+tokenizer, alpaca-style data with a realistic length spread, a held-out set), then runs the two sides
+alternately, each in a fresh process, several times, and reports medians as JSON and a markdown table:
+
+    python benchmarks/vs_hf_trainer.py --repeats 3
+
+Both sides: same model folder, tokens (the same chat template and response-only labels), one epoch over the
+same records, ~the same samples per optimizer step, AdamW with the same hyper-parameters, cosine schedule to 0 with
+5% warmup, clipping 1.0, fp32, the same number of threads. Differences are the point of the comparison:
+HF pads each batch to its longest sample (LLaMA-Factory's default for SFT); shardforge packs documents into
+rows (per-document attention, so the loss is the same as unpacked). Throughput is timed after the first optimizer
+step; held-out loss is computed for both final models by one evaluator (mean over response tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "examples" / "data" / "tokenizer"
+WORDS = [
+    "time",
+    "people",
+    "year",
+    "way",
+    "day",
+    "man",
+    "thing",
+    "woman",
+    "life",
+    "child",
+    "world",
+    "school",
+    "state",
+    "family",
+    "student",
+    "group",
+    "country",
+    "problem",
+    "hand",
+    "part",
+    "place",
+    "case",
+    "week",
+    "company",
+    "system",
+    "program",
+    "question",
+    "work",
+    "government",
+    "number",
+    "night",
+    "point",
+    "home",
+    "water",
+    "room",
+    "mother",
+    "area",
+    "money",
+    "story",
+    "fact",
+    "month",
+    "lot",
+    "right",
+    "study",
+    "book",
+    "eye",
+    "job",
+    "word",
+    "business",
+    "issue",
+    "side",
+    "kind",
+    "head",
+    "house",
+    "service",
+    "friend",
+    "father",
+    "power",
+    "hour",
+    "game",
+    "line",
+    "end",
+    "member",
+    "law",
+    "car",
+    "city",
+    "community",
+    "name",
+    "president",
+    "team",
+    "minute",
+    "idea",
+    "kid",
+    "body",
+    "information",
+    "back",
+    "parent",
+    "face",
+    "others",
+    "level",
+    "office",
+    "door",
+    "health",
+    "person",
+    "art",
+    "war",
+    "history",
+    "party",
+    "result",
+    "change",
+    "morning",
+    "reason",
+    "research",
+    "girl",
+    "guy",
+    "moment",
+    "air",
+    "teacher",
+    "force",
+    "education",
+]
+
+
+# ---- the job ---------------------------------------------------------------------------------------------
+def make_records(n: int, seed: int) -> list[dict]:
+    """Alpaca-style records whose lengths spread like real instruction data: mostly short, a long tail."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.5:  # short answers
+            a, b = rng.randint(1, 999), rng.randint(1, 999)
+            records.append(
+                {"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": f"{a + b}"}
+            )
+        elif kind < 0.85:  # a sentence or a few
+            words = rng.sample(WORDS, rng.randint(3, 12))
+            records.append(
+                {
+                    "instruction": "Sort these words alphabetically and explain.",
+                    "input": " ".join(words),
+                    "output": "The sorted words are: " + ", ".join(sorted(words)) + ".",
+                }
+            )
+        else:  # long-form answers
+            topic = rng.choice(WORDS)
+            sentences = [
+                f"The {rng.choice(WORDS)} of the {topic} is about {rng.choice(WORDS)} and "
+                f"{rng.choice(WORDS)}."
+                for _ in range(rng.randint(6, 30))
+            ]
+            records.append(
+                {
+                    "instruction": f"Write a short essay about the {topic}.",
+                    "input": "",
+                    "output": " ".join(sentences),
+                }
+            )
+    return records
+
+
+def build_job(folder: Path, args: argparse.Namespace) -> dict:
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from transformers import AutoTokenizer
+
+    from shardforge.models import build_preset, save_model
+
+    for name, n, seed in (("train", args.records, 0), ("eval", args.eval_records, 1)):
+        with open(folder / f"{name}.jsonl", "w") as f:
+            for r in make_records(n, seed):
+                f.write(json.dumps(r) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    save_model(
+        build_preset(args.preset, vocab_size=len(tokenizer), seed=0), folder / "model", tokenizer=tokenizer
+    )
+    return {"folder": str(folder)}
+
+
+def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
+    """Token ids and labels (-100 outside responses) exactly as shardforge's sft stage makes them."""
+    from transformers import AutoTokenizer
+
+    from shardforge.config.schema import DataSection, DatasetSpec
+    from shardforge.data.formats import read_dataset
+    from shardforge.stages import get_stage
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    data = DataSection(train=[{"path": str(folder / f"{split}.jsonl"), "format": "alpaca"}], max_length=4096)
+    encoder = get_stage("sft").encoder(tokenizer, data)
+    out = []
+    for record in read_dataset(DatasetSpec(path=str(folder / f"{split}.jsonl"), format="alpaca"), "sft"):
+        ids, trained = encoder(record)
+        out.append((ids, [t if m else -100 for t, m in zip(ids, trained, strict=True)]))
+    return out
+
+
+# ---- side A: transformers Trainer ------------------------------------------------------------------------
+def run_hf(folder: Path, args: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
+    from transformers.data.data_collator import DataCollatorForSeq2Seq
+
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    rows = [
+        {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+        for ids, labels in encode(folder, "train")
+    ]
+    model = AutoModelForCausalLM.from_pretrained(folder / "model", attn_implementation="sdpa")
+    seen: list[tuple[int, int]] = []  # (real tokens, target tokens) per batch, in order
+    pad = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+
+    def collate(features: list[dict]) -> dict:
+        batch = pad(features)
+        seen.append(
+            (int(batch["attention_mask"].sum()), int((batch["labels"] != -100).sum()) - len(features))
+        )
+        return batch
+
+    marks: dict[str, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step == 1:
+                marks["after_first"] = time.perf_counter()
+
+    steps_per_epoch = -(-len(rows) // args.batch)
+    targs = TrainingArguments(
+        output_dir=str(folder / "hf_out"),
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=1,
+        num_train_epochs=1,
+        learning_rate=args.lr,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        lr_scheduler_type="cosine",
+        warmup_steps=int(0.05 * steps_per_epoch),
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+    trainer = Trainer(model=model, args=targs, train_dataset=rows, data_collator=collate, callbacks=[Clock()])
+    start = time.perf_counter()
+    trainer.train()
+    end = time.perf_counter()
+    trainer.save_model(str(folder / "hf_final"))
+    # The shifted labels: HF drops each sample's first label; we counted labels minus one per sample above.
+    timed = seen[1:steps_per_epoch]
+    return _report(
+        "hf_trainer", folder / "hf_final", end - start, end - marks["after_first"], timed, steps_per_epoch
+    )
+
+
+# ---- side B: shardforge ----------------------------------------------------------------------------------
+def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
+    import torch
+
+    from shardforge.config import load_config
+    from shardforge.train.trainer import Trainer
+
+    torch.set_num_threads(args.threads)
+    lengths = [len(ids) for ids, _ in encode(folder, "train")]
+    max_length = max(512, max(lengths))
+    # About the same documents per optimizer step as HF's batch: rows x max_length ~ batch x mean length.
+    micro_batch = max(1, round(args.batch * statistics.mean(lengths) / max_length))
+    overrides = [f"train.compile={str(args.compile).lower()}", f"train.seed={args.seed}", *args.sf_override]
+    cfg = load_config(
+        None,
+        overrides,
+        base={
+            "output_dir": str(folder / "sf_out"),
+            "model": {"path": str(folder / "model")},
+            "data": {
+                "train": [{"path": str(folder / "train.jsonl"), "format": "alpaca"}],
+                "max_length": max_length,
+            },
+            "train": {
+                "epochs": 1,
+                "steps": None,
+                "micro_batch": micro_batch,
+                "lr": args.lr,
+                "schedule": "cosine",
+                "min_lr_ratio": 0.0,
+                "warmup_ratio": 0.05,
+                "clip": 1.0,
+                "betas": [0.9, 0.95],
+                "log_every": 10_000,
+            },
+            "log": {"tensorboard": False, "plot": False, "progress": False},
+            "hardware": {"threads": args.threads},
+        },
+    )
+    trainer = Trainer(cfg)
+    step_counts: list[tuple[int, int]] = []
+    marks: dict[str, float] = {}
+    untimed_step = trainer.train_step
+
+    def timed_step():
+        loss, norm, counts = untimed_step()
+        step_counts.append((counts.tokens, counts.targets))
+        if len(step_counts) == 1:
+            marks["after_first"] = time.perf_counter()
+        return loss, norm, counts
+
+    trainer.train_step = timed_step
+    start = time.perf_counter()
+    trainer.train()
+    end = time.perf_counter()
+    return _report(
+        "shardforge",
+        folder / "sf_out" / "final",
+        end - start,
+        end - marks["after_first"],
+        step_counts[1:],
+        trainer.total_steps,
+    )
+
+
+def _report(
+    side: str, final: Path, wall: float, timed: float, counts: list[tuple[int, int]], steps: int
+) -> dict:
+    tokens, targets = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    return {
+        "side": side,
+        "final": str(final),
+        "steps": steps,
+        "wall_s": wall,
+        "timed_s": timed,
+        "tokens_per_s": tokens / timed,
+        "target_tokens_per_s": targets / timed,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+# ---- one evaluator for both ------------------------------------------------------------------------------
+def held_out_loss(folder: Path, final: Path) -> float:
+    """Mean next-token loss over response tokens of the held-out set, one document at a time."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, labels in encode(folder, "eval"):
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+            target = torch.tensor(labels[1:])
+            total += F.cross_entropy(logits, target, ignore_index=-100, reduction="sum").item()
+            count += int((target != -100).sum())
+    return total / count
+
+
+# ---- driver ----------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama-10m")
+    parser.add_argument("--records", type=int, default=1200)
+    parser.add_argument("--eval-records", type=int, default=200)
+    parser.add_argument(
+        "--batch", type=int, default=8, help="HF samples per step (shardforge: same on average)"
+    )
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="shardforge with train.compile=true")
+    parser.add_argument("--side", choices=["hf", "shardforge"], help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help="write the JSON results here")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    if args.side:  # a child process: run one side, print its JSON
+        result = (run_hf if args.side == "hf" else run_shardforge)(Path(args.job), args)
+        print("RESULT " + json.dumps(result))
+        return
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp)
+        build_job(job, args)
+        runs: dict[str, list[dict]] = {"hf": [], "shardforge": []}
+        for rep in range(args.repeats):
+            for side in ("hf", "shardforge") if rep % 2 == 0 else ("shardforge", "hf"):
+                cmd = [sys.executable, __file__, "--side", side, "--job", str(job), *_forward(args)]
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
+                result = json.loads(line[7:])
+                result["held_out_loss"] = held_out_loss(job, Path(result["final"]))
+                runs[side].append(result)
+                print(
+                    f"[{rep + 1}/{args.repeats}] {side}: {result['target_tokens_per_s']:.0f} target tok/s, "
+                    f"held-out loss {result['held_out_loss']:.4f}",
+                    flush=True,
+                )
+    summary = {
+        side: {
+            key: statistics.median(r[key] for r in rs)
+            for key in (
+                "wall_s",
+                "timed_s",
+                "tokens_per_s",
+                "target_tokens_per_s",
+                "held_out_loss",
+                "peak_rss_mib",
+                "steps",
+            )
+        }
+        for side, rs in runs.items()
+    }
+    summary["speedup_target_tokens"] = (
+        summary["shardforge"]["target_tokens_per_s"] / summary["hf"]["target_tokens_per_s"]
+    )
+    result = {"args": vars(args), "median": summary, "runs": runs}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(summary, indent=2))
+    hf, sf = summary["hf"], summary["shardforge"]
+    print("\n| | HF Trainer | shardforge | ratio |\n|---|---|---|---|")
+    for key, label in (
+        ("wall_s", "wall time (s)"),
+        ("tokens_per_s", "tokens/s (all real tokens)"),
+        ("target_tokens_per_s", "target tokens/s"),
+        ("held_out_loss", "held-out loss"),
+        ("peak_rss_mib", "peak RSS (MiB)"),
+        ("steps", "optimizer steps"),
+    ):
+        print(f"| {label} | {hf[key]:.4g} | {sf[key]:.4g} | {sf[key] / hf[key]:.2f} |")
+
+
+def _forward(args: argparse.Namespace) -> list[str]:
+    out = [
+        "--preset",
+        args.preset,
+        "--batch",
+        str(args.batch),
+        "--lr",
+        str(args.lr),
+        "--threads",
+        str(args.threads),
+    ]
+    return out + (["--compile"] if args.compile else [])
+
+
+if __name__ == "__main__":
+    main()
