@@ -20,7 +20,7 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from shardforge.train.trainer import resolve_grad_accum, train
 
     config = load_config(args.config, args.overrides)
-    if args.nproc > 1 and not already_a_rank():
+    if args.nproc > 1 and not already_a_rank(translate=False):
         # Layout errors surface here, once, before any process starts.
         dims = ParallelDims.from_config(config.parallel, args.nproc)
         resolve_grad_accum(config, dims.dp)
@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    from shardforge.launch import already_a_rank
+
+    already_a_rank()  # under srun, turn SLURM's variables into torch's before anything reads RANK
     console = Console(soft_wrap=True, quiet=os.environ.get("RANK", "0") != "0")  # one voice per job
     try:
         return args.func(args, console)

@@ -11,9 +11,9 @@ import uuid
 from shardforge.errors import ShardforgeError
 
 
-def already_a_rank() -> bool:
+def already_a_rank(translate: bool = True) -> bool:
     """True under torchrun (or anything that set RANK/WORLD_SIZE); a SLURM task is translated first."""
-    if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    if translate and "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         _translate_slurm()
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -40,6 +40,9 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # As torchrun does for several local ranks: one intra-op thread each unless the user says otherwise
+    # (hardware.threads still applies inside each rank).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -5,7 +5,7 @@ gradient compression hooks, and the mixed-precision policy for sharded parameter
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -82,10 +82,28 @@ def _register_compression(ddp: DistributedDataParallel, parallel: ParallelSectio
         state = powerSGD_hook.PowerSGDState(
             process_group=mesh.get_group(),
             matrix_approximation_rank=parallel.powersgd_rank,
-            start_powerSGD_iter=2,  # vanilla all-reduce for the first step, as PowerSGD recommends warm-up
+            start_powerSGD_iter=2,  # plain all-reduce for two iterations (warm-up), compressed after
             min_compression_rate=1,
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        ddp.register_comm_hook(state, _one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
+        ddp.powersgd_state = state  # compression statistics, for logs and tests
+
+
+def _one_bucket_at_a_time(hook: Callable) -> Callable:
+    """PowerSGD issues its all-reduces from future callbacks; with several buckets, ranks can then interleave
+    them in different orders, which gloo rejects ("collective mismatch"). Waiting for the previous bucket's
+    chain before starting the next keeps every rank's collectives in one order (at the cost of overlap)."""
+    previous: list[torch.futures.Future] = []
+
+    # No annotations: DDP inspects the hook's signature and rejects string (postponed) annotations.
+    def serialized(state, bucket):
+        if previous:
+            previous.pop().wait()
+        future = hook(state, bucket)
+        previous.append(future)
+        return future
+
+    return serialized
 
 
 @contextlib.contextmanager

@@ -2,14 +2,18 @@
 
 Mesh dimension order, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp. The innermost dimensions
 talk most (TP every layer), so they map onto neighbouring ranks (the same node); pipeline stages talk least.
-Only dimensions of degree > 1 are materialized in the mesh.
+Only dimensions of degree > 1 are materialized in the mesh. Expert parallel is not a dimension of its own: the
+experts of an MoE layer are spread over ranks that already split the data (dp_shard x cp), as a view of those
+dimensions, so `ep` must divide dp_shard x cp and does not change the world size.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from shardforge.config.schema import ParallelSection
 from shardforge.errors import ConfigError
@@ -44,7 +48,19 @@ class ParallelDims:
             if parallel.dp_replicate == 1 and parallel.dp_shard == -1:
                 replicate = max(1, world_size // rest)
         elif shard == -1:
-            shard = max(1, world_size // (replicate * rest))
+            if world_size % (replicate * rest):
+                raise ConfigError(
+                    f"{world_size} processes cannot be split evenly: dp_replicate ({replicate}) x cp "
+                    f"({parallel.cp}) x tp ({parallel.tp}) x pp ({parallel.pp}) = {replicate * rest} "
+                    f"does not "
+                    f"divide {world_size}"
+                )
+            shard = world_size // (replicate * rest)
+        if parallel.zero_stage >= 2 and shard == 1 and world_size > 1:
+            raise ConfigError(
+                f"parallel.zero_stage={parallel.zero_stage} with dp_shard=1 shards nothing (every rank is a "
+                f"replica): use zero_stage 0 or 1 for pure replication, or a dp_shard above 1"
+            )
         dims = cls(
             replicate,
             shard,
@@ -55,6 +71,11 @@ class ParallelDims:
             parallel.zero_stage,
             world_size,
         )
+        if (shard * parallel.cp) % parallel.ep:
+            raise ConfigError(
+                f"parallel.ep={parallel.ep} must divide dp_shard ({shard}) x cp ({parallel.cp}): "
+                f"expert parallel reuses the data-parallel ranks"
+            )
         product = replicate * shard * rest
         if product != world_size:
             raise ConfigError(
@@ -81,14 +102,18 @@ class ParallelDims:
             "tp": self.tp,
         }
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The one mesh of the job (None in a single process)."""
+    def build_mesh(self, device_type: str, timeout: datetime.timedelta | None = None) -> DeviceMesh | None:
+        """The one mesh of the job (None in a single process); its groups get the job's collective timeout."""
         if self.world_size == 1:
             return None
         names = [n for n in MESH_ORDER if self.degrees()[n] > 1]
-        return init_device_mesh(
+        mesh = init_device_mesh(
             device_type, tuple(self.degrees()[n] for n in names), mesh_dim_names=tuple(names)
         )
+        if timeout is not None:
+            for dim in range(mesh.ndim):  # sub-groups otherwise keep torch's 30-minute default
+                _set_pg_timeout(timeout, mesh.get_group(dim))
+        return mesh
 
     def dp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
         """The data-parallel sub-mesh: 1-D (replicate or shard) or 2-D (replicate, shard) for HSDP."""

@@ -3,6 +3,7 @@ clipping, precision, schedule, metrics, export) lives here once."""
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from dataclasses import dataclass, field
@@ -92,22 +93,27 @@ class Trainer:
         if cfg.hardware.threads:
             torch.set_num_threads(cfg.hardware.threads)
 
+        if world == 1 and cfg.parallel.offload != "none":
+            raise ConfigError(
+                f"parallel.offload={cfg.parallel.offload} offloads sharded states: it needs several "
+                f"processes (--nproc N); a single process shards nothing"
+            )
+        try:  # every rank checks before any collective, so a bad path fails alike everywhere
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"output_dir {str(self.run_dir)!r} cannot be created: {exc.strerror}") from None
+        check_model_source(cfg.model)
+
         self.owns_process_group = init_distributed(backend, cfg.parallel.timeout_minutes)
-        self.mesh = self.dims.build_mesh(self.device.type)
+        timeout = datetime.timedelta(minutes=cfg.parallel.timeout_minutes)
+        self.mesh = self.dims.build_mesh(self.device.type, timeout)
         self.dp_rank = self.dims.dp_rank(self.mesh)
         self.is_main = not dist.is_initialized() or dist.get_rank() == 0
         if not self.is_main:
             self.console = Console(quiet=True)
         seed_everything(cfg.train.seed)
         if self.is_main:
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ConfigError(
-                    f"output_dir {str(self.run_dir)!r} cannot be created: {exc.strerror}"
-                ) from None
             dump_config(cfg, self.run_dir / "config.yaml")
-        check_model_source(cfg.model)
 
         self.stage = get_stage(cfg.method.stage)
         self.tokenizer = load_tokenizer(cfg.model)

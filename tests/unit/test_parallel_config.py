@@ -61,3 +61,39 @@ def test_bad_parallel_settings(tmp_path, override, message):
         return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(None, [override], base=base)
+
+
+def test_uneven_world_and_replication_only_sharding_are_refused():
+    with pytest.raises(ConfigError, match=r"3 processes cannot be split evenly: dp_replicate \(2\)"):
+        ParallelDims.from_config(ParallelSection(zero_stage=3, dp_replicate=2), 3)
+    with pytest.raises(ConfigError, match="shards nothing"):
+        ParallelDims.from_config(ParallelSection(zero_stage=2, dp_replicate=2), 2)
+
+
+def test_offload_in_one_process_is_refused_before_anything_starts(tmp_path):
+    from shardforge.train.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        ["parallel.zero_stage=3", "parallel.offload=params"],
+        base=tiny_config(tmp_path, tmp_path / "x.jsonl"),
+    )
+    with pytest.raises(ConfigError, match="needs several processes"):
+        Trainer(cfg).setup()
+
+
+def test_slurm_task_becomes_a_rank(monkeypatch):
+    import os
+
+    from shardforge.launch import already_a_rank
+
+    slurm = {
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7",
+    }
+    monkeypatch.setattr(os, "environ", dict(slurm))  # a private environment: nothing leaks into other tests
+    assert already_a_rank()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
+    assert os.environ["MASTER_ADDR"] == "10.0.0.7" and os.environ["MASTER_PORT"] == "29500"
