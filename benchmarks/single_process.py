@@ -22,7 +22,17 @@ from shardforge.train.trainer import Trainer
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(preset: str, steps: int, micro_batch: int, seq: int, threads: int, log_every: int) -> dict:
+def run(
+    preset: str,
+    steps: int,
+    micro_batch: int,
+    seq: int,
+    threads: int,
+    log_every: int,
+    device: str = "auto",
+    precision: str = "fp32",
+    peak_flops: float | None = None,
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(
             None,
@@ -36,6 +46,7 @@ def run(preset: str, steps: int, micro_batch: int, seq: int, threads: int, log_e
                 },
                 "method": {"stage": "pt"},
                 "train": {
+                    "precision": precision,
                     "steps": steps,
                     "micro_batch": micro_batch,
                     "lr": 1e-3,
@@ -44,7 +55,7 @@ def run(preset: str, steps: int, micro_batch: int, seq: int, threads: int, log_e
                 },
                 "log": {"tensorboard": False, "plot": False, "progress": False},
                 "checkpoint": {"save_final": False},
-                "hardware": {"threads": threads},
+                "hardware": {"threads": threads, "device": device, "peak_flops": peak_flops},
             },
         )
         trainer = Trainer(cfg)
@@ -73,8 +84,21 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--peak-flops", type=float, default=None, help="MFU denominator (default: measured)")
     args = parser.parse_args()
-    result = run(args.preset, args.steps, args.micro_batch, args.seq, args.threads, args.log_every)
+    result = run(
+        args.preset,
+        args.steps,
+        args.micro_batch,
+        args.seq,
+        args.threads,
+        args.log_every,
+        args.device,
+        args.precision,
+        args.peak_flops,
+    )
     print(json.dumps(result, indent=2))
     print(
         f"\n{result['preset']} ({result['parameters'] / 1e6:.1f}M params), {args.threads} threads: "

@@ -2,16 +2,18 @@
 
 One invocation builds the job once (a random-init Llama-family model saved as an HF folder, the bundled
 tokenizer, alpaca-style data with a realistic length spread, a held-out set), then runs the two sides
-alternately, each in a fresh process, several times, and reports medians as JSON and a markdown table:
+alternately, each in a fresh process, several times (repetition r uses seed r on both sides), and reports
+medians as JSON and a markdown table:
 
     python benchmarks/vs_hf_trainer.py --repeats 3
 
-Both sides: same model folder, tokens (the same chat template and response-only labels), one epoch over the
-same records, ~the same samples per optimizer step, AdamW with the same hyper-parameters, cosine schedule to 0 with
-5% warmup, clipping 1.0, fp32, the same number of threads. Differences are the point of the comparison:
-HF pads each batch to its longest sample (LLaMA-Factory's default for SFT); shardforge packs documents into
-rows (per-document attention, so the loss is the same as unpacked). Throughput is timed after the first optimizer
-step; held-out loss is computed for both final models by one evaluator (mean over response tokens).
+Both sides: the same model folder and tokens (same chat template, response-only labels), one epoch over the
+same records, about the same samples per optimizer step, AdamW (fused kernel on both) with the same
+hyper-parameters, cosine schedule to 0 with 5% warmup, clipping 1.0, fp32, the same number of threads.
+The difference under test: HF pads each batch to its longest sample (LLaMA-Factory's SFT default, no packing);
+shardforge runs its defaults (packing with per-document attention, LM head on target positions only).
+Throughput is timed after the first optimizer step; the held-out loss of both final models comes from one
+evaluator (transformers forward, mean over response tokens).
 """
 
 from __future__ import annotations
@@ -29,108 +31,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "examples" / "data" / "tokenizer"
-WORDS = [
-    "time",
-    "people",
-    "year",
-    "way",
-    "day",
-    "man",
-    "thing",
-    "woman",
-    "life",
-    "child",
-    "world",
-    "school",
-    "state",
-    "family",
-    "student",
-    "group",
-    "country",
-    "problem",
-    "hand",
-    "part",
-    "place",
-    "case",
-    "week",
-    "company",
-    "system",
-    "program",
-    "question",
-    "work",
-    "government",
-    "number",
-    "night",
-    "point",
-    "home",
-    "water",
-    "room",
-    "mother",
-    "area",
-    "money",
-    "story",
-    "fact",
-    "month",
-    "lot",
-    "right",
-    "study",
-    "book",
-    "eye",
-    "job",
-    "word",
-    "business",
-    "issue",
-    "side",
-    "kind",
-    "head",
-    "house",
-    "service",
-    "friend",
-    "father",
-    "power",
-    "hour",
-    "game",
-    "line",
-    "end",
-    "member",
-    "law",
-    "car",
-    "city",
-    "community",
-    "name",
-    "president",
-    "team",
-    "minute",
-    "idea",
-    "kid",
-    "body",
-    "information",
-    "back",
-    "parent",
-    "face",
-    "others",
-    "level",
-    "office",
-    "door",
-    "health",
-    "person",
-    "art",
-    "war",
-    "history",
-    "party",
-    "result",
-    "change",
-    "morning",
-    "reason",
-    "research",
-    "girl",
-    "guy",
-    "moment",
-    "air",
-    "teacher",
-    "force",
-    "education",
-]
+_WORD_TEXT = """
+time people year way day man thing woman life child world school state family student group country
+problem hand part place case week company system program question work government number night point
+home water room mother area money story fact month lot right study book eye job word business issue
+side kind head house service friend father power hour game line end member law car city community
+name president team minute idea kid body information back parent face others level office door
+health person art war history party result change morning reason research girl guy moment air
+teacher force education
+"""
+WORDS = _WORD_TEXT.split()
 
 
 # ---- the job ---------------------------------------------------------------------------------------------
@@ -222,6 +132,7 @@ def run_hf(folder: Path, args: argparse.Namespace) -> dict:
         for ids, labels in encode(folder, "train")
     ]
     model = AutoModelForCausalLM.from_pretrained(folder / "model", attn_implementation="sdpa")
+    on_cuda = args.device == "cuda"
     seen: list[tuple[int, int]] = []  # (real tokens, target tokens) per batch, in order
     pad = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
@@ -256,8 +167,9 @@ def run_hf(folder: Path, args: argparse.Namespace) -> dict:
         logging_steps=10_000,
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
-        seed=0,
+        use_cpu=not on_cuda,
+        bf16=args.precision == "bf16",
+        seed=args.seed,
         dataloader_num_workers=0,
         disable_tqdm=True,
         remove_unused_columns=False,
@@ -286,7 +198,13 @@ def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
     max_length = max(512, max(lengths))
     # About the same documents per optimizer step as HF's batch: rows x max_length ~ batch x mean length.
     micro_batch = max(1, round(args.batch * statistics.mean(lengths) / max_length))
-    overrides = [f"train.compile={str(args.compile).lower()}", f"train.seed={args.seed}", *args.sf_override]
+    overrides = [
+        f"train.compile={str(args.compile).lower()}",
+        f"train.seed={args.seed}",
+        f"train.precision={args.precision}",
+        f"hardware.device={args.device}",
+        *args.sf_override,
+    ]
     cfg = load_config(
         None,
         overrides,
@@ -386,6 +304,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="shardforge with train.compile=true")
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--sf-override", nargs="*", default=[], help="extra shardforge overrides (say so)")
     parser.add_argument("--side", choices=["hf", "shardforge"], help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write the JSON results here")
@@ -402,7 +324,17 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"hf": [], "shardforge": []}
         for rep in range(args.repeats):
             for side in ("hf", "shardforge") if rep % 2 == 0 else ("shardforge", "hf"):
-                cmd = [sys.executable, __file__, "--side", side, "--job", str(job), *_forward(args)]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--side",
+                    side,
+                    "--job",
+                    str(job),
+                    "--seed",
+                    str(rep),
+                    *_forward(args),
+                ]
                 proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
                 line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                 if line is None:
@@ -451,16 +383,10 @@ def main() -> None:
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
-    out = [
-        "--preset",
-        args.preset,
-        "--batch",
-        str(args.batch),
-        "--lr",
-        str(args.lr),
-        "--threads",
-        str(args.threads),
-    ]
+    """The options a child process needs to run one side exactly as asked."""
+    out = ["--preset", args.preset, "--batch", str(args.batch), "--lr", str(args.lr)]
+    out += ["--threads", str(args.threads), "--device", args.device, "--precision", args.precision]
+    out += ["--sf-override", *args.sf_override] if args.sf_override else []
     return out + (["--compile"] if args.compile else [])
 
 

@@ -191,7 +191,7 @@ def train_tokenizer(rows: list[dict], out_dir: Path, vocab_size: int = 1024) -> 
         pad_token="<|endoftext|>",
         extra_special_tokens=["<|im_start|>"],
         chat_template=CHAT_TEMPLATE,
-        model_max_length=512,
+        model_max_length=32768,  # positions are the model's limit, not the tokenizer's
         padding_side="right",
     )
     out_dir.mkdir(parents=True, exist_ok=True)

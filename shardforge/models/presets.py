@@ -38,6 +38,8 @@ _PRESETS: dict[str, dict] = {
     # Benchmark sizes; parameter counts are with the bundled 1k-token vocabulary.
     "llama-10m": _shape("llama", 384, 1024, 6, 6, 3, 64),
     "llama-25m": _shape("llama", 512, 1408, 8, 8, 4, 64),
+    # GPU benchmark size (~300M with the 1k vocabulary): big enough to load an H200's tensor cores.
+    "llama-300m": _shape("llama", 1024, 2816, 24, 16, 8, 64),
 }
 
 

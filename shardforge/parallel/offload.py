@@ -23,7 +23,7 @@ class OffloadedAdamW(torch.optim.AdamW):
                 masters.append(master.pin_memory() if pin_memory else master)
                 self.device_params.append(p)
             host_groups.append({**group, "params": masters})
-        super().__init__(host_groups, foreach=True, **defaults)
+        super().__init__(host_groups, fused=True, **defaults)
         self.masters = [m for g in self.param_groups for m in g["params"]]
 
     @torch.no_grad()

@@ -31,14 +31,14 @@ def build_optimizer(
     dp_mesh: DeviceMesh | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over the (possibly sharded) parameters. ZeRO-1 shards its states over the data-parallel group;
-    offload=optimizer keeps fp32 masters and states in host memory. Fused kernels on CUDA, foreach
-    elsewhere."""
+    offload=optimizer keeps fp32 masters and states in host memory."""
     groups = param_groups(model, train.weight_decay)
     hyper = {"lr": train.lr, "betas": train.betas, "eps": train.eps}
     on_cuda = all(p.device.type == "cuda" for g in groups for p in g["params"])
     if parallel is not None and parallel.offload == "optimizer":
         return OffloadedAdamW(groups, pin_memory=on_cuda, **hyper)
-    kernel = {"fused": True} if on_cuda else {"foreach": True}
+    # The fused kernel (CPU and CUDA) is several times faster than foreach: one pass over all parameters.
+    kernel = {"fused": True}
     if parallel is not None and parallel.zero_stage == 1 and dp_mesh is not None:
         return ZeroRedundancyOptimizer(
             groups, optimizer_class=torch.optim.AdamW, process_group=dp_mesh.get_group(), **hyper, **kernel

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,6 +151,9 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.train)
         self.precision = Precision(cfg.train.precision, self.device)
         self.order = GlobalOrder(rows, cfg.train.seed)
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardforge-data")
+        self._pending: Future | None = None
+        self._built = 0
         self.pad_id = self.tokenizer.pad_token_id
         self.peak_flops = cfg.hardware.peak_flops or measure_matmul_peak(self.device, self.precision.dtype)
         n_params = self.model_config.num_params()
@@ -186,6 +190,17 @@ class Trainer:
             self.stage.collate(rows.examples, [rows.rows[i] for i in g], self.pad_id) for g in groups
         ], counts
 
+    def _prefetched_batch(self) -> tuple[list[Batch], StepCounts]:
+        """The next global batch, built on a background thread while the previous step computed, so data
+        preparation never stalls the step; the following one is started before returning."""
+        if self._pending is None:
+            self._pending = self._loader.submit(self._next_global_batch)
+        batch = self._pending.result()
+        self._built += 1
+        more = self._built < self.total_steps
+        self._pending = self._loader.submit(self._next_global_batch) if more else None
+        return batch
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, StepCounts]:
         """One optimizer step: (this rank's loss sum, global grad norm) as device tensors, and global counts.
 
@@ -193,7 +208,7 @@ class Trainer:
         averaging divides by dp, so the loss is multiplied back by dp. The result is the gradient of the mean
         over all target tokens of the global batch, however it is split across ranks and micro-steps.
         """
-        micro, counts = self._next_global_batch()
+        micro, counts = self._prefetched_batch()
         scale = self.dims.dp / counts.targets
         loss_sum = torch.zeros((), device=self.device)
         for j, mb in enumerate(micro):
@@ -313,6 +328,7 @@ class Trainer:
                 progress.update(task, info=f"loss {last_loss:.4f}")
                 window = self._new_window()
                 t0 = time.perf_counter()
+        self._loader.shutdown(wait=False)
         history = writer.history if writer is not None else []
         if writer is not None:
             writer.close()
