@@ -28,6 +28,21 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def lf_messages_entry(file_name: str) -> dict:
+    """A LLaMA-Factory dataset_info entry for OpenAI-style `messages` data, declared as sharegpt with tags."""
+    return {
+        "file_name": file_name,
+        "formatting": "sharegpt",
+        "columns": {"messages": "messages"},
+        "tags": {
+            "role_tag": "role",
+            "content_tag": "content",
+            "user_tag": "user",
+            "assistant_tag": "assistant",
+        },
+    }
+
+
 def alpaca_records(n: int, seed: int = 0) -> list[dict]:
     """Deterministic alpaca records of varied length (so packing and target counts are uneven)."""
     import random

@@ -15,8 +15,9 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def rank_from_env() -> int:
-    return int(os.environ.get("RANK", "0"))
+def local_rank_from_env() -> int:
+    """This process's index on its node (which GPU it drives)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def pick_backend(choice: str, device: torch.device) -> str:

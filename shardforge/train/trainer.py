@@ -26,8 +26,8 @@ from shardforge.parallel.data_parallel import apply_data_parallel, gradient_sync
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.distributed import (
     init_distributed,
+    local_rank_from_env,
     pick_backend,
-    rank_from_env,
     shutdown,
     world_size_from_env,
 )
@@ -87,9 +87,7 @@ class Trainer:
         world = world_size_from_env()
         self.dims = ParallelDims.from_config(cfg.parallel, world)
         self.grad_accum = resolve_grad_accum(cfg, self.dims.dp)
-        self.device = pick_device(
-            cfg.hardware.device, rank_from_env() % max(1, torch.cuda.device_count() or 1)
-        )
+        self.device = pick_device(cfg.hardware.device, local_rank_from_env())
         backend = pick_backend(cfg.parallel.backend, self.device)
         if cfg.hardware.threads:
             torch.set_num_threads(cfg.hardware.threads)

@@ -10,7 +10,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import REPO, alpaca_records, tiny_config, write_jsonl
+from tests.conftest import REPO, alpaca_records, lf_messages_entry, tiny_config, write_jsonl
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -77,19 +77,7 @@ def test_llama_factory_dataset_info(tmp_path):
             for i in range(8)
         ],
     )
-    info = {
-        "my_data": {
-            "file_name": "lf.jsonl",
-            "formatting": "sharegpt",
-            "columns": {"messages": "messages"},
-            "tags": {
-                "role_tag": "role",
-                "content_tag": "content",
-                "user_tag": "user",
-                "assistant_tag": "assistant",
-            },
-        }
-    }
+    info = {"my_data": lf_messages_entry("lf.jsonl")}
     (tmp_path / "dataset_info.json").write_text(json.dumps(info))
     cfg = tiny_config(tmp_path, tmp_path / "unused.jsonl")
     cfg["data"]["train"] = [{"name": "my_data", "dataset_info": str(tmp_path / "dataset_info.json")}]

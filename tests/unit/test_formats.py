@@ -13,6 +13,7 @@ import pytest
 from shardforge.config.schema import DatasetSpec
 from shardforge.data.formats import Record, read_dataset
 from shardforge.errors import DataError
+from tests.conftest import lf_messages_entry
 
 EXTS = ["jsonl", "json", "parquet"]
 
@@ -293,17 +294,7 @@ def info_spec(tmp_path: Path, entries: dict[str, Any], name: str, **kw: Any) -> 
 
 def test_dataset_info_sharegpt_custom_columns_and_tags(tmp_path: Path) -> None:
     write(tmp_path / "chat.jsonl", OPENAI)
-    entry = {
-        "file_name": "chat.jsonl",
-        "formatting": "sharegpt",
-        "columns": {"messages": "messages"},
-        "tags": {
-            "role_tag": "role",
-            "content_tag": "content",
-            "user_tag": "user",
-            "assistant_tag": "assistant",
-        },
-    }
+    entry = lf_messages_entry("chat.jsonl")
     recs = read_dataset(info_spec(tmp_path, {"mine": entry}, "mine"), "sft")
     assert recs[0].messages == chat(("system", "S"), ("user", "Q"), ("assistant", "A"))
 
