@@ -71,10 +71,19 @@ def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: 
     if not multi_doc:
         return Batch(ids, targets, positions, None, num_tokens, num_targets)
     lengths = [[len(examples[i].input_ids) for i in row] for row in rows]
+    layout = doc_layout(lengths, width) if use_per_document(lengths, width) else None
+    return Batch(ids, targets, positions, docs, num_tokens, num_targets, layout)
+
+
+def use_per_document(lengths: list[list[int]], width: int) -> bool:
+    """Per-document attention (gather, causal SDPA, scatter) or the block-diagonal mask for packed rows?
+
+    The gather/scatter costs memory traffic that only pays off when rows are long and the saving is large:
+    measured on CPU, the layout is 11% faster at 512 tokens and 27% at 1024, but 18% slower at 256.
+    """
     longest = max(n for row in lengths for n in row)
     per_doc_cost = sum(len(row) for row in lengths) * longest**2
-    layout = doc_layout(lengths, width) if per_doc_cost < n * width**2 else None
-    return Batch(ids, targets, positions, docs, num_tokens, num_targets, layout)
+    return width >= 512 and 2 * per_doc_cost < len(lengths) * width**2
 
 
 class GlobalOrder:

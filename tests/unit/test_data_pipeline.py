@@ -34,7 +34,16 @@ def _pt_examples(tokenizer) -> list[Example]:
     return examples
 
 
-def test_pretrain_packing_is_exact(tokenizer):
+@pytest.fixture(params=["per-document", "mask"])
+def attention_path(request, monkeypatch):
+    """Run a test once with packed rows attended per document and once through the block-diagonal mask."""
+    import shardforge.data.batching as batching
+
+    monkeypatch.setattr(batching, "use_per_document", lambda lengths, width: request.param == "per-document")
+    return request.param
+
+
+def test_pretrain_packing_is_exact(tokenizer, attention_path):
     """Loss and gradients of pt on one packed row equal those of the documents run one by one."""
     examples = _pt_examples(tokenizer)
     model = build_preset("tiny-qwen3", vocab_size=len(tokenizer), seed=3)
@@ -42,7 +51,8 @@ def test_pretrain_packing_is_exact(tokenizer):
     pad = tokenizer.pad_token_id
 
     packed = collate(examples, [list(range(len(examples)))], pad)
-    assert packed.doc_layout is not None and packed.input_ids.shape[0] == 1
+    assert (packed.doc_layout is not None) == (attention_path == "per-document")
+    assert packed.doc_ids is not None and packed.input_ids.shape[0] == 1
     loss_packed = stage.loss_sum(model, packed)
     loss_packed.backward()
     grads_packed = [p.grad.clone() for p in model.parameters()]
@@ -153,7 +163,7 @@ def test_global_order_is_split_invariant_and_covers_each_epoch():
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral"])
-def test_per_document_attention_equals_masked_attention(tokenizer, preset):
+def test_per_document_attention_equals_masked_attention(tokenizer, preset, monkeypatch):
     """The per-document layout (gather, causal SDPA, scatter) and the block-diagonal mask give the same
     logits and gradients on packed rows, also with a sliding window shorter than the documents (tiny-mistral:
     32)."""
@@ -163,6 +173,9 @@ def test_per_document_attention_equals_masked_attention(tokenizer, preset):
     stage = get_stage("pt")
     examples, _ = encode_all(long_docs, stage.encoder(tokenizer, _data()), 512, "right", "x")
     model = build_preset(preset, vocab_size=len(tokenizer), seed=4)
+    import shardforge.data.batching as batching
+
+    monkeypatch.setattr(batching, "use_per_document", lambda lengths, width: True)
     fast = collate(examples, [[0, 1, 2], [3]], tokenizer.pad_token_id)
     assert fast.doc_layout is not None and max(len(e.input_ids) for e in examples) > 32
     masked = dataclasses.replace(fast, doc_layout=None)
