@@ -119,6 +119,9 @@ def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+# TODO(LoRA): add a `--method lora` variant (peft on the HF side, shardforge's LoRA) once shardforge has LoRA.
+
+
 # ---- side A: transformers Trainer ------------------------------------------------------------------------
 def run_hf(folder: Path, args: argparse.Namespace) -> dict:
     import torch
