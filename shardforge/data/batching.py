@@ -116,10 +116,6 @@ class GlobalOrder:
             self.position += len(chunk)
         return out
 
-    @property
-    def epoch(self) -> float:
-        return self.position / self.num_rows
-
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "num_rows": self.num_rows}
 

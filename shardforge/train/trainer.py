@@ -309,7 +309,8 @@ class Trainer:
                     "tokens_per_s": tokens_per_s,
                     "target_tokens_per_s": window["targets"] / elapsed,
                     "mfu": flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
-                    "epoch": round(self.order.epoch, 4),
+                    # From the step, not the sampler: the prefetcher has already drawn the next batch.
+                    "epoch": round(step * self.global_batch / len(self.train_rows.rows), 4),
                     **memory_bytes(self.device),
                 }
                 if step == cfg.train.log_every or (is_last and step < cfg.train.log_every):
