@@ -84,15 +84,18 @@ class ParallelSection(Section):
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_minutes: float = Field(default=10.0, gt=0)
-    activation_checkpoint: Literal["none", "full"] = "none"
+    sequence_parallel: bool = True
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
 
     @model_validator(mode="after")
     def _built_layouts_only(self) -> ParallelSection:
-        # Tensor, pipeline, context and expert parallel land in later releases: refuse, never ignore.
-        asked = {k: getattr(self, k) for k in ("tp", "pp", "cp", "ep") if getattr(self, k) > 1}
+        # Pipeline, context and expert parallel land in later releases: refuse, never ignore.
+        asked = {k: getattr(self, k) for k in ("pp", "cp", "ep") if getattr(self, k) > 1}
         if asked:
             shown = ", ".join(f"parallel.{k}={v}" for k, v in asked.items())
-            raise ValueError(f"{shown}: not available in this version (data parallel only); keep it 1")
+            raise ValueError(
+                f"{shown}: not available in this version (data and tensor parallel only); keep it 1"
+            )
         if self.dp_shard == 0:
             raise ValueError("parallel.dp_shard must be >= 1, or -1 for the rest of the world")
         if self.offload != "none" and self.zero_stage < 2:

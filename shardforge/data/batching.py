@@ -40,13 +40,17 @@ class Batch:
         )
 
 
-def collate(examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int) -> Batch:
-    """Build a micro-batch from rows (lists of example indices), padded to the longest row.
+def collate(
+    examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1
+) -> Batch:
+    """Build a micro-batch from rows (lists of example indices), padded to the longest row (rounded up to a
+    `multiple`: sequence parallel splits the sequence evenly over TP ranks).
 
     Targets never cross a document boundary, positions restart at each document, and `doc_ids` keeps attention
     inside each document, so a packed row computes exactly what its documents would compute one by one.
     """
     width = max(sum(len(examples[i].input_ids) for i in row) for row in rows)
+    width = -(-width // multiple) * multiple
     n = len(rows)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     targets = torch.full((n, width), IGNORE, dtype=torch.long)

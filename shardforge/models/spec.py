@@ -13,7 +13,8 @@ from shardforge.errors import ModelError
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model family. Later engine work fills `tp_plan` and `pipeline_split`."""
+    """One model family. `tp_plan(config, tp, sequence_parallel)` checks the shapes and returns the
+    tensor-parallel plan (module pattern -> ParallelStyle); the pipeline work fills `pipeline_split`."""
 
     name: str
     model_type: str  # config.json model_type
@@ -25,7 +26,7 @@ class ModelSpec:
     key_to_hf: Callable[[str], str]
     key_from_hf: Callable[[str], str]
     flops_per_token: Callable[[Any, int], float]
-    tp_plan: dict[str, Any] | None = None
+    tp_plan: Callable[[Any, int, bool], dict[str, Any]] | None = None
     pipeline_split: Callable[..., Any] | None = None
 
 

@@ -36,6 +36,12 @@ class ParallelDims:
     def from_config(cls, parallel: ParallelSection, world_size: int) -> ParallelDims:
         """Resolve `dp_shard=-1` (the rest of the world) and check the degrees multiply to the world size."""
         rest = parallel.cp * parallel.tp * parallel.pp
+        for name in ("tp", "pp", "cp"):
+            if getattr(parallel, name) > world_size:
+                raise ConfigError(
+                    f"parallel.{name}={getattr(parallel, name)} needs at least that many processes, but "
+                    f"{world_size} are running (launch with --nproc N)"
+                )
         replicate, shard = parallel.dp_replicate, parallel.dp_shard
         if parallel.zero_stage < 2:
             if shard > 1:
@@ -56,6 +62,12 @@ class ParallelDims:
                     f"divide {world_size}"
                 )
             shard = world_size // (replicate * rest)
+        if parallel.zero_stage >= 2 and rest == world_size > 1:
+            raise ConfigError(
+                f"parallel.zero_stage={parallel.zero_stage}: the {world_size} processes are all used by "
+                f"tp x pp x cp = {rest}, none is left to shard data-parallel states over; use zero_stage=0 "
+                f"or more processes"
+            )
         if parallel.zero_stage >= 2 and shard == 1 and world_size > 1:
             raise ConfigError(
                 f"parallel.zero_stage={parallel.zero_stage} with dp_shard=1 shards nothing (every rank is a "
@@ -71,6 +83,11 @@ class ParallelDims:
             parallel.zero_stage,
             world_size,
         )
+        if parallel.tp > 1 and replicate > 1 and parallel.zero_stage < 2:
+            raise ConfigError(
+                f"parallel.tp={parallel.tp} with {replicate} data-parallel replicas needs FSDP2: set "
+                f"parallel.zero_stage to 2 or 3 (DDP and ZeRO-1 do not take tensor-parallel parameters)"
+            )
         if (shard * parallel.cp) % parallel.ep:
             raise ConfigError(
                 f"parallel.ep={parallel.ep} must divide dp_shard ({shard}) x cp ({parallel.cp}): "

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardforge.config.schema import DataSection
 from shardforge.data.batching import IGNORE, Batch
@@ -21,8 +22,10 @@ class Stage(Protocol):
         """Record -> (token ids, per-token target flags)."""
         ...
 
-    def collate(self, examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int) -> Batch:
-        """Rows of examples -> one micro-batch of tensors."""
+    def collate(
+        self, examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1
+    ) -> Batch:
+        """Rows of examples -> one micro-batch of tensors, its length a multiple of `multiple`."""
         ...
 
     def loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -30,15 +33,21 @@ class Stage(Protocol):
         ...
 
 
-def causal_lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy summed over target tokens (targets are pre-shifted per document). The LM head
-    runs only on target positions: prompts and padding never pay for the vocabulary projection."""
-    scored = batch.targets != IGNORE
-    logits = model(
+def causal_lm_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Logits [targets, vocab] of the target positions only (the LM head skips prompts and padding)."""
+    return model(
         batch.input_ids,
         position_ids=batch.position_ids,
         doc_ids=batch.doc_ids,
         doc_layout=batch.doc_layout,
-        output_mask=scored,
+        output_mask=batch.targets != IGNORE,
     )
-    return F.cross_entropy(logits.float(), batch.targets[scored], reduction="sum")
+
+
+def causal_lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Next-token cross-entropy summed over target tokens (targets are pre-shifted per document). The LM head
+    runs only on target positions: prompts and padding never pay for the vocabulary projection."""
+    logits = causal_lm_forward(model, batch)
+    loss = F.cross_entropy(logits.float(), batch.targets[batch.targets != IGNORE], reduction="sum")
+    # Under tensor parallel the logits are vocabulary shards and `loss_parallel` returns a replicated DTensor.
+    return loss.to_local() if isinstance(loss, DTensor) else loss

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoConfig
 
 from shardforge.config.schema import ModelSection
 from shardforge.errors import ModelError
@@ -18,17 +19,17 @@ from shardforge.models.spec import spec_for
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_model_source(model: ModelSection) -> None:
+def check_model_source(model: ModelSection) -> Any:
     """Fail fast (before the data is read) on a missing folder, a missing config.json, an unsupported family
-    or an unknown preset."""
+    or an unknown preset. Returns the model's shape (our config; a preset's vocabulary is not known yet)."""
     if model.preset is not None:
-        preset_config(model.preset, vocab_size=1)
-        return
+        return preset_config(model.preset, vocab_size=1)
     folder = Path(model.path)
     if not folder.is_dir():
         raise ModelError(f"model.path {model.path!r} is not a folder (expected a Hugging Face model folder)")
     meta = read_config_json(folder)
-    spec_for(meta.get("model_type"), meta.get("architectures"))
+    spec = spec_for(meta.get("model_type"), meta.get("architectures"))
+    return spec.config_from_hf(AutoConfig.from_pretrained(folder))
 
 
 def load_tokenizer(model: ModelSection) -> Any:

@@ -32,6 +32,12 @@ from shardforge.parallel.distributed import (
     world_size_from_env,
 )
 from shardforge.parallel.memory import memory_report
+from shardforge.parallel.tensor_parallel import (
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    loss_context,
+    strip_vocab_padding,
+)
 from shardforge.stages import get_stage
 from shardforge.train.build import build_model, check_model_source, load_tokenizer
 from shardforge.train.metrics import MetricsWriter, plot_loss
@@ -101,7 +107,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"output_dir {str(self.run_dir)!r} cannot be created: {exc.strerror}") from None
-        check_model_source(cfg.model)
+        check_tensor_parallel(check_model_source(cfg.model), cfg.parallel)
 
         self.owns_process_group = init_distributed(backend, cfg.parallel.timeout_minutes)
         timeout = datetime.timedelta(minutes=cfg.parallel.timeout_minutes)
@@ -124,7 +130,12 @@ class Trainer:
 
         model = build_model(cfg.model, self.tokenizer, cfg.train.seed, self.device)
         self.model_config = model.config
-        # Appliers in a fixed order: activation checkpointing, compile, then data parallel (FSDP2 wraps last).
+        # Appliers in a fixed order. TP first: it swaps parameters for DTensors that the later wrappers take
+        # as they are. Checkpointing wraps whole (TP-sharded) blocks: `full` recomputation repeats their TP
+        # collectives (in the same order on every rank), `selective` keeps their outputs. Compile sees the
+        # final block code. FSDP2 comes last:
+        # it shards the TP DTensors over the data-parallel mesh dims (2-D) and owns the parameters.
+        apply_tensor_parallel(model, self.dims, self.mesh, cfg.parallel)
         apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
         if cfg.train.compile:
             for block in model.layers:
@@ -153,6 +164,8 @@ class Trainer:
         self._pending: Future | None = None
         self._built = 0
         self.pad_id = self.tokenizer.pad_token_id
+        # Sequence parallel splits every row's tokens evenly over the TP ranks.
+        self.seq_multiple = self.dims.tp if cfg.parallel.sequence_parallel else 1
         self.peak_flops = cfg.hardware.peak_flops or measure_matmul_peak(self.device, self.precision.dtype)
         n_params = self.model_config.num_params()
         self.console.print(
@@ -185,7 +198,8 @@ class Trainer:
         groups = split_global_batch(ids, t.micro_batch, self.grad_accum, self.dims.dp, self.dp_rank)
         rows = self.train_rows
         return [
-            self.stage.collate(rows.examples, [rows.rows[i] for i in g], self.pad_id) for g in groups
+            self.stage.collate(rows.examples, [rows.rows[i] for i in g], self.pad_id, self.seq_multiple)
+            for g in groups
         ], counts
 
     def _prefetched_batch(self) -> tuple[list[Batch], StepCounts]:
@@ -211,7 +225,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for j, mb in enumerate(micro):
             mb = mb.to(self.device)
-            with gradient_sync(self.model, sync=j == len(micro) - 1):
+            with gradient_sync(self.model, sync=j == len(micro) - 1), loss_context(self.dims):
                 with self.precision.autocast():
                     loss = self.stage.loss_sum(self.model, mb)
                 self.precision.scale(loss * scale).backward()
@@ -246,19 +260,21 @@ class Trainer:
         rows, mb = self.eval_rows, self.config.train.micro_batch
         total, count = torch.zeros((), device=self.device), 0
         for start in range(0, len(rows.rows), mb):
-            batch = self.stage.collate(rows.examples, rows.rows[start : start + mb], self.pad_id).to(
-                self.device
-            )
-            with self.precision.autocast():
+            batch = self.stage.collate(
+                rows.examples, rows.rows[start : start + mb], self.pad_id, self.seq_multiple
+            ).to(self.device)
+            with self.precision.autocast(), loss_context(self.dims):
                 total += self.stage.loss_sum(self.model, batch)
             count += batch.num_targets
         self.model.train()
         return (total / count).item()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) weights on CPU under our key names; complete on rank 0 (collective call)."""
+        """Full (unsharded) weights on CPU under our key names, without TP vocabulary padding; complete on
+        rank 0 (collective call)."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.inner, options=options)
+        state = get_model_state_dict(self.inner, options=options)
+        return strip_vocab_padding(state, self.model_config.vocab_size)
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def _new_window(self) -> dict:

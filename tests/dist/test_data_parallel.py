@@ -13,6 +13,7 @@ from shardforge.config import load_config
 from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
+from tests.dist._training import assert_same, train_runs
 
 STEPS = 5
 
@@ -24,29 +25,6 @@ def _cfg(tmp_path, name: str, data, *, mb: int, accum: int, preset: str = "tiny-
                       parallel=parallel, checkpoint={"save_final": False})
     cfg["model"]["preset"] = preset
     return cfg
-
-
-def _train_runs(configs: list[dict]) -> list[dict]:
-    """Train each config in turn on this rank; full weights come back from rank 0."""
-    out = []
-    for cfg in configs:
-        trainer = Trainer(load_config(None, base=cfg))
-        result = trainer.train()
-        state = trainer.full_state_dict()
-        main = not dist.is_initialized() or dist.get_rank() == 0
-        powersgd = getattr(trainer.model, "powersgd_state", None)
-        out.append({"losses": [r["loss"] for r in result.history], "state": state if main else None,
-                    "memory": trainer.memory, "layout": trainer.dims.describe(),
-                    "powersgd": powersgd.compression_stats() if powersgd is not None else None})
-    return out
-
-
-def _assert_same(run: dict, ref: dict, rel: float = 1e-5, atol: float = 1e-5) -> None:
-    assert len(run["losses"]) == len(ref["losses"])
-    assert run["losses"] == pytest.approx(ref["losses"], rel=rel), run["layout"]
-    assert run["state"].keys() == ref["state"].keys()
-    for key, value in ref["state"].items():
-        torch.testing.assert_close(run["state"][key], value, rtol=1e-4, atol=atol, msg=f"{run['layout']}: {key}")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +39,7 @@ def reference(tmp_path_factory, data):
     configs = [_cfg(tmp, "mb4x2", data, mb=4, accum=2), _cfg(tmp, "mb2x4", data, mb=2, accum=4),
                _cfg(tmp, "tied", data, mb=4, accum=2, preset="tiny-qwen2"),
                _cfg(tmp, "short", data, mb=4, accum=2, steps=3)]
-    runs = _train_runs(configs)
+    runs = train_runs(configs)
     return dict(zip(["mb4x2", "mb2x4", "tied", "short"], runs, strict=True))
 
 
@@ -80,30 +58,30 @@ def two_ranks(tmp_path_factory, data):
         configs.append(_cfg(tmp, precision, data, mb=2, accum=2, zero_stage=3))
         configs[-1]["train"]["precision"] = precision
     names = [*layouts, "tied", "offload_opt", "offload_params", "fp16hook", "powersgd", "bf16", "fp16"]
-    per_rank = run_ranks(_train_runs, 2, configs)
+    per_rank = run_ranks(train_runs, 2, configs)
     return {name: [rank[i] for rank in per_rank] for i, name in enumerate(names)}
 
 
 def test_split_of_the_global_batch_in_one_process(reference):
     """1 process, accumulation 2 vs 4 over the same global batch: same losses and weights."""
-    _assert_same(reference["mb2x4"], reference["mb4x2"])
+    assert_same(reference["mb2x4"], reference["mb4x2"])
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages_match_single_process(two_ranks, reference, stage):
     """2 ranks x accumulation 2 x micro-batch 2 == 1 process x accumulation 2 x micro-batch 4 (and x4 x2)."""
     run = two_ranks[f"zero{stage}"][0]
-    _assert_same(run, reference["mb4x2"])
-    _assert_same(run, reference["mb2x4"])
+    assert_same(run, reference["mb4x2"])
+    assert_same(run, reference["mb2x4"])
 
 
 def test_tied_embeddings_under_zero3(two_ranks, reference):
-    _assert_same(two_ranks["tied"][0], reference["tied"])
+    assert_same(two_ranks["tied"][0], reference["tied"])
 
 
 @pytest.mark.parametrize("name", ["offload_opt", "offload_params"])
 def test_offload_matches_single_process(two_ranks, reference, name):
-    _assert_same(two_ranks[name][0], reference["mb4x2"])
+    assert_same(two_ranks[name][0], reference["mb4x2"])
 
 
 def test_fp16_compression_is_close(two_ranks, reference):
@@ -169,17 +147,17 @@ def four_ranks(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("four")
     configs = [_cfg(tmp, "hsdp", data, mb=1, accum=2, dp_replicate=2, dp_shard=2, zero_stage=3),
                _cfg(tmp, "zero2x4", data, mb=1, accum=2, zero_stage=2)]
-    per_rank = run_ranks(_train_runs, 4, configs)
+    per_rank = run_ranks(train_runs, 4, configs)
     return {name: [rank[i] for rank in per_rank] for i, name in enumerate(["hsdp", "zero2x4"])}
 
 
 def test_hsdp_2x2_matches_single_process(four_ranks, reference):
     assert "HSDP" in four_ranks["hsdp"][0]["layout"]
-    _assert_same(four_ranks["hsdp"][0], reference["mb4x2"])
+    assert_same(four_ranks["hsdp"][0], reference["mb4x2"])
 
 
 def test_zero2_on_four_ranks_matches_and_shards_by_four(four_ranks, reference):
-    _assert_same(four_ranks["zero2x4"][0], reference["mb4x2"])
+    assert_same(four_ranks["zero2x4"][0], reference["mb4x2"])
     state = reference["mb4x2"]["state"]
     for rank, run in enumerate(four_ranks["zero2x4"]):
         assert run["memory"]["grad_bytes"] == _sharded_bytes(state, 4, rank, 4)

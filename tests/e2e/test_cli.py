@@ -168,3 +168,25 @@ def test_two_rank_zero3_demo_writes_what_one_process_writes(tmp_path):
     assert any((tmp_path / "two" / "tensorboard").iterdir())
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "final")
     assert model.config.vocab_size == 1024
+
+
+def test_four_rank_fsdp_x_tp_demo_runs_and_exports(tmp_path):
+    """The issue's acceptance command (shortened): 2 data-parallel shards x 2 tensor-parallel ranks."""
+    common = ["train.steps=2", "train.eval_every=null", "train.log_every=1", "data.train.0.max_samples=200"]
+    proc = _cli(
+        "train",
+        "examples/demo.yaml",
+        "--nproc",
+        "4",
+        "parallel.tp=2",
+        "parallel.zero_stage=3",
+        *common,
+        f"output_dir={tmp_path / 'tp'}",
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "dp_shard=2 x tp=2 on 4 rank(s), FSDP2 ZeRO-3" in proc.stdout and proc.stdout.count("done:") == 1
+    metrics = [json.loads(line) for line in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["loss"] > 0 for m in metrics)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "final")
+    assert model.config.vocab_size == 1024

@@ -76,8 +76,8 @@ def test_dump_is_resolved_and_reloadable(tmp_path):
 
 
 def test_parallel_layouts_not_built_yet_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"parallel.tp=2.*not available in this version"):
-        load_config(_write(tmp_path, GOOD), ["parallel.tp=2"])
+    with pytest.raises(ConfigError, match=r"parallel.cp=2.*not available in this version"):
+        load_config(_write(tmp_path, GOOD), ["parallel.cp=2"])
 
 
 def test_every_key_is_documented():

@@ -1,0 +1,86 @@
+"""The Llama family's tensor-parallel plan, as data: module-name pattern -> DTensor ParallelStyle.
+
+Megatron's layout: q/k/v and gate/up are split by output columns (attention heads, MLP channels), o and down
+by input rows, so each block needs one reduction after attention and one after the MLP. The embedding and
+the LM head are split over the vocabulary (cross-entropy runs on the sharded logits under `loss_parallel`).
+
+With sequence parallel the residual stream between those reductions is split over the sequence (Shard(1)):
+the reductions become reduce-scatters, the norms run on 1/tp of the tokens, and each attention / MLP input
+is all-gathered. Without it the residual stream is whole on every rank and the norms are replicated.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from shardforge.errors import ConfigError
+from shardforge.models.llama.config import DecoderConfig
+from shardforge.parallel.styles import ReplicateParallel
+
+
+def check_tensor_parallel(cfg: DecoderConfig, tp: int) -> None:
+    """Shapes the plan can split evenly; anything else is an error before training, never a wrong result."""
+    rules = {
+        "num_heads (query heads)": cfg.num_heads,
+        "num_kv_heads (key/value heads)": cfg.num_kv_heads,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size (MLP width)": cfg.intermediate_size,
+    }
+    for what, value in rules.items():
+        if value % tp:
+            hint = ""
+            if what.startswith("num_kv_heads") and tp > value:
+                hint = (
+                    f"; tensor parallel splits key/value heads across ranks and does not replicate them "
+                    f"(grouped-query attention with {value} kv heads allows tp up to {value})"
+                )
+            raise ConfigError(f"parallel.tp={tp} does not divide the model's {what} = {value}{hint}")
+
+
+def tensor_parallel_plan(cfg: DecoderConfig, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Which module gets which sharding. Keys are `parallelize_module` paths (`*` matches one segment)."""
+    check_tensor_parallel(cfg, tp)
+    stream: Placement = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+
+    def norm() -> ParallelStyle:
+        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+
+    def gather_input(n_args: int) -> ParallelStyle:
+        """All-gather the (sequence-split) first argument; the others are not tensors of the stream."""
+        rest = (None,) * (n_args - 1)
+        return PrepareModuleInput(input_layouts=(stream, *rest), desired_input_layouts=(Replicate(), *rest))
+
+    plan: dict[str, ParallelStyle] = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "layers.*.input_norm": norm(),
+        "layers.*.attn.q_proj": ColwiseParallel(),
+        "layers.*.attn.k_proj": ColwiseParallel(),
+        "layers.*.attn.v_proj": ColwiseParallel(),
+        "layers.*.attn.o_proj": RowwiseParallel(output_layouts=stream),
+        "layers.*.post_attn_norm": norm(),
+        "layers.*.mlp.gate_proj": ColwiseParallel(),
+        "layers.*.mlp.up_proj": ColwiseParallel(),
+        "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),
+        # The head scores only target positions, picked from whole rows: gather the stream before the final
+        # norm (run replicated), then project to vocabulary shards for the parallel cross-entropy.
+        "norm": ReplicateParallel(input_layout=stream),
+        "lm_head": ColwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False
+        ),
+    }
+    if sequence_parallel:
+        plan["layers.*.attn"] = gather_input(5)  # (x, cos, sin, attention context, sliding)
+        plan["layers.*.mlp"] = gather_input(1)
+    if cfg.qk_norm:
+        # Qwen3's q/k norms are shared by all heads while each rank holds some heads: as DTensors split over
+        # the head dimension, their weight gradients are summed over the TP ranks.
+        plan["layers.*.attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["layers.*.attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan

@@ -1,0 +1,122 @@
+"""Tensor + sequence parallel, applied over a built model from its family's plan (data, in the ModelSpec).
+
+The vocabulary is split over TP ranks; when tp does not divide it, the embedding and LM head are padded with
+zero rows, the padded logits are masked out of the softmax, and the padding is stripped on export, so a run
+computes exactly what the unpadded model computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+from shardforge.config.schema import ParallelSection
+from shardforge.errors import ConfigError
+from shardforge.models.spec import spec_for
+from shardforge.parallel.dims import ParallelDims
+
+_VOCAB_KEYS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def apply_tensor_parallel(
+    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, parallel: ParallelSection
+) -> nn.Module:
+    """Shard `model` in place over the mesh's tp dimension (a no-op at tp=1). Shapes tp cannot split are
+    ConfigErrors (the trainer checks them before the process group starts, `check_tensor_parallel`)."""
+    if dims.tp == 1:
+        return model
+    cfg = model.config
+    check_tensor_parallel(cfg, parallel)
+    plan = spec_for(cfg.family).tp_plan(cfg, dims.tp, parallel.sequence_parallel)
+    padded = pad_vocab(model, dims.tp)
+    parallelize_module(model, mesh["tp"], plan)
+    model.tie_weights()  # the head's style re-wraps a tied weight: share the embedding's DTensor again
+    if padded != cfg.vocab_size:
+        model.lm_head.register_forward_hook(_mask_padded_logits(cfg.vocab_size))
+    if parallel.sequence_parallel:
+        model.register_forward_pre_hook(_require_even_split(dims.tp), with_kwargs=True)
+    return model
+
+
+def check_tensor_parallel(model_config: Any, parallel: ParallelSection) -> None:
+    """The family's shape rules for parallel.tp (heads, kv heads, widths), without building anything."""
+    if parallel.tp > 1:
+        spec = spec_for(model_config.family)
+        if spec.tp_plan is None:
+            raise ConfigError(f"parallel.tp={parallel.tp}: the {model_config.family} family has no TP plan")
+        spec.tp_plan(model_config, parallel.tp, parallel.sequence_parallel)
+
+
+def _require_even_split(tp: int) -> Callable[[nn.Module, tuple, dict], None]:
+    """Sequence parallel splits each row evenly over the TP ranks: anything else would give ranks different
+    shards and hang the next collective, so it is a clear error instead (the trainer pads rows to fit)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = args[0] if args else kwargs["input_ids"]
+        if ids.shape[1] % tp:
+            raise ConfigError(
+                f"sequence parallel splits each row over tp={tp} ranks: a row of {ids.shape[1]} tokens must "
+                f"be padded to a multiple of {tp} (collate(..., multiple={tp}))"
+            )
+
+    return hook
+
+
+def pad_vocab(model: nn.Module, multiple: int) -> int:
+    """Grow the embedding and LM head to a multiple of `multiple` rows (zeros); returns the padded size."""
+    vocab = model.config.vocab_size
+    padded = math.ceil(vocab / multiple) * multiple
+    if padded == vocab:
+        return vocab
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    for module in (model.embed_tokens,) if tied else (model.embed_tokens, model.lm_head):
+        weight = module.weight.detach()
+        extra = weight.new_zeros(padded - vocab, weight.shape[1])
+        module.weight = nn.Parameter(torch.cat([weight, extra]))
+    model.embed_tokens.num_embeddings = model.lm_head.out_features = padded
+    model.tie_weights()
+    return padded
+
+
+def _mask_padded_logits(vocab: int) -> Callable[[nn.Module, tuple, DTensor], DTensor]:
+    """Forward hook on the LM head: padded vocabulary columns get the lowest logit (zero probability and
+    zero gradient), on whichever TP rank holds them."""
+
+    def hook(module: nn.Module, args: tuple, out: DTensor) -> DTensor:
+        assert out.device_mesh.ndim == 1 and out.placements[0].is_shard(out.ndim - 1), out.placements
+        local = out.to_local()
+        width = local.shape[-1]
+        start = out.device_mesh.get_local_rank() * width
+        columns = torch.arange(start, start + width, device=local.device)
+        local = local.masked_fill(columns >= vocab, torch.finfo(local.dtype).min)
+        return DTensor.from_local(
+            local, out.device_mesh, out.placements, run_check=False, shape=out.shape, stride=out.stride()
+        )
+
+    return hook
+
+
+def strip_vocab_padding(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """Full weights as the unpadded model has them (for export)."""
+    for key in _VOCAB_KEYS:
+        if key in state and state[key].shape[0] > vocab_size:
+            state[key] = state[key][:vocab_size]
+    return state
+
+
+@contextlib.contextmanager
+def loss_context(dims: ParallelDims) -> Iterator[None]:
+    """Cross-entropy over vocabulary-sharded logits needs `loss_parallel` around the loss and its backward."""
+    if dims.tp == 1:
+        yield
+        return
+    with loss_parallel():
+        yield

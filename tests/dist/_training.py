@@ -1,0 +1,41 @@
+"""Shared by the parity tests: train configs on a rank, compare a run with a reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardforge.config import load_config
+from shardforge.train.trainer import Trainer
+
+
+def train_runs(configs: list[dict]) -> list[dict]:
+    """Train each config in turn on this rank; full weights come back from rank 0."""
+    out = []
+    for cfg in configs:
+        trainer = Trainer(load_config(None, base=cfg))
+        result = trainer.train()
+        state = trainer.full_state_dict()
+        main = not dist.is_initialized() or dist.get_rank() == 0
+        powersgd = getattr(trainer.model, "powersgd_state", None)
+        out.append({"losses": [r["loss"] for r in result.history],
+                    "grad_norms": [r["grad_norm"] for r in result.history], "eval_loss": result.eval_loss,
+                    "state": state if main else None,
+                    "memory": trainer.memory, "layout": trainer.dims.describe(),
+                    "powersgd": powersgd.compression_stats() if powersgd is not None else None})
+    return out
+
+
+def assert_same(run: dict, ref: dict, rel: float = 1e-5, atol: float = 1e-5) -> None:
+    """Same loss and global gradient norm at every step (relative `rel`), the same eval loss and the same final
+    weights."""
+    assert len(run["losses"]) == len(ref["losses"])
+    assert run["losses"] == pytest.approx(ref["losses"], rel=rel), run["layout"]
+    assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=rel), run["layout"]
+    assert (run["eval_loss"] is None) == (ref["eval_loss"] is None)
+    if ref["eval_loss"] is not None:
+        assert run["eval_loss"] == pytest.approx(ref["eval_loss"], rel=rel), run["layout"]
+    assert run["state"].keys() == ref["state"].keys()
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(run["state"][key], value, rtol=1e-4, atol=atol, msg=f"{run['layout']}: {key}")
