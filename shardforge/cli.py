@@ -35,6 +35,17 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
+    from shardforge.checkpoint.export import export_checkpoint
+
+    warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
+    checkpoint, out = export_checkpoint(Path(args.source), Path(args.to), warn)
+    console.print(f"exported {checkpoint} to {out} (Hugging Face format, with the tokenizer)")
+    return 0
+
+
 def _cmd_env(args: argparse.Namespace, console: Console) -> int:
     import torch
     import transformers
@@ -90,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=0, help="restart the job this often after a failure"
     )
     p_train.set_defaults(func=_cmd_train)
+    p_export = sub.add_parser(
+        "export", help="write a training checkpoint (any layout) as a Hugging Face folder, in one process"
+    )
+    p_export.add_argument(
+        "source", help="a checkpoint folder, or a run folder (its newest complete checkpoint)"
+    )
+    p_export.add_argument("--to", required=True, help="the folder to write")
+    p_export.set_defaults(func=_cmd_export)
     p_env = sub.add_parser("env", help="versions, threads, devices and measured matmul peak")
     p_env.set_defaults(func=_cmd_env)
     return parser

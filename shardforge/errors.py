@@ -15,3 +15,11 @@ class DataError(ShardforgeError):
 
 class ModelError(ShardforgeError):
     """A model folder or preset cannot be loaded or saved."""
+
+
+class TrainingError(ShardforgeError):
+    """The run cannot go on (e.g. it diverged): says what happened and what to change."""
+
+
+class CheckpointError(ShardforgeError):
+    """A checkpoint cannot be used (incomplete, damaged, or from an incompatible model)."""

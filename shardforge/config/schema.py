@@ -129,6 +129,7 @@ class TrainSection(Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 0
     log_every: int = Field(default=10, ge=1)
+    max_bad_steps: int = Field(default=5, ge=1)  # consecutive non-finite steps (skipped) before the run halts
     eval_every: int | None = Field(default=None, ge=1)
     compile: bool = False
 
@@ -140,7 +141,13 @@ class TrainSection(Section):
 
 
 class CheckpointSection(Section):
-    save_final: bool = True
+    """Sharded training checkpoints (torch.distributed.checkpoint) under `<output_dir>/checkpoints`."""
+
+    every: int | None = Field(default=None, ge=1)  # steps between checkpoints; None: none during the run
+    keep: int = Field(default=3, ge=1)  # complete checkpoints kept (oldest deleted first)
+    resume: str = "auto"  # auto (latest complete one in output_dir, if any) | none | a checkpoint folder
+    async_save: bool = False  # stage to host memory, write in the background while training continues
+    save_final: bool = True  # the HF-format model in <output_dir>/final
 
 
 class LogSection(Section):

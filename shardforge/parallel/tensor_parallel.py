@@ -36,7 +36,8 @@ def apply_tensor_parallel(
     cfg = model.config
     check_tensor_parallel(cfg, parallel)
     plan = spec_for(cfg.family).tp_plan(cfg, dims.tp, parallel.sequence_parallel)
-    padded = pad_vocab(model, dims.tp)
+    padded = padded_vocab(cfg.vocab_size, dims.tp)
+    pad_vocab(model, padded)
     parallelize_module(model, mesh["tp"], plan)
     model.tie_weights()  # the head's style re-wraps a tied weight: share the embedding's DTensor again
     if padded != cfg.vocab_size:
@@ -70,20 +71,22 @@ def _require_even_split(tp: int) -> Callable[[nn.Module, tuple, dict], None]:
     return hook
 
 
-def pad_vocab(model: nn.Module, multiple: int) -> int:
-    """Grow the embedding and LM head to a multiple of `multiple` rows (zeros); returns the padded size."""
-    vocab = model.config.vocab_size
-    padded = math.ceil(vocab / multiple) * multiple
-    if padded == vocab:
-        return vocab
+def padded_vocab(vocab: int, tp: int) -> int:
+    return math.ceil(vocab / tp) * tp
+
+
+def pad_vocab(model: nn.Module, rows: int) -> None:
+    """Grow the embedding and LM head to `rows` rows (zeros); a no-op when they already have that many."""
+    vocab = model.embed_tokens.weight.shape[0]
+    if rows <= vocab:
+        return
     tied = model.lm_head.weight is model.embed_tokens.weight
     for module in (model.embed_tokens,) if tied else (model.embed_tokens, model.lm_head):
         weight = module.weight.detach()
-        extra = weight.new_zeros(padded - vocab, weight.shape[1])
+        extra = weight.new_zeros(rows - vocab, weight.shape[1])
         module.weight = nn.Parameter(torch.cat([weight, extra]))
-    model.embed_tokens.num_embeddings = model.lm_head.out_features = padded
+    model.embed_tokens.num_embeddings = model.lm_head.out_features = rows
     model.tie_weights()
-    return padded
 
 
 def _mask_padded_logits(vocab: int) -> Callable[[nn.Module, tuple, DTensor], DTensor]:

@@ -12,16 +12,25 @@ from rich.console import Console
 class MetricsWriter:
     """Writes each logged step to every enabled sink; only constructed on the logging rank."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, console: Console) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool, console: Console, resume_step: int = 0) -> None:
+        """A resumed run keeps the records up to `resume_step` and drops later ones (logged after the
+        checkpoint it resumes from, before the interruption): they are computed again."""
         self.run_dir = run_dir
         self.console = console
+        path = run_dir / "metrics.jsonl"
         self.history: list[dict[str, Any]] = []
-        self._jsonl = open(run_dir / "metrics.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in close()
+        if resume_step and path.is_file():
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self.history = [r for r in records if r.get("step", 0) <= resume_step]
+        self._jsonl = open(path, "w", buffering=1)  # noqa: SIM115 - closed in close()
+        for record in self.history:
+            self._jsonl.write(json.dumps(record) + "\n")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            purge = resume_step + 1 if resume_step else None  # TensorBoard hides events past the resume
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
 
     def write(self, record: dict[str, Any]) -> None:
         self.history.append(record)

@@ -74,3 +74,14 @@ class Precision:
             self._good_steps += 1
             if self._good_steps % self.growth_interval == 0:
                 self.loss_scale *= 2
+
+    def state_dict(self) -> dict:
+        return {
+            "loss_scale": self.loss_scale,
+            "good_steps": self._good_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_scale = state["loss_scale"]
+        self._good_steps, self.skipped_steps = state["good_steps"], state["skipped_steps"]

@@ -16,10 +16,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from shardforge.checkpoint import Checkpointer, find_latest, load_checkpoint, validate
+from shardforge.checkpoint.trainer_state import read_trainer_state
 from shardforge.config import Config, dump_config
 from shardforge.data.batching import Batch, GlobalOrder, split_global_batch
 from shardforge.data.loader import RowSet, build_datasets
-from shardforge.errors import ConfigError
+from shardforge.errors import CheckpointError, ConfigError, TrainingError
 from shardforge.models import save_model
 from shardforge.parallel import apply_activation_checkpointing
 from shardforge.parallel.data_parallel import apply_data_parallel, gradient_sync, unwrap
@@ -44,6 +46,7 @@ from shardforge.train.metrics import MetricsWriter, plot_loss
 from shardforge.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from shardforge.train.precision import Precision
 from shardforge.train.runtime import measure_matmul_peak, memory_bytes, pick_device, seed_everything
+from shardforge.train.watchdog import Watchdog, dump, is_timeout
 
 
 @dataclass
@@ -160,9 +163,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.train)
         self.precision = Precision(cfg.train.precision, self.device)
         self.order = GlobalOrder(rows, cfg.train.seed)
+        self.start_step, self.samples_seen, self.step = 0, 0, 0
+        ck = cfg.checkpoint
+        self.checkpointer = Checkpointer(self.checkpoint_root, ck.keep, ck.async_save)
+        self.bad_steps, self.bad_in_a_row = 0, 0
+        self._resume()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardforge-data")
         self._pending: Future | None = None
-        self._built = 0
+        self._built = self.start_step
         self.pad_id = self.tokenizer.pad_token_id
         # Sequence parallel splits every row's tokens evenly over the TP ranks.
         self.seq_multiple = self.dims.tp if cfg.parallel.sequence_parallel else 1
@@ -175,6 +183,89 @@ class Trainer:
             f"data-parallel); "
             f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device on {self.device}"
         )
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def _checkpointable(self) -> None:
+        """Layouts whose optimizer DCP cannot reshard yet are refused before anything is saved or loaded."""
+        par = self.config.parallel
+        if par.offload == "optimizer" or (par.zero_stage == 1 and self.dims.dp > 1):
+            what = "parallel.offload=optimizer" if par.offload == "optimizer" else "parallel.zero_stage=1"
+            raise ConfigError(
+                f"checkpoints with {what} are not supported yet: use zero_stage 0, 2 or 3 (offload=params "
+                f"works), or set checkpoint.every=null and checkpoint.resume=none"
+            )
+
+    def _resume_folder(self) -> Path | None:
+        resume = self.config.checkpoint.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return find_latest(self.checkpoint_root, self._warn)
+        folder = Path(resume)
+        if (folder / "checkpoints").is_dir():  # a run folder: its newest complete checkpoint
+            found = find_latest(folder / "checkpoints", self._warn)
+            if found is None:
+                raise CheckpointError(
+                    f"checkpoint.resume={resume!r}: the run folder has no complete checkpoint"
+                )
+            return found
+        problem = validate(folder)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint.resume={resume!r} is not a usable checkpoint: {problem}")
+        return folder
+
+    def _warn(self, message: str) -> None:
+        self.console.print(f"[yellow]warning:[/] {message}")
+
+    def _vocab_rows(self) -> int:
+        return self.inner.embed_tokens.weight.shape[0]  # global rows (a DTensor's shape is the global one)
+
+    def _resume(self) -> None:
+        """Continue from a checkpoint: weights and optimizer resharded onto this layout, schedule, loss scale,
+        and the data position as a global sample index (valid for any data-parallel size)."""
+        folder = self._resume_folder()
+        if folder is None:
+            return
+        self._checkpointable()
+        saved = read_trainer_state(folder)
+        if saved["vocab_rows"] != self._vocab_rows():
+            raise CheckpointError(
+                f"{folder} holds a vocabulary of {saved['vocab_rows']} rows (padded for its tensor-parallel "
+                f"degree) but this layout needs {self._vocab_rows()}: resume with a tp that pads alike, or "
+                f"export the checkpoint (shardforge export) and start from the exported model"
+            )
+        state = load_checkpoint(folder, self.model, self.optimizer)
+        self.start_step, self.samples_seen = state["step"], state["samples_seen"]
+        self.bad_steps = state["bad_steps"]
+        self.order.position = self.samples_seen
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.precision.load_state_dict(state["precision"])
+        self.console.print(
+            f"resumed from {folder} (step {self.start_step}, {self.samples_seen} samples seen, saved by "
+            f"{state['layout']})"
+        )
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Sharded checkpoint of the whole training state at `step` (collective)."""
+        self._checkpointable()
+        state = {
+            "step": step,
+            "samples_seen": self.samples_seen,
+            "bad_steps": self.bad_steps,
+            "scheduler": self.scheduler.state_dict(),
+            "precision": self.precision.state_dict(),
+            "world_size": self.dims.world_size,
+            "layout": self.dims.describe(),
+            "vocab_rows": self._vocab_rows(),
+        }
+        extra = {"config.yaml": (self.run_dir / "config.yaml").read_text()} if self.is_main else None
+        folder = self.checkpointer.save(step, self.model, self.optimizer, state, extra)
+        self.console.print(f"{'writing' if self.checkpointer.async_save else 'saved'} checkpoint {folder}")
+        return folder
 
     def _log_data(self, what: str, rows: RowSet) -> None:
         fill = rows.num_tokens / (len(rows.rows) * self.config.data.max_length)
@@ -224,23 +315,50 @@ class Trainer:
         scale = self.dims.dp / counts.targets
         loss_sum = torch.zeros((), device=self.device)
         for j, mb in enumerate(micro):
+            last = j == len(micro) - 1
+            self._phase(
+                f"forward/backward of micro-step {j + 1}/{len(micro)} (TP/FSDP collectives"
+                + (", gradient reduction)" if last else ")")
+            )
             mb = mb.to(self.device)
-            with gradient_sync(self.model, sync=j == len(micro) - 1), loss_context(self.dims):
+            with gradient_sync(self.model, sync=last), loss_context(self.dims):
                 with self.precision.autocast():
                     loss = self.stage.loss_sum(self.model, mb)
                 self.precision.scale(loss * scale).backward()
             loss_sum += loss.detach()
+        self._phase("gradient norm (all-reduce) and the optimizer step")
         overflow = self.precision.unscale(self.params)
         grad_norm = clip_grad_norm(self.params, self.config.train.clip)
         first = not self.memory
         grads = memory_report(self.inner)["grad_bytes"] if first else 0
-        self.precision.step(self.optimizer, overflow)
+        # The norm is global (the same on every rank), so every rank skips the same steps. fp16 overflow is
+        # the loss scaler's business (it lowers the scale); anything else non-finite is a bad step.
+        bad = not overflow and not math.isfinite(grad_norm.item())
+        if bad:
+            self._bad_step()
+        else:
+            self.bad_in_a_row = 0
+            self.precision.step(self.optimizer, overflow)
         if first:  # gradients exist before the step, optimizer states only after it
             self.memory = memory_report(self.inner, self.optimizer) | {"grad_bytes": grads}
         self.step_lr = self.scheduler.get_last_lr()[0]  # the rate this step used
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.samples_seen += self.global_batch
         return loss_sum, grad_norm, counts
+
+    def _bad_step(self) -> None:
+        """Skip an update whose loss or gradient is not finite; halt when it keeps happening."""
+        self.bad_steps += 1
+        self.bad_in_a_row += 1
+        limit = self.config.train.max_bad_steps
+        self._warn(f"non-finite loss or gradient norm: update skipped ({self.bad_in_a_row} in a row)")
+        if self.bad_in_a_row >= limit:
+            raise TrainingError(
+                f"training diverged: {limit} steps in a row had a non-finite loss or gradient norm "
+                f"(train.max_bad_steps={limit}); lower train.lr, set train.clip, check the data, or prefer "
+                f"bf16 to fp16; the latest checkpoint (if any) is in {self.checkpoint_root}"
+            )
 
     def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over all data-parallel ranks (over each dimension of a 2-D HSDP mesh in turn)."""
@@ -260,6 +378,7 @@ class Trainer:
         rows, mb = self.eval_rows, self.config.train.micro_batch
         total, count = torch.zeros((), device=self.device), 0
         for start in range(0, len(rows.rows), mb):
+            self._phase(f"evaluation, rows {start}-{start + mb} of {len(rows.rows)}")
             batch = self.stage.collate(
                 rows.examples, rows.rows[start : start + mb], self.pad_id, self.seq_multiple
             ).to(self.device)
@@ -281,10 +400,74 @@ class Trainer:
         """Accumulators between two log lines; the loss stays on the device until it is logged."""
         return {"loss": torch.zeros((), device=self.device), "targets": 0, "tokens": 0}
 
-    def train(self) -> TrainResult:
-        self.setup()
+    def _record(
+        self,
+        step: int,
+        window: dict,
+        grad_norm: torch.Tensor,
+        elapsed: float,
+        flops_per_token: float,
+        is_last: bool,
+    ) -> dict:
+        """The metrics of the window that ends at `step` (and the eval loss when it is due)."""
         cfg = self.config
-        writer = MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console) if self.is_main else None
+        loss = (self._dp_sum(window["loss"]) / window["targets"]).item()
+        tokens_per_s = window["tokens"] / elapsed
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": self.step_lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": tokens_per_s,
+            "target_tokens_per_s": window["targets"] / elapsed,
+            "mfu": flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
+            # From the step, not the sampler: the prefetcher has already drawn the next batch.
+            "epoch": round(step * self.global_batch / len(self.train_rows.rows), 4),
+            **memory_bytes(self.device),
+        }
+        if step == self.start_step + cfg.train.log_every or (
+            is_last and step < self.start_step + cfg.train.log_every
+        ):
+            record.update(self.memory)
+        if self.bad_steps:
+            record["bad_steps"] = self.bad_steps
+        if self.precision.loss_scale is not None:
+            record["loss_scale"] = self.precision.loss_scale
+            record["skipped_steps"] = self.precision.skipped_steps
+        if self.eval_rows is not None and (
+            is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+        ):
+            record["eval_loss"] = self.evaluate()
+        return record
+
+    def train(self) -> TrainResult:
+        """Set up, then run the loop under a watchdog: a rank that hangs, or a collective that times out,
+        reports which rank was doing what and dumps its Python stacks before the job ends."""
+        self.setup()
+        timeout_s = self.config.parallel.timeout_minutes * 60
+        self.watchdog = Watchdog(dist.get_rank(), timeout_s) if dist.is_initialized() else None
+        try:
+            return self._loop()
+        except RuntimeError as exc:
+            if self.watchdog is not None and is_timeout(exc):
+                dump(f"shardforge: a collective timed out; {self.watchdog.describe()}")
+            raise
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+
+    def _phase(self, what: str) -> None:
+        """Mark progress for the watchdog (what this rank is doing now, named in a hang report)."""
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.beat(f"step {self.step}: {what}")
+
+    def _loop(self) -> TrainResult:
+        cfg = self.config
+        writer = (
+            MetricsWriter(self.run_dir, cfg.log.tensorboard, self.console, self.start_step)
+            if self.is_main
+            else None
+        )
         self.model.train()
         window = self._new_window()
         last_loss, eval_loss, tokens_per_s = float("nan"), None, 0.0
@@ -301,49 +484,35 @@ class Trainer:
             disable=not (cfg.log.progress and self.is_main and self.console.is_terminal),
         )
         with progress:
-            task = progress.add_task("train", total=self.total_steps, info="")
-            for step in range(1, self.total_steps + 1):
+            task = progress.add_task("train", total=self.total_steps, completed=self.start_step, info="")
+            for step in range(self.start_step + 1, self.total_steps + 1):
+                self.step = step
                 loss_sum, grad_norm, counts = self.train_step()
-                if step == 1:
+                if step == self.start_step + 1:
                     mib = {k: f"{v / 2**20:.1f} MiB" for k, v in self.memory.items()}
-                    self.console.print(f"model-state memory on rank 0 after step 1: {mib}")
+                    self.console.print(f"model-state memory on rank 0 after step {step}: {mib}")
                 window["loss"] += loss_sum
                 window["targets"] += counts.targets
                 window["tokens"] += counts.tokens
                 progress.advance(task)
                 is_last = step == self.total_steps
-                if step % cfg.train.log_every and not is_last:
-                    continue
-                elapsed = time.perf_counter() - t0
-                last_loss = (self._dp_sum(window["loss"]) / window["targets"]).item()
-                tokens_per_s = window["tokens"] / elapsed
-                record = {
-                    "step": step,
-                    "loss": last_loss,
-                    "lr": self.step_lr,
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_s": tokens_per_s,
-                    "target_tokens_per_s": window["targets"] / elapsed,
-                    "mfu": flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
-                    # From the step, not the sampler: the prefetcher has already drawn the next batch.
-                    "epoch": round(step * self.global_batch / len(self.train_rows.rows), 4),
-                    **memory_bytes(self.device),
-                }
-                if step == cfg.train.log_every or (is_last and step < cfg.train.log_every):
-                    record.update(self.memory)
-                if self.precision.loss_scale is not None:
-                    record["loss_scale"] = self.precision.loss_scale
-                    record["skipped_steps"] = self.precision.skipped_steps
-                if self.eval_rows is not None and (
-                    is_last or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
-                ):
-                    record["eval_loss"] = eval_loss = self.evaluate()
-                if writer is not None:
-                    writer.write(record)
-                progress.update(task, info=f"loss {last_loss:.4f}")
-                window = self._new_window()
-                t0 = time.perf_counter()
+                if is_last or step % cfg.train.log_every == 0:
+                    self._phase("logging (all-reduce of the window's loss) and evaluation")
+                    elapsed = time.perf_counter() - t0
+                    record = self._record(step, window, grad_norm, elapsed, flops_per_token, is_last)
+                    last_loss, tokens_per_s = record["loss"], record["tokens_per_s"]
+                    eval_loss = record.get("eval_loss", eval_loss)
+                    if writer is not None:
+                        writer.write(record)
+                    progress.update(task, info=f"loss {last_loss:.4f}")
+                    window = self._new_window()
+                    t0 = time.perf_counter()
+                every = cfg.checkpoint.every
+                if every and (step % every == 0 or is_last):
+                    self._phase("saving a checkpoint (torch.distributed.checkpoint collectives)")
+                    self.save_checkpoint(step)
         self._loader.shutdown(wait=False)
+        self.checkpointer.wait()  # an async save still in flight is completed and committed
         history = writer.history if writer is not None else []
         if writer is not None:
             writer.close()

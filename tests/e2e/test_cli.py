@@ -190,3 +190,18 @@ def test_four_rank_fsdp_x_tp_demo_runs_and_exports(tmp_path):
     assert len(metrics) == 2 and all(m["loss"] > 0 for m in metrics)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "tp" / "final")
     assert model.config.vocab_size == 1024
+
+
+def test_export_command_writes_an_hf_folder_from_a_run(tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(24))
+    cfg = _config(tmp_path, tiny_config(tmp_path, data, checkpoint={"every": 2, "save_final": False}))
+    assert _cli("train", str(cfg), "train.steps=2").returncode == 0
+    proc = _cli("export", str(tmp_path / "run"), "--to", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    assert "step-00000002" in proc.stdout and (tmp_path / "hf" / "config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.vocab_size == 1024
+    AutoTokenizer.from_pretrained(tmp_path / "hf")
+    bad = _cli("export", str(tmp_path / "nothing"), "--to", str(tmp_path / "hf2"))
+    assert bad.returncode == 2 and "is not a usable checkpoint: not a folder" in bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -1,0 +1,148 @@
+"""Save and load the whole training state with torch.distributed.checkpoint: model and optimizer as sharded
+tensors (any layout in, any layout out: DCP reshards on load), plus the loop's own state as JSON and each
+rank's RNG state. Collective calls: every rank takes part."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from shardforge.checkpoint.store import TRAINER_STATE, commit, staging_dir, step_name
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _single() -> bool:
+    """One process: DCP reads and writes everything itself (and says nothing about it)."""
+    return not dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_if_single() -> Iterator[None]:
+    """DCP warns on every single-process save/load that it assumes one process: that is the intent here."""
+    with warnings.catch_warnings():
+        if _single():
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is .* single process")
+        yield
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+class Checkpointer:
+    """Writes checkpoints under `root` and commits each atomically once every rank's part is on disk.
+
+    With `async_save`, DCP copies the state to host memory and writes it from a background thread (over a
+    gloo group of its own, so its collectives never interleave with training's), and training continues;
+    the commit happens when the write is complete: before the next save, or at `wait()`. A crash before
+    that leaves an uncommitted staging folder, and resume uses the previous checkpoint."""
+
+    def __init__(self, root: Path, keep: int, async_save: bool = False) -> None:
+        self.root, self.keep, self.async_save = root, keep, async_save
+        self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self._pending: tuple[Future, Path, int] | None = None
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: dict,
+        extra_files: dict[str, str] | None = None,
+    ) -> Path:
+        """Save `step` (collective). `state` is the loop's JSON-able state (written by rank 0);
+        `extra_files` are small text files kept beside it (the resolved config, so that a checkpoint can
+        be exported on its own). Returns the folder the checkpoint has (or will have, when async)."""
+        self.wait()  # one save in flight at a time
+        rank = _rank()
+        staging = staging_dir(self.root, step)
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        _barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        both = {"model": model_state, "optim": optim_state}
+        torch.save(_rng_state(), staging / f"rng-rank{rank}.pt")
+        if rank == 0:
+            for name, text in (extra_files or {}).items():
+                (staging / name).write_text(text)
+            (staging / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+        if self.async_save:
+            with _quiet_if_single():
+                future = dcp.async_save(
+                    both, checkpoint_id=staging, process_group=self.group, no_dist=_single()
+                )
+            self._pending = (future, staging, step)
+            return self.root / step_name(step)
+        with _quiet_if_single():
+            dcp.save(both, checkpoint_id=staging, no_dist=_single())
+        return self._commit(staging, step)
+
+    def wait(self) -> Path | None:
+        """Finish and commit the save in flight, if any (collective)."""
+        if self._pending is None:
+            return None
+        future, staging, step = self._pending
+        self._pending = None
+        future.result()
+        return self._commit(staging, step)
+
+    def _commit(self, staging: Path, step: int) -> Path:
+        _barrier()  # every rank's files are written before rank 0 lists and commits them
+        final = commit(staging, step, self.keep) if _rank() == 0 else self.root / step_name(step)
+        _barrier()
+        return final
+
+
+def read_trainer_state(folder: Path) -> dict:
+    return json.loads((folder / TRAINER_STATE).read_text())
+
+
+def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Load model and optimizer (resharded onto this run's layout) and this rank's RNG state when the world
+    size is unchanged; returns the loop's saved state."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    both = {"model": model_state, "optim": optim_state}
+    with _quiet_if_single():
+        dcp.load(both, checkpoint_id=folder, no_dist=_single())
+    set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+    state = read_trainer_state(folder)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rng_file = folder / f"rng-rank{_rank()}.pt"
+    if state.get("world_size") == world and rng_file.is_file():
+        rng = torch.load(rng_file, weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return state
+
+
+def load_model_weights(folder: Path, model: nn.Module) -> None:
+    """Only the weights, into a plain (unsharded) model in one process: for export."""
+    state = {"model": model.state_dict()}
+    with _quiet_if_single():  # export runs in one process
+        dcp.load(state, checkpoint_id=folder, no_dist=True)
+    model.load_state_dict(state["model"])

@@ -1,0 +1,28 @@
+"""One rank of a job in which rank 1 hangs in step 2 (run as a script by test_fault_tolerance)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import yaml
+
+from shardforge.config import load_config
+from shardforge.train.trainer import Trainer
+
+
+def main(config_path: str) -> None:
+    original = Trainer.train_step
+
+    def step_then_hang(self):  # noqa: ANN001, ANN202
+        if self.step == 2 and os.environ["RANK"] == "1":
+            time.sleep(600)  # stuck: rank 0 waits for it in the step's first collective
+        return original(self)
+
+    Trainer.train_step = step_then_hang
+    Trainer(load_config(None, base=yaml.safe_load(open(config_path)))).train()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,128 @@
+"""Checkpoints across ranks: bit-exact continuation on the same layout, and resuming a 4-rank FSDP2 x TP2 run on
+2 ranks (ZeRO-3) and on 1 process, with every sample of an epoch seen exactly once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from shardforge.config import load_config
+from shardforge.data.batching import GlobalOrder
+from shardforge.train.trainer import Trainer
+from tests.conftest import alpaca_records, tiny_config, write_jsonl
+from tests.dist._harness import run_ranks
+
+STEPS, STOP = 6, 4
+IDS = torch.arange(2, 26).view(2, 12)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _cfg(out, data, *, mb: int, accum: int = 2, **parallel) -> dict:
+    return tiny_config(out, data, train={"steps": STEPS, "micro_batch": mb, "grad_accum": accum, "lr": 3e-3,
+                                         "warmup": 1, "log_every": 1},
+                       parallel=parallel, checkpoint={"every": 2, "save_final": False})
+
+
+def _run(cfg: dict, stop_after: int | None) -> dict:
+    """Train on this rank (dying right after the checkpoint of `stop_after`); returns the global row ids of
+    the steps this process completed, in order, and the number of rows of the dataset."""
+    takes: list[list[int]] = []
+    original_take, original_save = GlobalOrder.take, Trainer.save_checkpoint
+
+    def take(self, count):  # noqa: ANN001, ANN202
+        ids = original_take(self, count)
+        takes.append(ids)
+        return ids
+
+    def save(self, step):  # noqa: ANN001, ANN202
+        folder = original_save(self, step)
+        if stop_after is not None and step >= stop_after:
+            raise Interrupted
+        return folder
+
+    GlobalOrder.take, Trainer.save_checkpoint = take, save
+    trainer = Trainer(load_config(None, base=cfg))
+    logits = None
+    try:
+        trainer.train()
+    except Interrupted:  # the live model's logits, to compare with its exported checkpoint
+        with torch.no_grad():
+            logits = trainer.model(IDS)
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    finally:
+        GlobalOrder.take, Trainer.save_checkpoint = original_take, original_save
+    done = (trainer.samples_seen - (trainer.start_step * trainer.global_batch)) // trainer.global_batch
+    return {"ids": takes[:done], "rows": len(trainer.train_rows.rows), "start": trainer.start_step,
+            "logits": logits}
+
+
+def _runs(jobs: list[tuple[dict, int | None]]) -> list[dict]:
+    return [_run(cfg, stop) for cfg, stop in jobs]
+
+
+def _losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt")
+    data = write_jsonl(tmp / "train.jsonl", alpaca_records(80, seed=5))
+    # 4 ranks, FSDP2 x TP2 (global batch 2 x 2 x 2 = 8), dies after the checkpoint of step 4.
+    four = run_ranks(_runs, 4, [(_cfg(tmp / "from4", data, mb=2, tp=2, zero_stage=3), STOP)])[0][0]
+    for target in ("to2", "to1"):
+        shutil.copytree(tmp / "from4", tmp / target)
+    jobs = [
+        (_cfg(tmp / "straight", data, mb=2, zero_stage=3), None),  # 2 ranks ZeRO-3, uninterrupted
+        (_cfg(tmp / "broken", data, mb=2, zero_stage=3), STOP),
+        (_cfg(tmp / "broken", data, mb=2, zero_stage=3), None),  # resume=auto: same layout
+        (_cfg(tmp / "to2", data, mb=2, zero_stage=3), None),  # resumes the 4-rank checkpoint on 2 ranks
+    ]
+    two = run_ranks(_runs, 2, jobs)[0]
+    one = _run(_cfg(tmp / "to1", data, mb=4), None)  # ... and in one process (global batch 4 x 2 = 8)
+    return {"tmp": tmp, "four": four, "two": two, "one": one}
+
+
+def test_same_layout_resume_is_bit_exact(runs):
+    tmp = runs["tmp"]
+    assert runs["two"][2]["start"] == STOP
+    assert _losses(tmp / "broken") == _losses(tmp / "straight")  # every step, to the last bit
+
+
+@pytest.mark.parametrize("target", ["to2", "to1"])
+def test_resume_on_another_layout_continues_the_run(runs, target):
+    tmp = runs["tmp"]
+    resumed = runs["two"][3] if target == "to2" else runs["one"]
+    assert resumed["start"] == STOP
+    assert _losses(tmp / target) == pytest.approx(_losses(tmp / "straight"), rel=1e-5)
+
+
+@pytest.mark.parametrize("target", ["to2", "to1"])
+def test_every_sample_of_an_epoch_is_seen_exactly_once(runs, target):
+    resumed = runs["two"][3] if target == "to2" else runs["one"]
+    ids = [i for step in runs["four"]["ids"] + resumed["ids"] for i in step]
+    rows = resumed["rows"]
+    assert len(ids) == STEPS * 8 > rows  # the run crosses into the second epoch
+    assert sorted(ids[:rows]) == list(range(rows))
+    assert ids == GlobalOrder(rows, 0).take(STEPS * 8)  # the very order of the uninterrupted run
+
+
+def test_export_of_the_sharded_checkpoint_matches_the_live_model(runs):
+    """The 4-rank FSDP2 x TP2 checkpoint of step 4, exported in one process, gives the logits the live sharded
+    model gave at that step."""
+    from transformers import AutoModelForCausalLM
+
+    from shardforge.checkpoint.export import export_checkpoint
+
+    tmp = runs["tmp"]
+    _, out = export_checkpoint(tmp / "from4" / "run", tmp / "exported", print)
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(out).eval()(IDS).logits
+    torch.testing.assert_close(theirs, runs["four"]["logits"], rtol=1e-4, atol=1e-4)
