@@ -20,7 +20,8 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from shardforge.train.trainer import resolve_grad_accum, train
 
     config = load_config(args.config, args.overrides)
-    if args.nproc > 1 and not already_a_rank(translate=False):
+    if (args.nproc > 1 or args.max_restarts > 0) and not already_a_rank(translate=False):
+        # Restarts need the elastic agent, even for a single process.
         # Layout errors surface here, once, before any process starts.
         dims = ParallelDims.from_config(config.parallel, args.nproc)
         resolve_grad_accum(config, dims.dp)

@@ -58,14 +58,18 @@ def commit(staging: Path, step: int, keep: int) -> Path:
         shutil.rmtree(final)
     os.rename(staging, final)
     _write_atomic(root / LATEST, final.name + "\n")
-    prune(root, keep)
+    prune(root, keep, step)
     return final
 
 
-def prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints; drop older ones and staging folders left by crashes."""
+def prune(root: Path, keep: int, step: int) -> None:
+    """After committing `step`: keep it and the newest `keep - 1` before it. Checkpoints of later steps
+    belong to a run this one replaced (it resumed from an earlier step, or started fresh) and are dropped,
+    as are staging folders left by crashes."""
     complete = sorted((d for d in root.glob("step-*") if checkpoint_step(d) is not None), key=checkpoint_step)
-    for old in complete[:-keep]:
+    later = [d for d in complete if checkpoint_step(d) > step]
+    earlier = [d for d in complete if checkpoint_step(d) <= step]
+    for old in later + earlier[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)

@@ -8,7 +8,7 @@ import contextlib
 import json
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from shardforge.checkpoint.optim_state import load_optimizer_state, optimizer_state
 from shardforge.checkpoint.store import TRAINER_STATE, commit, staging_dir, step_name
+from shardforge.errors import CheckpointError
 
 
 def _rank() -> int:
@@ -38,6 +40,21 @@ def _quiet_if_single() -> Iterator[None]:
         if _single():
             warnings.filterwarnings("ignore", message=r"torch\.distributed is .* single process")
         yield
+
+
+def _require_shared(staging: Path) -> None:
+    """Every rank writes into the folder rank 0 created: output_dir must be on a filesystem all ranks share.
+    All ranks learn together whether that holds, so they fail alike instead of hanging."""
+    on_gpu = dist.is_initialized() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    missing = torch.tensor([0.0 if staging.is_dir() else 1.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(missing)
+    if missing.item():
+        raise CheckpointError(
+            f"{int(missing.item())} rank(s) cannot see {staging}, created by rank 0: output_dir must be on "
+            f"a filesystem shared by all nodes (e.g. NFS or Lustre) for checkpoints"
+        )
 
 
 def _barrier() -> None:
@@ -72,6 +89,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         state: dict,
         extra_files: dict[str, str] | None = None,
+        phase: Callable[[str], None] = lambda _: None,
     ) -> Path:
         """Save `step` (collective). `state` is the loop's JSON-able state (written by rank 0);
         `extra_files` are small text files kept beside it (the resolved config, so that a checkpoint can
@@ -79,12 +97,13 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         rank = _rank()
         staging = staging_dir(self.root, step)
+        phase(f"saving checkpoint {step_name(step)} (torch.distributed.checkpoint collectives)")
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         _barrier()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        both = {"model": model_state, "optim": optim_state}
+        _require_shared(staging)
+        both = {"model": get_model_state_dict(model), "optim": optimizer_state(model, optimizer)}
         torch.save(_rng_state(), staging / f"rng-rank{rank}.pt")
         if rank == 0:
             for name, text in (extra_files or {}).items():
@@ -99,6 +118,7 @@ class Checkpointer:
             return self.root / step_name(step)
         with _quiet_if_single():
             dcp.save(both, checkpoint_id=staging, no_dist=_single())
+        phase(f"committing checkpoint {step_name(step)} (rank 0 renames, the others wait)")
         return self._commit(staging, step)
 
     def wait(self) -> Path | None:
@@ -124,11 +144,11 @@ def read_trainer_state(folder: Path) -> dict:
 def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Load model and optimizer (resharded onto this run's layout) and this rank's RNG state when the world
     size is unchanged; returns the loop's saved state."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    both = {"model": model_state, "optim": optim_state}
+    both = {"model": get_model_state_dict(model), "optim": optimizer_state(model, optimizer)}
     with _quiet_if_single():
         dcp.load(both, checkpoint_id=folder, no_dist=_single())
-    set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+    set_model_state_dict(model, both["model"])
+    load_optimizer_state(model, optimizer, both["optim"])
     state = read_trainer_state(folder)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = folder / f"rng-rank{_rank()}.pt"

@@ -13,9 +13,11 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from shardforge.errors import TrainingError
 from shardforge.parallel.memory import local_tensor
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIN_LOSS_SCALE = 2.0**-10  # below this, fp16 overflow is not a transient: the run halts with advice
 
 
 class Precision:
@@ -68,6 +70,12 @@ class Precision:
             self.loss_scale /= 2
             self._good_steps = 0
             self.skipped_steps += 1
+            if self.loss_scale < MIN_LOSS_SCALE:
+                raise TrainingError(
+                    f"fp16 gradients overflow at every loss scale down to {MIN_LOSS_SCALE} "
+                    f"({self.skipped_steps} steps skipped): the values exceed fp16's range; use "
+                    f"train.precision=bf16 (same speed on recent GPUs, fp32's range) or fp32"
+                )
             return
         optimizer.step()
         if self.loss_scale is not None:
@@ -77,6 +85,7 @@ class Precision:
 
     def state_dict(self) -> dict:
         return {
+            "mode": self.mode,
             "loss_scale": self.loss_scale,
             "good_steps": self._good_steps,
             "skipped_steps": self.skipped_steps,

@@ -16,7 +16,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from shardforge.checkpoint import Checkpointer, find_latest, load_checkpoint, validate
+from shardforge.checkpoint import Checkpointer, find_latest, load_checkpoint
+from shardforge.checkpoint.compat import check_compatible
+from shardforge.checkpoint.export import resolve_checkpoint
 from shardforge.checkpoint.trainer_state import read_trainer_state
 from shardforge.config import Config, dump_config
 from shardforge.data.batching import Batch, GlobalOrder, split_global_batch
@@ -164,6 +166,7 @@ class Trainer:
         self.precision = Precision(cfg.train.precision, self.device)
         self.order = GlobalOrder(rows, cfg.train.seed)
         self.start_step, self.samples_seen, self.step = 0, 0, 0
+        self._memory_logged = False
         ck = cfg.checkpoint
         self.checkpointer = Checkpointer(self.checkpoint_root, ck.keep, ck.async_save)
         self.bad_steps, self.bad_in_a_row = 0, 0
@@ -189,40 +192,53 @@ class Trainer:
     def checkpoint_root(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def _checkpointable(self) -> None:
-        """Layouts whose optimizer DCP cannot reshard yet are refused before anything is saved or loaded."""
-        par = self.config.parallel
-        if par.offload == "optimizer" or (par.zero_stage == 1 and self.dims.dp > 1):
-            what = "parallel.offload=optimizer" if par.offload == "optimizer" else "parallel.zero_stage=1"
-            raise ConfigError(
-                f"checkpoints with {what} are not supported yet: use zero_stage 0, 2 or 3 (offload=params "
-                f"works), or set checkpoint.every=null and checkpoint.resume=none"
-            )
-
     def _resume_folder(self) -> Path | None:
+        """Which checkpoint to continue from. Rank 0 decides and tells the others, so every rank loads the
+        same one even if their views of the folder differ for a moment."""
         resume = self.config.checkpoint.resume
         if resume == "none":
-            return None
-        if resume == "auto":
-            return find_latest(self.checkpoint_root, self._warn)
-        folder = Path(resume)
-        if (folder / "checkpoints").is_dir():  # a run folder: its newest complete checkpoint
-            found = find_latest(folder / "checkpoints", self._warn)
-            if found is None:
-                raise CheckpointError(
-                    f"checkpoint.resume={resume!r}: the run folder has no complete checkpoint"
+            if find_latest(self.checkpoint_root, lambda _: None) is not None:
+                self._warn(
+                    f"checkpoint.resume=none: starting fresh; the checkpoints in {self.checkpoint_root} "
+                    f"will be replaced by this run's"
                 )
-            return found
-        problem = validate(folder)
-        if problem is not None:
-            raise CheckpointError(f"checkpoint.resume={resume!r} is not a usable checkpoint: {problem}")
-        return folder
+            return None
+        choice: list[str | None] = [None]
+        if self.is_main:
+            if resume == "auto":
+                found = find_latest(self.checkpoint_root, self._warn)
+            else:
+                try:
+                    found = resolve_checkpoint(Path(resume), self._warn)
+                except CheckpointError as exc:
+                    raise CheckpointError(f"checkpoint.resume={resume!r}: {exc}") from None
+            choice = [str(found) if found is not None else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] is not None else None
 
     def _warn(self, message: str) -> None:
         self.console.print(f"[yellow]warning:[/] {message}")
 
-    def _vocab_rows(self) -> int:
-        return self.inner.embed_tokens.weight.shape[0]  # global rows (a DTensor's shape is the global one)
+    def _signature(self) -> dict:
+        """What a continuation depends on (checked on resume, see checkpoint/compat.py)."""
+        m = self.model_config
+        return {
+            "model": [
+                m.family,
+                m.vocab_size,
+                m.hidden_size,
+                m.intermediate_size,
+                m.num_layers,
+                m.num_heads,
+                m.num_kv_heads,
+                m.head_dim,
+            ],
+            "vocab_rows": self.inner.embed_tokens.weight.shape[0],  # a DTensor's shape is the global one
+            "global_batch": self.global_batch,
+            "rows": len(self.train_rows.rows),
+            "seed": self.config.train.seed,
+        }
 
     def _resume(self) -> None:
         """Continue from a checkpoint: weights and optimizer resharded onto this layout, schedule, loss scale,
@@ -230,28 +246,26 @@ class Trainer:
         folder = self._resume_folder()
         if folder is None:
             return
-        self._checkpointable()
-        saved = read_trainer_state(folder)
-        if saved["vocab_rows"] != self._vocab_rows():
-            raise CheckpointError(
-                f"{folder} holds a vocabulary of {saved['vocab_rows']} rows (padded for its tensor-parallel "
-                f"degree) but this layout needs {self._vocab_rows()}: resume with a tp that pads alike, or "
-                f"export the checkpoint (shardforge export) and start from the exported model"
-            )
+        check_compatible(folder, read_trainer_state(folder), self._signature())
         state = load_checkpoint(folder, self.model, self.optimizer)
         self.start_step, self.samples_seen = state["step"], state["samples_seen"]
         self.bad_steps = state["bad_steps"]
         self.order.position = self.samples_seen
         self.scheduler.load_state_dict(state["scheduler"])
-        self.precision.load_state_dict(state["precision"])
+        if state["precision"]["mode"] == self.precision.mode:  # the loss scale only means something in fp16
+            self.precision.load_state_dict(state["precision"])
         self.console.print(
             f"resumed from {folder} (step {self.start_step}, {self.samples_seen} samples seen, saved by "
             f"{state['layout']})"
         )
+        if self.start_step >= self.total_steps:
+            self._warn(
+                f"the checkpoint is at step {self.start_step} and this run has {self.total_steps} steps: "
+                f"nothing is left to train (raise train.steps or train.epochs to continue)"
+            )
 
     def save_checkpoint(self, step: int) -> Path:
         """Sharded checkpoint of the whole training state at `step` (collective)."""
-        self._checkpointable()
         state = {
             "step": step,
             "samples_seen": self.samples_seen,
@@ -260,10 +274,10 @@ class Trainer:
             "precision": self.precision.state_dict(),
             "world_size": self.dims.world_size,
             "layout": self.dims.describe(),
-            "vocab_rows": self._vocab_rows(),
+            **self._signature(),
         }
         extra = {"config.yaml": (self.run_dir / "config.yaml").read_text()} if self.is_main else None
-        folder = self.checkpointer.save(step, self.model, self.optimizer, state, extra)
+        folder = self.checkpointer.save(step, self.model, self.optimizer, state, extra, self._phase)
         self.console.print(f"{'writing' if self.checkpointer.async_save else 'saved'} checkpoint {folder}")
         return folder
 
@@ -421,14 +435,13 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "target_tokens_per_s": window["targets"] / elapsed,
             "mfu": flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
-            # From the step, not the sampler: the prefetcher has already drawn the next batch.
-            "epoch": round(step * self.global_batch / len(self.train_rows.rows), 4),
+            # From the samples consumed, not the sampler: the prefetcher has already drawn the next batch.
+            "epoch": round(self.samples_seen / len(self.train_rows.rows), 4),
             **memory_bytes(self.device),
         }
-        if step == self.start_step + cfg.train.log_every or (
-            is_last and step < self.start_step + cfg.train.log_every
-        ):
+        if not self._memory_logged:  # the first record of the run (or of a resumed run)
             record.update(self.memory)
+            self._memory_logged = True
         if self.bad_steps:
             record["bad_steps"] = self.bad_steps
         if self.precision.loss_scale is not None:
@@ -512,8 +525,12 @@ class Trainer:
                     self._phase("saving a checkpoint (torch.distributed.checkpoint collectives)")
                     self.save_checkpoint(step)
         self._loader.shutdown(wait=False)
+        if self.watchdog is not None:  # what follows is I/O of unbounded length (final export), not steps
+            self.watchdog.stop()
         self.checkpointer.wait()  # an async save still in flight is completed and committed
         history = writer.history if writer is not None else []
+        if self.start_step >= self.total_steps and history:  # resumed at the end: nothing ran this time
+            last_loss, eval_loss = history[-1]["loss"], history[-1].get("eval_loss")
         if writer is not None:
             writer.close()
             if cfg.log.plot:

@@ -77,17 +77,25 @@ def runs(tmp_path_factory):
     data = write_jsonl(tmp / "train.jsonl", alpaca_records(80, seed=5))
     # 4 ranks, FSDP2 x TP2 (global batch 2 x 2 x 2 = 8), dies after the checkpoint of step 4.
     four = run_ranks(_runs, 4, [(_cfg(tmp / "from4", data, mb=2, tp=2, zero_stage=3), STOP)])[0][0]
-    for target in ("to2", "to1"):
+    for target in ("to2", "to1", "to_zero1"):
         shutil.copytree(tmp / "from4", tmp / target)
     jobs = [
         (_cfg(tmp / "straight", data, mb=2, zero_stage=3), None),  # 2 ranks ZeRO-3, uninterrupted
         (_cfg(tmp / "broken", data, mb=2, zero_stage=3), STOP),
         (_cfg(tmp / "broken", data, mb=2, zero_stage=3), None),  # resume=auto: same layout
         (_cfg(tmp / "to2", data, mb=2, zero_stage=3), None),  # resumes the 4-rank checkpoint on 2 ranks
+        (_cfg(tmp / "to_zero1", data, mb=2, zero_stage=1), None),  # ... on 2 ranks with ZeRO-1
+        # Optimizers with states of their own layout: ZeRO-1 (whole states per owner rank), offload.
+        (_cfg(tmp / "zero1", data, mb=2, zero_stage=1), STOP),
+        (_cfg(tmp / "offload", data, mb=2, zero_stage=3, offload="optimizer"), STOP),
     ]
     two = run_ranks(_runs, 2, jobs)[0]
+    shutil.copytree(tmp / "zero1", tmp / "zero1_to3")
+    shutil.copytree(tmp / "offload", tmp / "offload_to1")
+    two += run_ranks(_runs, 2, [(_cfg(tmp / "zero1_to3", data, mb=2, zero_stage=3), None)])[0]
     one = _run(_cfg(tmp / "to1", data, mb=4), None)  # ... and in one process (global batch 4 x 2 = 8)
-    return {"tmp": tmp, "four": four, "two": two, "one": one}
+    offload_to1 = _run(_cfg(tmp / "offload_to1", data, mb=4), None)
+    return {"tmp": tmp, "four": four, "two": two, "one": one, "offload_to1": offload_to1}
 
 
 def test_same_layout_resume_is_bit_exact(runs):
@@ -96,12 +104,15 @@ def test_same_layout_resume_is_bit_exact(runs):
     assert _losses(tmp / "broken") == _losses(tmp / "straight")  # every step, to the last bit
 
 
-@pytest.mark.parametrize("target", ["to2", "to1"])
-def test_resume_on_another_layout_continues_the_run(runs, target):
+@pytest.mark.parametrize(
+    ("target", "saved_by"),
+    [("to2", "4 ranks FSDP2 x TP2 -> 2 ranks ZeRO-3"), ("to1", "4 ranks FSDP2 x TP2 -> 1 process"),
+     ("to_zero1", "4 ranks FSDP2 x TP2 -> 2 ranks ZeRO-1"), ("zero1_to3", "2 ranks ZeRO-1 -> 2 ranks ZeRO-3"),
+     ("offload_to1", "2 ranks ZeRO-3 + offloaded optimizer -> 1 process")],
+)
+def test_resume_on_another_layout_continues_the_run(runs, target, saved_by):
     tmp = runs["tmp"]
-    resumed = runs["two"][3] if target == "to2" else runs["one"]
-    assert resumed["start"] == STOP
-    assert _losses(tmp / target) == pytest.approx(_losses(tmp / "straight"), rel=1e-5)
+    assert _losses(tmp / target) == pytest.approx(_losses(tmp / "straight"), rel=1e-5), saved_by
 
 
 @pytest.mark.parametrize("target", ["to2", "to1"])

@@ -206,3 +206,28 @@ def test_a_process_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_
     assert trainer.start_step == 2
     assert _losses(tmp_path / "killed" / "run") == _losses(tmp_path / "straight" / "run")
     assert not (root / ".tmp-step-00000004").exists()  # the dead save's leftovers are cleaned up
+
+
+def test_a_resume_that_would_change_the_run_is_refused_with_every_difference(tmp_path, data, monkeypatch):
+    cfg = _config(tmp_path / "a", data)
+    _train_until(cfg, 2, monkeypatch)
+    changed = _config(tmp_path / "a", data)
+    changed["train"].update(micro_batch=4, seed=9)  # another global batch, another data order
+    with pytest.raises(CheckpointError) as err:
+        Trainer(load_config(None, base=changed)).setup()
+    message = str(err.value)
+    assert "global_batch: checkpoint 4, this run 8" in message and "set train.global_batch" in message
+    assert "seed: checkpoint 0, this run 9" in message
+
+
+def test_resuming_an_earlier_checkpoint_replaces_the_later_ones(tmp_path, data, monkeypatch, capsys):
+    cfg = _config(tmp_path / "a", data, keep=5)
+    _train_until(cfg, None, monkeypatch)  # checkpoints at 2, 4, 6
+    root = tmp_path / "a" / "run" / "checkpoints"
+    again = _config(tmp_path / "a", data, keep=5, resume=str(root / "step-00000002"))
+    _train_until(again, 4, monkeypatch)  # resumes at 2, saves 4 again, dies
+    # Step 6 belonged to the run this one replaced: gone, so `auto` can never jump back to it.
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000002", "step-00000004"]
+    fresh = _config(tmp_path / "a", data, resume="none")
+    Trainer(load_config(None, base=fresh)).setup()
+    assert "checkpoint.resume=none: starting fresh" in capsys.readouterr().out

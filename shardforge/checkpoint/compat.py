@@ -1,0 +1,34 @@
+"""Can this run continue from that checkpoint? The checkpoint records what the continuation depends on; a
+mismatch is a clear error naming each difference and what to change, never a raw shape error from deep in
+torch.distributed.checkpoint or a silently different run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardforge.errors import CheckpointError
+
+_ADVICE = {
+    "model": "resume with the model the checkpoint was trained from",
+    "vocab_rows": (
+        "the vocabulary is padded for the tensor-parallel degree: resume with a tp that pads alike, or "
+        "export the checkpoint (shardforge export) and start a new run from the exported model"
+    ),
+    "global_batch": (
+        "steps and the schedule count global batches: set train.global_batch to the saved value (grad_accum "
+        "then follows from micro_batch and the data-parallel size)"
+    ),
+    "rows": "the training data changed (a different number of rows): the saved data position does not apply",
+    "seed": "the data order follows train.seed: resume with the saved seed",
+}
+
+
+def check_compatible(folder: Path, saved: dict, current: dict) -> None:
+    """`saved` and `current` map the keys of _ADVICE to values; every difference is reported at once."""
+    problems = [
+        f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r} ({_ADVICE[key]})"
+        for key in _ADVICE
+        if saved.get(key) != current[key]
+    ]
+    if problems:
+        raise CheckpointError(f"{folder} cannot be resumed by this run: " + "; ".join(problems))

@@ -1,0 +1,122 @@
+"""Optimizer state in one checkpoint format for every layout: torch's `get_optimizer_state_dict` layout
+({"state": {fqn: {exp_avg, exp_avg_sq, step}}, "param_groups": [{..., "params": [fqn, ...]}]}), with each
+state tensor laid out like its parameter (a DTensor shard under FSDP2/TP, a whole tensor otherwise).
+
+torch's helpers cover plain optimizers over the model's parameters. Two of ours are not: ZeRO-1
+(`ZeroRedundancyOptimizer`: each rank holds whole states for the parameters assigned to it) and
+`OffloadedAdamW` (states of host copies of the local shards). For those, this module builds the same format
+itself, so a checkpoint of any layout resumes on any other: DCP stores whole tensors once, shards once, and
+reads back whatever pieces the new layout asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from shardforge.parallel.memory import local_tensor
+from shardforge.parallel.offload import OffloadedAdamW
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def _fqn(name: str) -> str:
+    for wrapper in _WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): _fqn(name) for name, p in model.named_parameters()}
+
+
+def _adam_state(like: torch.Tensor, state: dict) -> dict:
+    """This parameter's AdamW state, or zeros of the right layout to load into (before the first step)."""
+    if state:
+        return dict(state)
+    step_device = local_tensor(like).device
+    return {
+        "step": torch.zeros((), dtype=torch.float32, device=step_device),
+        "exp_avg": torch.zeros_like(like),
+        "exp_avg_sq": torch.zeros_like(like),
+    }
+
+
+def _groups(param_groups: list[dict], names: list[list[str]]) -> list[dict]:
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": n}
+        for g, n in zip(param_groups, names, strict=True)
+    ]
+
+
+def _zero1_pairs(model: nn.Module, opt: ZeroRedundancyOptimizer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(fqn, parameter) for the parameters whose states live on this rank."""
+    names = _names(model)
+    for group in opt.optim.param_groups:
+        for p in group["params"]:
+            yield names[id(p)], p
+
+
+def _offload_pairs(model: nn.Module, opt: OffloadedAdamW) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(fqn, device parameter, host master) for every parameter."""
+    names = _names(model)
+    for p, master in zip(opt.device_params, opt.masters, strict=True):
+        yield names[id(p)], p, master
+
+
+def _as_param_layout(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A host state tensor of a local shard, shown with the parameter's DTensor layout (for resharding)."""
+    if isinstance(param, DTensor) and value.ndim:
+        return DTensor.from_local(
+            value,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
+    return value
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state in the common format (also the template that a load fills in)."""
+    names = _names(model)
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        state = {
+            fqn: _adam_state(p, optimizer.optim.state.get(p, {})) for fqn, p in _zero1_pairs(model, optimizer)
+        }
+        groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        return {"state": state, "param_groups": _groups(optimizer.param_groups, groups)}
+    if isinstance(optimizer, OffloadedAdamW):
+        state = {}
+        for fqn, p, master in _offload_pairs(model, optimizer):
+            host = _adam_state(master, optimizer.state.get(master, {}))
+            state[fqn] = {k: _as_param_layout(v, p) for k, v in host.items()}
+        device_names = {
+            id(m): names[id(p)] for p, m in zip(optimizer.device_params, optimizer.masters, strict=True)
+        }
+        groups = [[device_names[id(m)] for m in g["params"]] for g in optimizer.param_groups]
+        return {"state": state, "param_groups": _groups(optimizer.param_groups, groups)}
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
+    """Put a state in the common format (as filled in by DCP) into the optimizer."""
+    if isinstance(optimizer, (ZeroRedundancyOptimizer, OffloadedAdamW)):
+        for group, saved in zip(optimizer.param_groups, loaded["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            for fqn, p in _zero1_pairs(model, optimizer):
+                optimizer.optim.state[p] = loaded["state"][fqn]
+            for local, group in zip(optimizer.optim.param_groups, optimizer.param_groups, strict=False):
+                local.update({k: v for k, v in group.items() if k != "params"})
+        else:
+            for fqn, _, master in _offload_pairs(model, optimizer):
+                optimizer.state[master] = {k: local_tensor(v) for k, v in loaded["state"][fqn].items()}
+        return
+    set_optimizer_state_dict(model, optimizer, loaded)
