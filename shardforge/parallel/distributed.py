@@ -38,8 +38,34 @@ def init_distributed(backend: str, timeout_minutes: float) -> bool:
     Returns True if this call created the group (and so its caller should destroy it)."""
     if dist.is_initialized() or world_size_from_env() == 1:
         return False
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = _restart_safe_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), world_size_from_env()
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=rank, world_size=world)
     return True
+
+
+def _restart_safe_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torch elastic's agent store, a key namespace per restart attempt.
+
+    The agent keeps one TCPStore for all attempts of a job, and process groups register their peers'
+    addresses under fixed keys: after a restart, a rank could read a dead peer's address written by the
+    previous attempt before the new peer overwrites it, and fail with "Connection refused" (seen with gloo
+    under --max-restarts). Prefixing with the attempt number gives every attempt fresh keys."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size_from_env(),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"shardforge/attempt_{attempt}", client)
 
 
 def shutdown() -> None:
