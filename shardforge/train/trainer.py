@@ -203,19 +203,23 @@ class Trainer:
                     f"will be replaced by this run's"
                 )
             return None
-        choice: list[str | None] = [None]
+        choice: list[tuple[str | None, str | None]] = [(None, None)]  # (folder, error), rank 0's answer
         if self.is_main:
-            if resume == "auto":
-                found = find_latest(self.checkpoint_root, self._warn)
-            else:
-                try:
-                    found = resolve_checkpoint(Path(resume), self._warn)
-                except CheckpointError as exc:
-                    raise CheckpointError(f"checkpoint.resume={resume!r}: {exc}") from None
-            choice = [str(found) if found is not None else None]
+            try:
+                found = (
+                    find_latest(self.checkpoint_root, self._warn)
+                    if resume == "auto"
+                    else resolve_checkpoint(Path(resume), self._warn)
+                )
+                choice = [(str(found) if found is not None else None, None)]
+            except CheckpointError as exc:
+                choice = [(None, f"checkpoint.resume={resume!r}: {exc}")]
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0)
-        return Path(choice[0]) if choice[0] is not None else None
+        folder, error = choice[0]
+        if error is not None:  # every rank fails alike, none is left waiting
+            raise CheckpointError(error)
+        return Path(folder) if folder is not None else None
 
     def _warn(self, message: str) -> None:
         self.console.print(f"[yellow]warning:[/] {message}")
