@@ -504,6 +504,7 @@ class Trainer:
             task = progress.add_task("train", total=self.total_steps, completed=self.start_step, info="")
             for step in range(self.start_step + 1, self.total_steps + 1):
                 self.step = step
+                self._phase("waiting for this step's batch (data preparation)")
                 loss_sum, grad_norm, counts = self.train_step()
                 if step == self.start_step + 1:
                     mib = {k: f"{v / 2**20:.1f} MiB" for k, v in self.memory.items()}

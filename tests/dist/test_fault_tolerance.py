@@ -43,6 +43,7 @@ def test_a_hung_rank_is_reported_with_stacks_and_the_job_exits(tmp_path):
     # The hung rank's watchdog reports it too, with the stack showing where it is stuck.
     assert codes[1] == 3
     assert "shardforge watchdog: no progress" in hung and "rank 1 has waited" in hung
+    assert "in: step 2: waiting for this step's batch" in hung  # stuck before its first collective of step 2
     assert "step_then_hang" in hung
 
 
