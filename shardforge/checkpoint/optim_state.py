@@ -93,14 +93,12 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         return {"state": state, "param_groups": _groups(optimizer.param_groups, groups)}
     if isinstance(optimizer, OffloadedAdamW):
-        state = {}
+        state, master_names = {}, {}
         for fqn, p, master in _offload_pairs(model, optimizer):
             host = _adam_state(master, optimizer.state.get(master, {}))
             state[fqn] = {k: _as_param_layout(v, p) for k, v in host.items()}
-        device_names = {
-            id(m): names[id(p)] for p, m in zip(optimizer.device_params, optimizer.masters, strict=True)
-        }
-        groups = [[device_names[id(m)] for m in g["params"]] for g in optimizer.param_groups]
+            master_names[id(master)] = fqn
+        groups = [[master_names[id(m)] for m in g["params"]] for g in optimizer.param_groups]
         return {"state": state, "param_groups": _groups(optimizer.param_groups, groups)}
     return get_optimizer_state_dict(model, optimizer)
 

@@ -4,11 +4,10 @@ rank's RNG state. Collective calls: every rank takes part."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -33,13 +32,13 @@ def _single() -> bool:
     return not dist.is_initialized()
 
 
-@contextlib.contextmanager
-def _quiet_if_single() -> Iterator[None]:
-    """DCP warns on every single-process save/load that it assumes one process: that is the intent here."""
+def _dcp(operation: Callable, *args: Any, **kwargs: Any) -> Any:
+    """A DCP save / async_save / load; without a process group, in single-process mode, and without DCP's
+    warning on every such call that it assumes one process (that is the intent here)."""
     with warnings.catch_warnings():
         if _single():
             warnings.filterwarnings("ignore", message=r"torch\.distributed is .* single process")
-        yield
+        return operation(*args, no_dist=_single(), **kwargs)
 
 
 def _require_shared(staging: Path) -> None:
@@ -110,14 +109,10 @@ class Checkpointer:
                 (staging / name).write_text(text)
             (staging / TRAINER_STATE).write_text(json.dumps(state, indent=1))
         if self.async_save:
-            with _quiet_if_single():
-                future = dcp.async_save(
-                    both, checkpoint_id=staging, process_group=self.group, no_dist=_single()
-                )
+            future = _dcp(dcp.async_save, both, checkpoint_id=staging, process_group=self.group)
             self._pending = (future, staging, step)
             return self.root / step_name(step)
-        with _quiet_if_single():
-            dcp.save(both, checkpoint_id=staging, no_dist=_single())
+        _dcp(dcp.save, both, checkpoint_id=staging)
         phase(f"committing checkpoint {step_name(step)} (rank 0 renames, the others wait)")
         return self._commit(staging, step)
 
@@ -145,8 +140,7 @@ def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optim
     """Load model and optimizer (resharded onto this run's layout) and this rank's RNG state when the world
     size is unchanged; returns the loop's saved state."""
     both = {"model": get_model_state_dict(model), "optim": optimizer_state(model, optimizer)}
-    with _quiet_if_single():
-        dcp.load(both, checkpoint_id=folder, no_dist=_single())
+    _dcp(dcp.load, both, checkpoint_id=folder)
     set_model_state_dict(model, both["model"])
     load_optimizer_state(model, optimizer, both["optim"])
     state = read_trainer_state(folder)
@@ -163,6 +157,5 @@ def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optim
 def load_model_weights(folder: Path, model: nn.Module) -> None:
     """Only the weights, into a plain (unsharded) model in one process: for export."""
     state = {"model": model.state_dict()}
-    with _quiet_if_single():  # export runs in one process
-        dcp.load(state, checkpoint_id=folder, no_dist=True)
+    _dcp(dcp.load, state, checkpoint_id=folder)  # export runs in one process: no group
     model.load_state_dict(state["model"])

@@ -34,8 +34,7 @@ def apply_tensor_parallel(
     if dims.tp == 1:
         return model
     cfg = model.config
-    check_tensor_parallel(cfg, parallel)
-    plan = spec_for(cfg.family).tp_plan(cfg, dims.tp, parallel.sequence_parallel)
+    plan = check_tensor_parallel(cfg, parallel)
     padded = padded_vocab(cfg.vocab_size, dims.tp)
     pad_vocab(model, padded)
     parallelize_module(model, mesh["tp"], plan)
@@ -47,13 +46,15 @@ def apply_tensor_parallel(
     return model
 
 
-def check_tensor_parallel(model_config: Any, parallel: ParallelSection) -> None:
-    """The family's shape rules for parallel.tp (heads, kv heads, widths), without building anything."""
-    if parallel.tp > 1:
-        spec = spec_for(model_config.family)
-        if spec.tp_plan is None:
-            raise ConfigError(f"parallel.tp={parallel.tp}: the {model_config.family} family has no TP plan")
-        spec.tp_plan(model_config, parallel.tp, parallel.sequence_parallel)
+def check_tensor_parallel(model_config: Any, parallel: ParallelSection) -> dict[str, Any]:
+    """The family's TP plan for this config, after its shape rules (heads, kv heads, widths) are checked;
+    needs only the model's config, so the trainer calls it before any process group exists."""
+    if parallel.tp == 1:
+        return {}
+    spec = spec_for(model_config.family)
+    if spec.tp_plan is None:
+        raise ConfigError(f"parallel.tp={parallel.tp}: the {model_config.family} family has no TP plan")
+    return spec.tp_plan(model_config, parallel.tp, parallel.sequence_parallel)
 
 
 def _require_even_split(tp: int) -> Callable[[nn.Module, tuple, dict], None]:

@@ -138,8 +138,8 @@ class Trainer:
         # Appliers in a fixed order. TP first: it swaps parameters for DTensors that the later wrappers take
         # as they are. Checkpointing wraps whole (TP-sharded) blocks: `full` recomputation repeats their TP
         # collectives (in the same order on every rank), `selective` keeps their outputs. Compile sees the
-        # final block code. FSDP2 comes last:
-        # it shards the TP DTensors over the data-parallel mesh dims (2-D) and owns the parameters.
+        # final block code. FSDP2 comes last: it shards the TP DTensors over the data-parallel mesh dims
+        # (2-D) and owns the parameters.
         apply_tensor_parallel(model, self.dims, self.mesh, cfg.parallel)
         apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
         if cfg.train.compile:
@@ -166,6 +166,7 @@ class Trainer:
         self.precision = Precision(cfg.train.precision, self.device)
         self.order = GlobalOrder(rows, cfg.train.seed)
         self.start_step, self.samples_seen, self.step = 0, 0, 0
+        self.watchdog: Watchdog | None = None  # started by train(); train_step also runs without it
         self._memory_logged = False
         ck = cfg.checkpoint
         self.checkpointer = Checkpointer(self.checkpoint_root, ck.keep, ck.async_save)
@@ -475,7 +476,7 @@ class Trainer:
 
     def _phase(self, what: str) -> None:
         """Mark progress for the watchdog (what this rank is doing now, named in a hang report)."""
-        if getattr(self, "watchdog", None) is not None:
+        if self.watchdog is not None:
             self.watchdog.beat(f"step {self.step}: {what}")
 
     def _loop(self) -> TrainResult:

@@ -15,13 +15,15 @@ from shardforge.train.trainer import Trainer
 def main(config_path: str) -> None:
     original = Trainer.train_step
 
-    def step_then_hang(self):  # noqa: ANN001, ANN202
+    def step_then_hang(self):
         if self.step == 2 and os.environ["RANK"] == "1":
             time.sleep(600)  # stuck: rank 0 waits for it in the step's first collective
         return original(self)
 
     Trainer.train_step = step_then_hang
-    Trainer(load_config(None, base=yaml.safe_load(open(config_path)))).train()
+    with open(config_path) as f:
+        config = yaml.safe_load(f)
+    Trainer(load_config(None, base=config)).train()
 
 
 if __name__ == "__main__":

@@ -23,8 +23,14 @@ def _free_port() -> int:
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, out: str, args: tuple) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
@@ -53,8 +59,11 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> lis
         for p in procs:
             if p.is_alive():
                 p.kill()
-        errors = {r: (Path(out) / f"rank{r}.err").read_text() for r in range(world)
-                  if (Path(out) / f"rank{r}.err").exists()}
+        errors = {
+            r: (Path(out) / f"rank{r}.err").read_text()
+            for r in range(world)
+            if (Path(out) / f"rank{r}.err").exists()
+        }
         if errors or hung:
             detail = "\n".join(f"--- rank {r}:\n{e}" for r, e in errors.items())
             raise AssertionError(f"ranks failed (hung: {hung}):\n{detail}")

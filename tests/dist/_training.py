@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,17 +22,23 @@ def train_runs(configs: list[dict]) -> list[dict]:
         state = trainer.full_state_dict()
         main = not dist.is_initialized() or dist.get_rank() == 0
         powersgd = getattr(trainer.model, "powersgd_state", None)
-        out.append({"losses": [r["loss"] for r in result.history],
-                    "grad_norms": [r["grad_norm"] for r in result.history], "eval_loss": result.eval_loss,
-                    "state": state if main else None,
-                    "memory": trainer.memory, "layout": trainer.dims.describe(),
-                    "powersgd": powersgd.compression_stats() if powersgd is not None else None})
+        out.append(
+            {
+                "losses": [r["loss"] for r in result.history],
+                "grad_norms": [r["grad_norm"] for r in result.history],
+                "eval_loss": result.eval_loss,
+                "state": state if main else None,
+                "memory": trainer.memory,
+                "layout": trainer.dims.describe(),
+                "powersgd": powersgd.compression_stats() if powersgd is not None else None,
+            }
+        )
     return out
 
 
 def assert_same(run: dict, ref: dict, rel: float = 1e-5, atol: float = 1e-5) -> None:
-    """Same loss and global gradient norm at every step (relative `rel`), the same eval loss and the same final
-    weights."""
+    """Same loss and global gradient norm at every step (relative `rel`), the same eval loss and the same
+    final weights."""
     assert len(run["losses"]) == len(ref["losses"])
     assert run["losses"] == pytest.approx(ref["losses"], rel=rel), run["layout"]
     assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=rel), run["layout"]
@@ -38,4 +47,19 @@ def assert_same(run: dict, ref: dict, rel: float = 1e-5, atol: float = 1e-5) -> 
         assert run["eval_loss"] == pytest.approx(ref["eval_loss"], rel=rel), run["layout"]
     assert run["state"].keys() == ref["state"].keys()
     for key, value in ref["state"].items():
-        torch.testing.assert_close(run["state"][key], value, rtol=1e-4, atol=atol, msg=f"{run['layout']}: {key}")
+        torch.testing.assert_close(
+            run["state"][key], value, rtol=1e-4, atol=atol, msg=f"{run['layout']}: {key}"
+        )
+
+
+class Interrupted(Exception):
+    """Raised by a test to stop a run as if its process had died."""
+
+
+def logged(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    return [record["loss"] for record in logged(run_dir)]

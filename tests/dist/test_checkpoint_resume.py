@@ -1,9 +1,8 @@
-"""Checkpoints across ranks: bit-exact continuation on the same layout, and resuming a 4-rank FSDP2 x TP2 run on
-2 ranks (ZeRO-3) and on 1 process, with every sample of an epoch seen exactly once."""
+"""Checkpoints across ranks: bit-exact continuation on the same layout, and resuming a 4-rank FSDP2 x TP2 run
+on 2 ranks (ZeRO-3, ZeRO-1) and on 1 process, with every sample of an epoch seen exactly once."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -15,19 +14,27 @@ from shardforge.data.batching import GlobalOrder
 from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
+from tests.dist._training import Interrupted, logged_losses
 
 STEPS, STOP = 6, 4
 IDS = torch.arange(2, 26).view(2, 12)
 
 
-class Interrupted(Exception):
-    pass
-
-
 def _cfg(out, data, *, mb: int, accum: int = 2, **parallel) -> dict:
-    return tiny_config(out, data, train={"steps": STEPS, "micro_batch": mb, "grad_accum": accum, "lr": 3e-3,
-                                         "warmup": 1, "log_every": 1},
-                       parallel=parallel, checkpoint={"every": 2, "save_final": False})
+    return tiny_config(
+        out,
+        data,
+        train={
+            "steps": STEPS,
+            "micro_batch": mb,
+            "grad_accum": accum,
+            "lr": 3e-3,
+            "warmup": 1,
+            "log_every": 1,
+        },
+        parallel=parallel,
+        checkpoint={"every": 2, "save_final": False},
+    )
 
 
 def _run(cfg: dict, stop_after: int | None) -> dict:
@@ -36,12 +43,12 @@ def _run(cfg: dict, stop_after: int | None) -> dict:
     takes: list[list[int]] = []
     original_take, original_save = GlobalOrder.take, Trainer.save_checkpoint
 
-    def take(self, count):  # noqa: ANN001, ANN202
+    def take(self, count):
         ids = original_take(self, count)
         takes.append(ids)
         return ids
 
-    def save(self, step):  # noqa: ANN001, ANN202
+    def save(self, step):
         folder = original_save(self, step)
         if stop_after is not None and step >= stop_after:
             raise Interrupted
@@ -59,16 +66,16 @@ def _run(cfg: dict, stop_after: int | None) -> dict:
     finally:
         GlobalOrder.take, Trainer.save_checkpoint = original_take, original_save
     done = (trainer.samples_seen - (trainer.start_step * trainer.global_batch)) // trainer.global_batch
-    return {"ids": takes[:done], "rows": len(trainer.train_rows.rows), "start": trainer.start_step,
-            "logits": logits}
+    return {
+        "ids": takes[:done],
+        "rows": len(trainer.train_rows.rows),
+        "start": trainer.start_step,
+        "logits": logits,
+    }
 
 
 def _runs(jobs: list[tuple[dict, int | None]]) -> list[dict]:
     return [_run(cfg, stop) for cfg, stop in jobs]
-
-
-def _losses(out) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -101,18 +108,24 @@ def runs(tmp_path_factory):
 def test_same_layout_resume_is_bit_exact(runs):
     tmp = runs["tmp"]
     assert runs["two"][2]["start"] == STOP
-    assert _losses(tmp / "broken") == _losses(tmp / "straight")  # every step, to the last bit
+    # every step, to the last bit
+    assert logged_losses(tmp / "broken" / "run") == logged_losses(tmp / "straight" / "run")
 
 
 @pytest.mark.parametrize(
     ("target", "saved_by"),
-    [("to2", "4 ranks FSDP2 x TP2 -> 2 ranks ZeRO-3"), ("to1", "4 ranks FSDP2 x TP2 -> 1 process"),
-     ("to_zero1", "4 ranks FSDP2 x TP2 -> 2 ranks ZeRO-1"), ("zero1_to3", "2 ranks ZeRO-1 -> 2 ranks ZeRO-3"),
-     ("offload_to1", "2 ranks ZeRO-3 + offloaded optimizer -> 1 process")],
+    [
+        ("to2", "4 ranks FSDP2 x TP2 -> 2 ranks ZeRO-3"),
+        ("to1", "4 ranks FSDP2 x TP2 -> 1 process"),
+        ("to_zero1", "4 ranks FSDP2 x TP2 -> 2 ranks ZeRO-1"),
+        ("zero1_to3", "2 ranks ZeRO-1 -> 2 ranks ZeRO-3"),
+        ("offload_to1", "2 ranks ZeRO-3 + offloaded optimizer -> 1 process"),
+    ],
 )
 def test_resume_on_another_layout_continues_the_run(runs, target, saved_by):
     tmp = runs["tmp"]
-    assert _losses(tmp / target) == pytest.approx(_losses(tmp / "straight"), rel=1e-5), saved_by
+    reference = logged_losses(tmp / "straight" / "run")
+    assert logged_losses(tmp / target / "run") == pytest.approx(reference, rel=1e-5), saved_by
 
 
 @pytest.mark.parametrize("target", ["to2", "to1"])

@@ -1,5 +1,5 @@
-"""Data parallel and ZeRO on gloo ranks: every layout reproduces the single-process run (loss per step and final
-weights), memory reports show the sharding, compression hooks behave as documented."""
+"""Data parallel and ZeRO on gloo ranks: every layout reproduces the single-process run (loss per step and
+final weights), memory reports show the sharding, compression hooks behave as documented."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardforge.config import load_config
 from shardforge.train.trainer import Trainer
@@ -18,11 +17,31 @@ from tests.dist._training import assert_same, train_runs
 STEPS = 5
 
 
-def _cfg(tmp_path, name: str, data, *, mb: int, accum: int, preset: str = "tiny-llama", steps: int = STEPS,
-         **parallel) -> dict:
-    cfg = tiny_config(tmp_path / name, data, train={"steps": steps, "micro_batch": mb, "grad_accum": accum,
-                                                    "lr": 3e-3, "warmup": 1, "log_every": 1},
-                      parallel=parallel, checkpoint={"save_final": False})
+def _cfg(
+    tmp_path,
+    name: str,
+    data,
+    *,
+    mb: int,
+    accum: int,
+    preset: str = "tiny-llama",
+    steps: int = STEPS,
+    **parallel,
+) -> dict:
+    cfg = tiny_config(
+        tmp_path / name,
+        data,
+        train={
+            "steps": steps,
+            "micro_batch": mb,
+            "grad_accum": accum,
+            "lr": 3e-3,
+            "warmup": 1,
+            "log_every": 1,
+        },
+        parallel=parallel,
+        checkpoint={"save_final": False},
+    )
     cfg["model"]["preset"] = preset
     return cfg
 
@@ -36,9 +55,12 @@ def data(tmp_path_factory):
 def reference(tmp_path_factory, data):
     """Single-process runs of the same global batch (8 rows), split two ways."""
     tmp = tmp_path_factory.mktemp("ref")
-    configs = [_cfg(tmp, "mb4x2", data, mb=4, accum=2), _cfg(tmp, "mb2x4", data, mb=2, accum=4),
-               _cfg(tmp, "tied", data, mb=4, accum=2, preset="tiny-qwen2"),
-               _cfg(tmp, "short", data, mb=4, accum=2, steps=3)]
+    configs = [
+        _cfg(tmp, "mb4x2", data, mb=4, accum=2),
+        _cfg(tmp, "mb2x4", data, mb=2, accum=4),
+        _cfg(tmp, "tied", data, mb=4, accum=2, preset="tiny-qwen2"),
+        _cfg(tmp, "short", data, mb=4, accum=2, steps=3),
+    ]
     runs = train_runs(configs)
     return dict(zip(["mb4x2", "mb2x4", "tied", "short"], runs, strict=True))
 
@@ -53,7 +75,9 @@ def two_ranks(tmp_path_factory, data):
     configs.append(_cfg(tmp, "offload_params", data, mb=2, accum=2, zero_stage=3, offload="params"))
     configs.append(_cfg(tmp, "fp16hook", data, mb=2, accum=2, steps=3, grad_compression="fp16"))
     # The demo preset spans several DDP buckets: PowerSGD's collectives must stay ordered across ranks.
-    configs.append(_cfg(tmp, "powersgd", data, mb=2, accum=2, steps=10, preset="demo", grad_compression="powersgd"))
+    configs.append(
+        _cfg(tmp, "powersgd", data, mb=2, accum=2, steps=10, preset="demo", grad_compression="powersgd")
+    )
     for precision in ("bf16", "fp16"):
         configs.append(_cfg(tmp, precision, data, mb=2, accum=2, zero_stage=3))
         configs[-1]["train"]["precision"] = precision
@@ -86,7 +110,7 @@ def test_offload_matches_single_process(two_ranks, reference, name):
 
 def test_fp16_compression_is_close(two_ranks, reference):
     """Losses within 1e-4 of exact after 3 steps; weights too, except the few elements whose gradient is so
-    small that fp16 rounds it away: Adam normalizes every update to ~lr, so those move by up to lr per step."""
+    small that fp16 rounds it away: Adam normalizes every update to ~lr, so those move up to lr per step."""
     run, ref = two_ranks["fp16hook"][0], reference["short"]
     assert run["losses"] == pytest.approx(ref["losses"], rel=1e-4)
     diffs = torch.cat([(run["state"][k] - v).abs().flatten() for k, v in ref["state"].items()])
@@ -145,8 +169,10 @@ def test_memory_report_shows_the_sharding(two_ranks, reference):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("four")
-    configs = [_cfg(tmp, "hsdp", data, mb=1, accum=2, dp_replicate=2, dp_shard=2, zero_stage=3),
-               _cfg(tmp, "zero2x4", data, mb=1, accum=2, zero_stage=2)]
+    configs = [
+        _cfg(tmp, "hsdp", data, mb=1, accum=2, dp_replicate=2, dp_shard=2, zero_stage=3),
+        _cfg(tmp, "zero2x4", data, mb=1, accum=2, zero_stage=2),
+    ]
     per_rank = run_ranks(train_runs, 4, configs)
     return {name: [rank[i] for rank in per_rank] for i, name in enumerate(["hsdp", "zero2x4"])}
 
@@ -174,7 +200,7 @@ def _count_gradient_collectives(ddp_cfg: dict, fsdp_cfg: dict) -> dict[str, int]
     ddp = Trainer(load_config(None, base=ddp_cfg))
     ddp.setup()
 
-    def counting_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP hook signature
+    def counting_hook(state, bucket):
         counts["ddp_buckets"] += 1
         return default_hooks.allreduce_hook(state, bucket)
 
@@ -183,7 +209,7 @@ def _count_gradient_collectives(ddp_cfg: dict, fsdp_cfg: dict) -> dict[str, int]
 
     original = _fsdp_param_group.foreach_reduce
 
-    def counting_reduce(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def counting_reduce(*args, **kwargs):
         counts["fsdp_reduces"] += 1
         return original(*args, **kwargs)
 

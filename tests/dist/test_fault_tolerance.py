@@ -4,7 +4,6 @@ as a run that was never killed."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,22 +16,38 @@ import yaml
 
 from tests.conftest import REPO, alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import _free_port
+from tests.dist._training import logged
 
 
 def test_a_hung_rank_is_reported_with_stacks_and_the_job_exits(tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", alpaca_records(40, seed=1))
-    cfg = tiny_config(tmp_path, data, parallel={"zero_stage": 3, "timeout_minutes": 0.25},
-                      checkpoint={"save_final": False})
+    cfg = tiny_config(
+        tmp_path, data, parallel={"zero_stage": 3, "timeout_minutes": 0.25}, checkpoint={"save_final": False}
+    )
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     port = str(_free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests/dist/_hang_job.py"), str(path)],
-                                      env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(REPO / "tests/dist/_hang_job.py"), str(path)],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=240) for p in procs]
     codes = [p.returncode for p in procs]
     assert all(code != 0 for code in codes), codes
@@ -63,14 +78,23 @@ def _rank_of(pid: int) -> str | None:
 
 
 def _train(tmp_path, name: str, data, kill_at: Path | None) -> subprocess.CompletedProcess:
-    cfg = tiny_config(tmp_path / name, data, train={"steps": 8, "micro_batch": 2, "lr": 3e-3, "warmup": 1,
-                                                    "log_every": 1},
-                      parallel={"zero_stage": 3}, checkpoint={"every": 2, "save_final": False})
+    cfg = tiny_config(
+        tmp_path / name,
+        data,
+        train={"steps": 8, "micro_batch": 2, "lr": 3e-3, "warmup": 1, "log_every": 1},
+        parallel={"zero_stage": 3},
+        checkpoint={"every": 2, "save_final": False},
+    )
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "shardforge", "train", str(path), "--nproc", "2",
-                             "--max-restarts", "1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardforge", "train", str(path), "--nproc", "2", "--max-restarts", "1"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     killed = []
 
     def kill_rank_1_after_checkpoint() -> None:
@@ -100,9 +124,6 @@ def test_a_killed_rank_restarts_and_resumes_with_the_same_result(tmp_path):
     killed = _train(tmp_path, "killed", data, tmp_path / "killed" / "run" / "checkpoints" / "step-00000004")
     assert killed.returncode == 0, killed.stderr
     assert "resumed from" in killed.stdout and "done: 8 steps" in killed.stdout
-    metrics = [json.loads(line) for line in (tmp_path / "killed" / "run" / "metrics.jsonl").read_text().split("\n")
-               if line]
-    reference = [json.loads(line) for line in (tmp_path / "plain" / "run" / "metrics.jsonl").read_text().split("\n")
-                 if line]
+    metrics, reference = logged(tmp_path / "killed" / "run"), logged(tmp_path / "plain" / "run")
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert [m["loss"] for m in metrics] == [m["loss"] for m in reference]  # bit for bit, final loss included

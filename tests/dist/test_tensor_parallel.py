@@ -28,9 +28,20 @@ ODD_VOCAB = 1027  # > the 1024-token test tokenizer and divisible by neither 2 n
 
 def _cfg(tmp_path, name: str, data, model: dict, *, mb: int = 4, accum: int = 2, **parallel) -> dict:
     """`data` = (train file, eval file): the eval loss at the last step is compared too."""
-    cfg = tiny_config(tmp_path / name, data[0], train={"steps": STEPS, "micro_batch": mb, "grad_accum": accum,
-                                                       "lr": 3e-3, "warmup": 1, "log_every": 1},
-                      parallel=parallel, checkpoint={"save_final": False})
+    cfg = tiny_config(
+        tmp_path / name,
+        data[0],
+        train={
+            "steps": STEPS,
+            "micro_batch": mb,
+            "grad_accum": accum,
+            "lr": 3e-3,
+            "warmup": 1,
+            "log_every": 1,
+        },
+        parallel=parallel,
+        checkpoint={"save_final": False},
+    )
     cfg["data"]["eval"] = [{"path": str(data[1]), "format": "alpaca"}]
     cfg["model"].update(model)
     return cfg
@@ -43,13 +54,22 @@ def _preset(name: str) -> dict:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp")
-    return (write_jsonl(folder / "train.jsonl", alpaca_records(120, seed=11)),
-            write_jsonl(folder / "eval.jsonl", alpaca_records(12, seed=12)))
+    return (
+        write_jsonl(folder / "train.jsonl", alpaca_records(120, seed=11)),
+        write_jsonl(folder / "eval.jsonl", alpaca_records(12, seed=12)),
+    )
 
 
 def _odd_vocab_folder(folder, **shape) -> dict:
-    cfg = DecoderConfig(vocab_size=ODD_VOCAB, hidden_size=64, intermediate_size=176, num_layers=2, num_heads=4,
-                        head_dim=16, **shape)
+    cfg = DecoderConfig(
+        vocab_size=ODD_VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=2,
+        num_heads=4,
+        head_dim=16,
+        **shape,
+    )
     model = Decoder(cfg)
     model.init_weights(generator=torch.Generator().manual_seed(3))
     return {"path": str(save_model(model, folder / "model")), "preset": None, "tokenizer": str(TOKENIZER)}
@@ -65,15 +85,21 @@ def mha_odd_vocab(tmp_path_factory) -> dict:
 def tied_odd_vocab(tmp_path_factory) -> dict:
     """A Qwen2 folder (qkv bias, tied embeddings) with 1027 vocabulary rows: the padding is shared by the
     embedding and the head."""
-    return _odd_vocab_folder(tmp_path_factory.mktemp("tied"), num_kv_heads=2, family="qwen2", qkv_bias=True,
-                             tie_embeddings=True)
+    return _odd_vocab_folder(
+        tmp_path_factory.mktemp("tied"), num_kv_heads=2, family="qwen2", qkv_bias=True, tie_embeddings=True
+    )
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data, mha_odd_vocab, tied_odd_vocab):
     tmp = tmp_path_factory.mktemp("tp_ref")
-    models = {"llama": _preset("tiny-llama"), "qwen2": _preset("tiny-qwen2"), "qwen3": _preset("tiny-qwen3"),
-              "mha": mha_odd_vocab, "tied_odd": tied_odd_vocab}
+    models = {
+        "llama": _preset("tiny-llama"),
+        "qwen2": _preset("tiny-qwen2"),
+        "qwen3": _preset("tiny-qwen3"),
+        "mha": mha_odd_vocab,
+        "tied_odd": tied_odd_vocab,
+    }
     runs = train_runs([_cfg(tmp, name, data, model) for name, model in models.items()])
     return dict(zip(models, runs, strict=True))
 
@@ -126,7 +152,12 @@ def four_ranks(tmp_path_factory, data, mha_odd_vocab, tied_odd_vocab):
     layouts = {
         "tp4_sp": ("mha", mha_odd_vocab, dict(tp=4), 4),
         "fsdp2x_tp2": ("llama", _preset("tiny-llama"), dict(tp=2, zero_stage=3), 2),
-        "zero2x_tp2_tied_padded": ("tied_odd", tied_odd_vocab, dict(tp=2, zero_stage=2, sequence_parallel=False), 2),
+        "zero2x_tp2_tied_padded": (
+            "tied_odd",
+            tied_odd_vocab,
+            dict(tp=2, zero_stage=2, sequence_parallel=False),
+            2,
+        ),
     }
     configs = [_cfg(tmp, name, data, model, mb=mb, **par) for name, (_, model, par, mb) in layouts.items()]
     export = _cfg(tmp, "export", data, mha_odd_vocab, mb=2, tp=2, zero_stage=3)
@@ -204,10 +235,13 @@ def _activation_bytes(batch) -> dict[str, dict]:
                 loss = causal_lm_loss_sum(model, batch)
                 loss.backward()
             grads = [p.grad.to_local() for p in model.parameters()]
-            out[f"sp={sp}/{mode}"] = {"total": report.total_bytes, "grads": grads,
-                                      "norms": report.bytes_where(lambda t: t.module.endswith("_norm")),
-                                      "norm_seq": {t.shape[1] for t in report.tensors if t.module.endswith("_norm")},
-                                      "loss": loss.item()}
+            out[f"sp={sp}/{mode}"] = {
+                "total": report.total_bytes,
+                "grads": grads,
+                "norms": report.bytes_where(lambda t: t.module.endswith("_norm")),
+                "norm_seq": {t.shape[1] for t in report.tensors if t.module.endswith("_norm")},
+                "loss": loss.item(),
+            }
     return out
 
 
@@ -261,14 +295,24 @@ def test_tp_larger_than_world_and_ddp_with_tp_are_refused():
 
 @pytest.mark.parametrize(
     ("shape", "what"),
-    [(dict(num_heads=6, num_kv_heads=2, head_dim=16), "num_heads"), (dict(intermediate_size=170), "intermediate"),
-     (dict(hidden_size=66), "hidden_size")],
+    [
+        (dict(num_heads=6, num_kv_heads=2, head_dim=16), "num_heads"),
+        (dict(intermediate_size=170), "intermediate"),
+        (dict(hidden_size=66), "hidden_size"),
+    ],
 )
 def test_shape_rules(shape, what):
     from shardforge.models.llama.plan import check_tensor_parallel
 
-    base = dict(vocab_size=100, hidden_size=64, intermediate_size=176, num_layers=1, num_heads=4, num_kv_heads=4,
-                head_dim=16)
+    base = dict(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=16,
+    )
     with pytest.raises(ConfigError, match=f"parallel.tp=4 does not divide the model's {what}"):
         check_tensor_parallel(DecoderConfig(**(base | shape)), 4)
 

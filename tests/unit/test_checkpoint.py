@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -12,12 +11,9 @@ from shardforge.config import load_config
 from shardforge.errors import CheckpointError, TrainingError
 from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
+from tests.dist._training import Interrupted, logged_losses
 
 STEPS = 6
-
-
-class Interrupted(Exception):
-    pass
 
 
 def _config(tmp_path, data, **checkpoint) -> dict:
@@ -25,10 +21,6 @@ def _config(tmp_path, data, **checkpoint) -> dict:
                                              "warmup": 1, "log_every": 1},
                       checkpoint={"every": 2, "keep": 2, "save_final": False, **checkpoint})
     return cfg
-
-
-def _losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _train_until(cfg: dict, stop_after: int | None, monkeypatch) -> None:
@@ -67,11 +59,12 @@ def test_interrupted_and_resumed_run_matches_bit_for_bit(tmp_path, data, monkeyp
     # save first completed and committed step 4's, which was written while steps 5 and 6 trained.
     stop = 6 if async_save else 4
     _train_until(broken, stop, monkeypatch)
-    assert _losses(tmp_path / "broken" / "run")[-1] == _losses(tmp_path / "straight" / "run")[stop - 1]
+    reference = logged_losses(tmp_path / "straight" / "run")
+    assert logged_losses(tmp_path / "broken" / "run")[-1] == reference[stop - 1]
     root = tmp_path / "broken" / "run" / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-00000004"
     _train_until(broken, None, monkeypatch)  # resume=auto picks step 4 up
-    assert _losses(tmp_path / "broken" / "run") == _losses(tmp_path / "straight" / "run")  # exact, all steps
+    assert logged_losses(tmp_path / "broken" / "run") == reference  # exact, all steps
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000004", "step-00000006"]  # keep=2
     assert (root / "latest").read_text().strip() == "step-00000006"
 
@@ -97,7 +90,7 @@ def test_damaged_checkpoints_are_skipped_with_a_warning(tmp_path, data, monkeypa
     _train_until(cfg, None, monkeypatch)
     out = capsys.readouterr().out
     assert "resumed from" in out and "step-00000002" in out and "(step 2," in out
-    assert len(_losses(tmp_path / "a" / "run")) == STEPS
+    assert len(logged_losses(tmp_path / "a" / "run")) == STEPS
 
 
 def test_resume_from_a_bad_path_is_a_clear_error(tmp_path, data, monkeypatch):
@@ -204,7 +197,7 @@ def test_a_process_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_
     trainer = Trainer(load_config(None, base=cfg))
     trainer.train()
     assert trainer.start_step == 2
-    assert _losses(tmp_path / "killed" / "run") == _losses(tmp_path / "straight" / "run")
+    assert logged_losses(tmp_path / "killed" / "run") == logged_losses(tmp_path / "straight" / "run")
     assert not (root / ".tmp-step-00000004").exists()  # the dead save's leftovers are cleaned up
 
 
