@@ -1,6 +1,7 @@
 """Optimizer state in one checkpoint format for every layout: torch's `get_optimizer_state_dict` layout
 ({"state": {fqn: {exp_avg, exp_avg_sq, step}}, "param_groups": [{..., "params": [fqn, ...]}]}), with each
-state tensor laid out like its parameter (a DTensor shard under FSDP2/TP, a whole tensor otherwise).
+state tensor laid out like its parameter (a DTensor shard under FSDP2/TP, a whole tensor otherwise), stored
+flattened to one key per parameter and value.
 
 torch's helpers cover plain optimizers over the model's parameters. Two of ours are not: ZeRO-1
 (`ZeroRedundancyOptimizer`: each rank holds whole states for the parameters assigned to it) and
@@ -11,7 +12,7 @@ reads back whatever pieces the new layout asks for.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -83,7 +84,7 @@ def _as_param_layout(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def _common_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state in the common format (also the template that a load fills in)."""
     names = _names(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -103,8 +104,51 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     return get_optimizer_state_dict(model, optimizer)
 
 
+def _stored_name(model: nn.Module) -> Callable[[str], str]:
+    """A pipeline stage's copy of a tied embedding (its LM head) is stored as the embedding it equals, so a
+    checkpoint has one optimizer state for it whatever the layout."""
+    if getattr(model, "untied_copy", False):
+        return lambda fqn: "embed_tokens.weight" if fqn == "lm_head.weight" else fqn
+    return lambda fqn: fqn
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state as DCP stores it: one key per parameter and value (`state.<fqn>.<name>`,
+    `param_groups.<fqn>.<hyperparameter>`), so the entries of ranks that hold different parameters (pipeline
+    stages) merge into one checkpoint, and any layout reads back the entries of the parameters it holds."""
+    common, stored = _common_state(model, optimizer), _stored_name(model)
+    flat = {}
+    for fqn, values in common["state"].items():
+        flat.update({f"state.{stored(fqn)}.{k}": v for k, v in values.items()})
+    for group in common["param_groups"]:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for fqn in group["params"]:
+            flat.update({f"param_groups.{stored(fqn)}.{k}": v for k, v in hyper.items()})
+    return flat
+
+
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
-    """Put a state in the common format (as filled in by DCP) into the optimizer."""
+    """Put a state as returned by `optimizer_state` (and filled in by DCP) into the optimizer."""
+    template, stored = _common_state(model, optimizer), _stored_name(model)
+    seen: set[str] = set()
+    state = {}
+    for fqn, values in template["state"].items():
+        entry = {k: loaded[f"state.{stored(fqn)}.{k}"] for k in values}
+        if stored(fqn) in seen:  # the same stored entry feeds two parameters: each needs its own tensors
+            entry = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        seen.add(stored(fqn))
+        state[fqn] = entry
+    groups = [
+        {
+            **{k: loaded[f"param_groups.{stored(g['params'][0])}.{k}"] for k in g if k != "params"},
+            "params": g["params"],
+        }
+        for g in template["param_groups"]
+    ]
+    _set_common_state(model, optimizer, {"state": state, "param_groups": groups})
+
+
+def _set_common_state(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: dict) -> None:
     if isinstance(optimizer, (ZeroRedundancyOptimizer, OffloadedAdamW)):
         for group, saved in zip(optimizer.param_groups, loaded["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})

@@ -86,16 +86,21 @@ class ParallelSection(Section):
     timeout_minutes: float = Field(default=10.0, gt=0)
     sequence_parallel: bool = True
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev"] = "1f1b"
+    pp_microbatches: int | None = Field(default=None, ge=1)  # per micro-step; None: one per stage
+    pp_virtual: int = Field(default=1, ge=1)  # stages per pipeline rank (interleaved and V schedules)
+    pp_layers: str | None = None  # decoder layers per stage, e.g. "3,4,4,3"; None: balanced by cost
 
     @model_validator(mode="after")
     def _built_layouts_only(self) -> ParallelSection:
-        # Pipeline, context and expert parallel land in later releases: refuse, never ignore.
-        asked = {k: getattr(self, k) for k in ("pp", "cp", "ep") if getattr(self, k) > 1}
+        # Context and expert parallel land in later releases: refuse, never ignore.
+        asked = {k: getattr(self, k) for k in ("cp", "ep") if getattr(self, k) > 1}
         if asked:
             shown = ", ".join(f"parallel.{k}={v}" for k, v in asked.items())
             raise ValueError(
-                f"{shown}: not available in this version (data and tensor parallel only); keep it 1"
+                f"{shown}: not available in this version (data, tensor and pipeline parallel only); keep it 1"
             )
+        self._check_pipeline()
         if self.dp_shard == 0:
             raise ValueError("parallel.dp_shard must be >= 1, or -1 for the rest of the world")
         if self.offload != "none" and self.zero_stage < 2:
@@ -109,6 +114,38 @@ class ParallelSection(Section):
                 f"parallel.zero_stage 0 or 1 (it is {self.zero_stage})"
             )
         return self
+
+    def _check_pipeline(self) -> None:
+        if self.pp == 1:
+            unused = [k for k in ("pp_layers", "pp_microbatches") if getattr(self, k) is not None]
+            unused += ["pp_virtual"] if self.pp_virtual > 1 else []
+            if unused:
+                raise ValueError(
+                    f"parallel.{unused[0]} is set but parallel.pp=1: set parallel.pp > 1 to use it"
+                )
+            return
+        one_stage = self.pp_schedule in ("gpipe", "1f1b")
+        if one_stage and self.pp_virtual != 1:
+            raise ValueError(
+                f"parallel.pp_schedule={self.pp_schedule} runs one stage per rank, but parallel.pp_virtual="
+                f"{self.pp_virtual}: use interleaved_1f1b or zero_bubble for virtual stages, or pp_virtual=1"
+            )
+        if self.pp_schedule in ("interleaved_1f1b", "zero_bubble") and self.pp_virtual < 2:
+            raise ValueError(
+                f"parallel.pp_schedule={self.pp_schedule} interleaves several stages per rank: set "
+                f"parallel.pp_virtual >= 2 (it is {self.pp_virtual})"
+            )
+        if self.pp_schedule in ("zero_bubble", "zbv", "dualpipev") and self.zero_stage >= 2:
+            raise ValueError(
+                f"parallel.pp_schedule={self.pp_schedule} computes weight gradients in a pass of their own, "
+                f"which does not reach FSDP2's gathered parameters (torch 2.13): with parallel.zero_stage="
+                f"{self.zero_stage} use pp_schedule 1f1b, gpipe or interleaved_1f1b"
+            )
+        if self.pp_schedule in ("zbv", "dualpipev") and self.pp_virtual != 2:
+            raise ValueError(
+                f"parallel.pp_schedule={self.pp_schedule} is V-shaped, exactly two stages per rank: set "
+                f"parallel.pp_virtual=2 (it is {self.pp_virtual})"
+            )
 
 
 class TrainSection(Section):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,28 +50,53 @@ def _weight_files(folder: Path) -> list[Path]:
     raise ModelError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}{extra}")
 
 
-def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+Prune = Callable[[nn.Module], None]
+
+
+def build_empty(
+    spec: ModelSpec, cfg: Any, device: str | torch.device = "cpu", prune: Prune | None = None
 ) -> nn.Module:
-    """Read an HF folder (config.json + safetensors, single or sharded) into our model implementation."""
+    """The model built on the meta device, cut down by `prune` (a pipeline stage keeps its part), then
+    given uninitialized memory on `device`: nothing is allocated for what was pruned away."""
+    with torch.device("meta"):
+        model = spec.model_cls(cfg)
+    if prune is not None:
+        prune(model)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.reset_rope()
+    return model
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    prune: Prune | None = None,
+) -> nn.Module:
+    """Read an HF folder (config.json + safetensors, single or sharded) into our model implementation
+    (only the weights the `prune`d model keeps are read)."""
     folder = Path(path)
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"))
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
-    with torch.device("meta"):
-        model = spec.model_cls(cfg)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.reset_rope()
-    load_hf_weights(model, spec, _weight_files(folder), dtype)
+    model = build_empty(spec, cfg, device, prune)
+    load_hf_weights(model, spec, _weight_files(folder), dtype, partial=prune is not None)
     return model.to(dtype)
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, spec: ModelSpec, files: list[Path], dtype: torch.dtype) -> None:
+def load_hf_weights(
+    model: nn.Module, spec: ModelSpec, files: list[Path], dtype: torch.dtype, partial: bool = False
+) -> None:
     """Copy safetensors weights into the model's parameters, checking that every parameter is filled
-    exactly once."""
+    exactly once. A `partial` model (a pipeline stage) skips the weights of the other stages."""
     params = dict(model.named_parameters())
+    if getattr(model, "untied_copy", False):  # a stage's copy of the tied embedding is filled from it
+        params.pop("lm_head.weight")
+    known = (
+        set(params) if not partial else {k for k, _ in _whole_model(spec, model.config).named_parameters()}
+    )
     missing = set(params)
     tied = getattr(model.config, "tie_embeddings", False)
     for file in files:
@@ -85,19 +111,30 @@ def load_hf_weights(model: nn.Module, spec: ModelSpec, files: list[Path], dtype:
                 if hf_key.endswith(_IGNORED_HF_KEYS) or (tied and hf_key == "lm_head.weight"):
                     continue
                 key = spec.key_from_hf(hf_key)
-                if key not in params:
+                if key not in known:
                     raise ModelError(f"{file.name}: weight {hf_key!r} does not exist in this model config")
+                targets = [params[key]] if key in params else []
+                if key == "embed_tokens.weight" and getattr(model, "untied_copy", False):
+                    targets.append(model.lm_head.weight)
+                if not targets:
+                    continue  # another pipeline stage's weight
                 tensor = f.get_tensor(hf_key)
-                if tensor.shape != params[key].shape:
+                if tensor.shape != targets[0].shape:
                     raise ModelError(
                         f"{file.name}: weight {hf_key!r} has shape {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(params[key].shape)}"
+                        f"config.json implies {tuple(targets[0].shape)}"
                     )
-                params[key].copy_(tensor.to(dtype))
+                for target in targets:
+                    target.copy_(tensor.to(dtype))
                 missing.discard(key)
     if missing:
         names = ", ".join(sorted(spec.key_to_hf(k) for k in missing)[:8])
         raise ModelError(f"checkpoint is missing {len(missing)} weight(s): {names}")
+
+
+def _whole_model(spec: ModelSpec, cfg: Any) -> nn.Module:
+    with torch.device("meta"):
+        return spec.model_cls(cfg)
 
 
 def hf_state_dict(

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from shardforge.errors import ModelError
+from shardforge.models.io import Prune, build_empty
 from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.spec import spec_for
 
@@ -55,9 +56,17 @@ def preset_config(name: str, vocab_size: int, max_position: int = 4096) -> Decod
     return DecoderConfig(vocab_size=vocab_size, max_position=max_position, **_PRESETS[name])
 
 
-def build_preset(name: str, vocab_size: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-    """A freshly initialized model of a preset shape (deterministic for a given seed)."""
+def build_preset(
+    name: str,
+    vocab_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    prune: Prune | None = None,
+) -> nn.Module:
+    """A freshly initialized model of a preset shape (deterministic for a given seed, whatever `prune`
+    keeps of it: a pipeline stage gets the same weights the whole model would have)."""
     cfg = preset_config(name, vocab_size)
-    model = spec_for(cfg.family).model_cls(cfg)
-    model.init_weights(generator=torch.Generator().manual_seed(seed))
+    model = build_empty(spec_for(cfg.family), cfg, device, prune)
+    model.init_weights(seed=seed)
     return model.to(dtype)

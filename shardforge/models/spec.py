@@ -12,9 +12,20 @@ from shardforge.errors import ModelError
 
 
 @dataclass(frozen=True)
+class PipelineCosts:
+    """Forward FLOPs per token of the pieces a pipeline split places: the embedding (first stage), each
+    decoder layer, and the final norm + LM head + loss (last stage)."""
+
+    embed: float
+    layers: list[float]
+    head: float
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family. `tp_plan(config, tp, sequence_parallel)` checks the shapes and returns the
-    tensor-parallel plan (module pattern -> ParallelStyle); the pipeline work fills `pipeline_split`."""
+    tensor-parallel plan (module pattern -> ParallelStyle); `pipeline_costs(config, seq_len)` is the cost
+    of each piece that the pipeline split balances."""
 
     name: str
     model_type: str  # config.json model_type
@@ -27,7 +38,7 @@ class ModelSpec:
     key_from_hf: Callable[[str], str]
     flops_per_token: Callable[[Any, int], float]
     tp_plan: Callable[[Any, int, bool], dict[str, Any]] | None = None
-    pipeline_split: Callable[..., Any] | None = None
+    pipeline_costs: Callable[[Any, int], PipelineCosts] | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -37,6 +37,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     extra = {}
     if mode == "selective":
         extra["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_matmuls)
-    for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **extra)
+    for name, block in list(model.layers.named_children()):  # a ModuleList, or a pipeline stage's ModuleDict
+        setattr(model.layers, name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))
     return model

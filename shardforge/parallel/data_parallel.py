@@ -33,13 +33,18 @@ def apply_data_parallel(
     parallel: ParallelSection,
     precision: str,
     device: torch.device,
+    roots: list[nn.Module] | None = None,
 ) -> nn.Module:
-    """Wrap or shard `model` for data parallelism; returns the module to call in the training loop."""
+    """Wrap or shard `model` for data parallelism; returns the module to call in the training loop.
+    `roots` are the modules that run forward (pipeline stages; default: the model itself): FSDP2 shards
+    each one's blocks, then the root with what remains (embedding, norm, head)."""
     dp_mesh = dims.dp_mesh(mesh)
     if dp_mesh is None:
         return model
     if dims.sharded:
-        return _fully_shard(model, dp_mesh, dims.zero_stage, parallel, precision, device)
+        for root in roots or [model]:
+            _fully_shard(root, dp_mesh, dims.zero_stage, parallel, precision, device)
+        return model
     ddp = DistributedDataParallel(
         model,
         process_group=dp_mesh.get_group(),
@@ -57,7 +62,7 @@ def _fully_shard(
     parallel: ParallelSection,
     precision: str,
     device: torch.device,
-) -> nn.Module:
+) -> None:
     param_dtype = None if precision == "fp32" else _DTYPES[precision]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[parallel.reduce_dtype])
     # Pinned host memory needs an accelerator; on a CPU-only machine plain memory is the only choice.
@@ -67,11 +72,10 @@ def _fully_shard(
         else OffloadPolicy()
     )
     reshard = stage == 3  # ZeRO-3 frees gathered params after forward; ZeRO-2 keeps them until backward
-    for block in model.layers:
+    for block in model.blocks():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     # The root (embedding, final norm, head) is needed again right at the start of backward: keep it gathered.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
-    return model
 
 
 def _register_compression(ddp: DistributedDataParallel, parallel: ParallelSection, mesh: DeviceMesh) -> None:

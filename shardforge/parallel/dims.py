@@ -88,6 +88,11 @@ class ParallelDims:
                 f"parallel.tp={parallel.tp} with {replicate} data-parallel replicas needs FSDP2: set "
                 f"parallel.zero_stage to 2 or 3 (DDP and ZeRO-1 do not take tensor-parallel parameters)"
             )
+        if parallel.pp > 1 and replicate > 1 and parallel.zero_stage < 2:
+            raise ConfigError(
+                f"parallel.pp={parallel.pp} with {replicate} data-parallel replicas needs FSDP2: set "
+                f"parallel.zero_stage to 2 or 3 (pipeline stages are sharded over the data-parallel ranks)"
+            )
         if (shard * parallel.cp) % parallel.ep:
             raise ConfigError(
                 f"parallel.ep={parallel.ep} must divide dp_shard ({shard}) x cp ({parallel.cp}): "
@@ -140,6 +145,10 @@ class ParallelDims:
         if not names:
             return None
         return mesh[names[0]] if len(names) == 1 else mesh[names]
+
+    def pp_rank(self, mesh: DeviceMesh | None) -> int:
+        """This rank's index along the pipeline (which stages it runs)."""
+        return mesh.get_local_rank("pp") if self.pp > 1 else 0
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """This rank's index among data-parallel ranks (which slice of the global batch it reads)."""

@@ -37,9 +37,11 @@ def apply_tensor_parallel(
     plan = check_tensor_parallel(cfg, parallel)
     padded = padded_vocab(cfg.vocab_size, dims.tp)
     pad_vocab(model, padded)
+    # A pipeline stage holds part of the model: the plan's entries for modules it lacks do not apply.
+    plan = {key: style for key, style in plan.items() if getattr(model, key.split(".")[0]) is not None}
     parallelize_module(model, mesh["tp"], plan)
     model.tie_weights()  # the head's style re-wraps a tied weight: share the embedding's DTensor again
-    if padded != cfg.vocab_size:
+    if padded != cfg.vocab_size and model.lm_head is not None:
         model.lm_head.register_forward_hook(_mask_padded_logits(cfg.vocab_size))
     if parallel.sequence_parallel:
         model.register_forward_pre_hook(_require_even_split(dims.tp), with_kwargs=True)
@@ -78,15 +80,21 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 def pad_vocab(model: nn.Module, rows: int) -> None:
     """Grow the embedding and LM head to `rows` rows (zeros); a no-op when they already have that many."""
-    vocab = model.embed_tokens.weight.shape[0]
+    present = [
+        m for m in (model.embed_tokens, model.lm_head) if m is not None
+    ]  # a pipeline stage may lack one
+    vocab = present[0].weight.shape[0]
     if rows <= vocab:
         return
-    tied = model.lm_head.weight is model.embed_tokens.weight
-    for module in (model.embed_tokens,) if tied else (model.embed_tokens, model.lm_head):
+    tied = len(present) == 2 and present[0].weight is present[1].weight
+    for module in present[:1] if tied else present:
         weight = module.weight.detach()
         extra = weight.new_zeros(rows - vocab, weight.shape[1])
         module.weight = nn.Parameter(torch.cat([weight, extra]))
-    model.embed_tokens.num_embeddings = model.lm_head.out_features = rows
+    if model.embed_tokens is not None:
+        model.embed_tokens.num_embeddings = rows
+    if model.lm_head is not None:
+        model.lm_head.out_features = rows
     model.tie_weights()
 
 

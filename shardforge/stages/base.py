@@ -32,6 +32,10 @@ class Stage(Protocol):
         """Sum (not mean) of the per-target losses of a micro-batch; the loop divides by the global count."""
         ...
 
+    def logits_loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The same sum from the LM head's output at the scored positions (the last pipeline stage's loss)."""
+        ...
+
 
 def causal_lm_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Logits [targets, vocab] of the target positions only (the LM head skips prompts and padding)."""
@@ -47,7 +51,12 @@ def causal_lm_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
 def causal_lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
     """Next-token cross-entropy summed over target tokens (targets are pre-shifted per document). The LM head
     runs only on target positions: prompts and padding never pay for the vocabulary projection."""
-    logits = causal_lm_forward(model, batch)
-    loss = F.cross_entropy(logits.float(), batch.targets[batch.targets != IGNORE], reduction="sum")
+    return logits_loss_sum(causal_lm_forward(model, batch), batch.targets[batch.targets != IGNORE])
+
+
+def logits_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over the scored positions: logits [n, vocab], targets [n] (also what the last
+    pipeline stage computes)."""
+    loss = F.cross_entropy(logits.float(), targets, reduction="sum")
     # Under tensor parallel the logits are vocabulary shards and `loss_parallel` returns a replicated DTensor.
     return loss.to_local() if isinstance(loss, DTensor) else loss

@@ -9,13 +9,14 @@ from shardforge.data.batching import collate
 from shardforge.data.examples import Encoder
 from shardforge.data.formats import Record
 from shardforge.data.templates import encode_text
-from shardforge.stages.base import causal_lm_loss_sum
+from shardforge.stages.base import causal_lm_loss_sum, logits_loss_sum
 
 
 class PretrainStage:
     name = "pt"
     collate = staticmethod(collate)
     loss_sum = staticmethod(causal_lm_loss_sum)
+    logits_loss_sum = staticmethod(logits_loss_sum)
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
         def encode(record: Record) -> tuple[list[int], list[bool]]:

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 from shardforge.config.schema import ModelSection
 from shardforge.errors import ModelError
 from shardforge.models import build_preset, load_model
-from shardforge.models.io import read_config_json
+from shardforge.models.io import Prune, read_config_json
 from shardforge.models.presets import preset_config
 from shardforge.models.spec import spec_for
 
@@ -48,14 +48,19 @@ def load_tokenizer(model: ModelSection) -> Any:
     return tokenizer
 
 
-def build_model(model: ModelSection, tokenizer: Any, seed: int, device: torch.device) -> nn.Module:
+def build_model(
+    model: ModelSection, tokenizer: Any, seed: int, device: torch.device, prune: Prune | None = None
+) -> nn.Module:
+    """The model of a run, built directly on `device`; `prune` (a pipeline split) drops what this rank does
+    not hold before any memory is allocated."""
     dtype = _DTYPES[model.dtype]
     if model.preset is not None:
-        net = build_preset(model.preset, vocab_size=len(tokenizer), dtype=dtype, seed=seed)
-    else:
-        net = load_model(model.path, dtype=dtype)
-        if len(tokenizer) > net.config.vocab_size:
-            raise ModelError(
-                f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {net.config.vocab_size}"
-            )
-    return net.to(device)
+        return build_preset(
+            model.preset, vocab_size=len(tokenizer), dtype=dtype, seed=seed, device=device, prune=prune
+        )
+    net = load_model(model.path, dtype=dtype, device=device, prune=prune)
+    if len(tokenizer) > net.config.vocab_size:
+        raise ModelError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {net.config.vocab_size}"
+        )
+    return net

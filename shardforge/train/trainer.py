@@ -3,11 +3,14 @@ clipping, precision, schedule, metrics, export) lives here once."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,10 +39,13 @@ from shardforge.parallel.distributed import (
     world_size_from_env,
 )
 from shardforge.parallel.memory import memory_report
+from shardforge.parallel.pipeline import PipelineRunner, pipeline_stages, split_for_pipeline
+from shardforge.parallel.pipeline_plan import plan_pipeline
 from shardforge.parallel.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
     loss_context,
+    padded_vocab,
     strip_vocab_padding,
 )
 from shardforge.stages import get_stage
@@ -112,7 +118,12 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"output_dir {str(self.run_dir)!r} cannot be created: {exc.strerror}") from None
-        check_tensor_parallel(check_model_source(cfg.model), cfg.parallel)
+        shape = check_model_source(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model)
+        if cfg.model.preset is not None:  # a preset's vocabulary is the tokenizer's
+            shape = dataclasses.replace(shape, vocab_size=len(self.tokenizer))
+        check_tensor_parallel(shape, cfg.parallel)
+        self.plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
 
         self.owns_process_group = init_distributed(backend, cfg.parallel.timeout_minutes)
         timeout = datetime.timedelta(minutes=cfg.parallel.timeout_minutes)
@@ -126,29 +137,48 @@ class Trainer:
             dump_config(cfg, self.run_dir / "config.yaml")
 
         self.stage = get_stage(cfg.method.stage)
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.precision = Precision(cfg.train.precision, self.device)
         encoder = self.stage.encoder(self.tokenizer, cfg.data)
         self.train_rows, self.eval_rows = build_datasets(cfg.data, cfg.method.stage, encoder, cfg.train.seed)
         self._log_data("train", self.train_rows)
         if self.eval_rows is not None:
             self._log_data("eval", self.eval_rows)
 
-        model = build_model(cfg.model, self.tokenizer, cfg.train.seed, self.device)
+        # A pipeline rank builds only its stages' part of the model (pruned on the meta device).
+        pp_rank = self.dims.pp_rank(self.mesh)
+        prune = (
+            partial(split_for_pipeline, plan=self.plan, stages=self.plan.stages_of(pp_rank))
+            if self.plan
+            else None
+        )
+        model = build_model(cfg.model, self.tokenizer, cfg.train.seed, self.device, prune)
         self.model_config = model.config
         # Appliers in a fixed order. TP first: it swaps parameters for DTensors that the later wrappers take
         # as they are. Checkpointing wraps whole (TP-sharded) blocks: `full` recomputation repeats their TP
         # collectives (in the same order on every rank), `selective` keeps their outputs. Compile sees the
-        # final block code. FSDP2 comes last: it shards the TP DTensors over the data-parallel mesh dims
-        # (2-D) and owns the parameters.
+        # final block code. Pipeline stages are then cut over the wrapped blocks. FSDP2 comes last: it
+        # shards the TP DTensors over the data-parallel mesh dims (2-D), with one root per pipeline stage.
         apply_tensor_parallel(model, self.dims, self.mesh, cfg.parallel)
         apply_activation_checkpointing(model, cfg.parallel.activation_checkpoint)
         if cfg.train.compile:
-            for block in model.layers:
+            for block in model.blocks():
                 block.compile()
+        stages = (
+            pipeline_stages(model, self.plan, pp_rank, self.stage.logits_loss_sum, self.precision_autocast)
+            if self.plan
+            else {}
+        )
         self.model = apply_data_parallel(
-            model, self.dims, self.mesh, cfg.parallel, cfg.train.precision, self.device
+            model, self.dims, self.mesh, cfg.parallel, cfg.train.precision, self.device, list(stages.values())
         )
         self.inner = unwrap(self.model)
+        self.pipeline = (
+            PipelineRunner(
+                self.plan, model, stages, self.mesh, self.device, self._stream_dtype(), self._stream_width
+            )
+            if self.plan
+            else None
+        )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
         self.global_batch = cfg.train.micro_batch * self.grad_accum * self.dims.dp
@@ -163,7 +193,6 @@ class Trainer:
             )
         self.optimizer = build_optimizer(self.model, cfg.train, cfg.parallel, self.dims.dp_mesh(self.mesh))
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, cfg.train)
-        self.precision = Precision(cfg.train.precision, self.device)
         self.order = GlobalOrder(rows, cfg.train.seed)
         self.start_step, self.samples_seen, self.step = 0, 0, 0
         self.watchdog: Watchdog | None = None  # started by train(); train_step also runs without it
@@ -180,6 +209,8 @@ class Trainer:
         self.seq_multiple = self.dims.tp if cfg.parallel.sequence_parallel else 1
         self.peak_flops = cfg.hardware.peak_flops or measure_matmul_peak(self.device, self.precision.dtype)
         n_params = self.model_config.num_params()
+        if self.plan:
+            self.console.print(self.plan.describe())
         self.console.print(
             f"model: {self.model_config.family}, {n_params / 1e6:.2f}M parameters, {cfg.train.precision}; "
             f"layout: {self.dims.describe()}; {self.total_steps} steps of {self.global_batch} rows "
@@ -187,6 +218,21 @@ class Trainer:
             f"data-parallel); "
             f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device on {self.device}"
         )
+
+    def precision_autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()
+
+    def _stream_dtype(self) -> torch.dtype:
+        """The dtype of the residual stream between pipeline stages: FSDP2's compute dtype under mixed
+        precision, else the weights' (autocast leaves the stream in the weights' dtype)."""
+        precision = self.config.train.precision
+        if self.dims.sharded and precision != "fp32":
+            return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        return next(self.inner.parameters()).dtype
+
+    def _stream_width(self, width: int) -> int:
+        """Tokens per row of the stream a pipeline stage sends: sequence parallel splits them over TP."""
+        return width // self.dims.tp if self.config.parallel.sequence_parallel else width
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     @property
@@ -239,7 +285,7 @@ class Trainer:
                 m.num_kv_heads,
                 m.head_dim,
             ],
-            "vocab_rows": self.inner.embed_tokens.weight.shape[0],  # a DTensor's shape is the global one
+            "vocab_rows": padded_vocab(m.vocab_size, self.dims.tp),  # as the embedding holds it
             "global_batch": self.global_batch,
             "rows": len(self.train_rows.rows),
             "seed": self.config.train.seed,
@@ -340,14 +386,22 @@ class Trainer:
                 + (", gradient reduction)" if last else ")")
             )
             mb = mb.to(self.device)
-            with gradient_sync(self.model, sync=last), loss_context(self.dims):
-                with self.precision.autocast():
-                    loss = self.stage.loss_sum(self.model, mb)
-                self.precision.scale(loss * scale).backward()
+            if self.pipeline is not None:  # forward and backward of every pipeline micro-batch
+                with loss_context(self.dims):
+                    loss = self.pipeline.run(mb, lambda loss: self.precision.scale(loss * scale))
+            else:
+                with gradient_sync(self.model, sync=last), loss_context(self.dims):
+                    with self.precision.autocast():
+                        loss = self.stage.loss_sum(self.model, mb)
+                    self.precision.scale(loss * scale).backward()
             loss_sum += loss.detach()
+        if self.pipeline is not None:
+            self.pipeline.sum_tied_grads()
         self._phase("gradient norm (all-reduce) and the optimizer step")
         overflow = self.precision.unscale(self.params)
-        grad_norm = clip_grad_norm(self.params, self.config.train.clip)
+        pp_group = self.mesh["pp"].get_group() if self.plan else None
+        tied_copy = self.pipeline.tied_copy if self.pipeline is not None else None
+        grad_norm = clip_grad_norm(self.params, self.config.train.clip, pp_group, tied_copy)
         first = not self.memory
         grads = memory_report(self.inner)["grad_bytes"] if first else 0
         # The norm is global (the same on every rank), so every rank skips the same steps. fp16 overflow is
@@ -401,23 +455,41 @@ class Trainer:
             batch = self.stage.collate(
                 rows.examples, rows.rows[start : start + mb], self.pad_id, self.seq_multiple
             ).to(self.device)
+            count += batch.num_targets
+            if self.pipeline is not None:
+                with loss_context(self.dims):
+                    total += self.pipeline.loss_sum(batch)
+                continue
             with self.precision.autocast(), loss_context(self.dims):
                 total += self.stage.loss_sum(self.model, batch)
-            count += batch.num_targets
         self.model.train()
         return (total / count).item()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) weights on CPU under our key names, without TP vocabulary padding; complete on
         rank 0 (collective call)."""
+        if self.plan is not None:
+            return strip_vocab_padding(self._gather_stages(), self.model_config.vocab_size)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.inner, options=options)
         return strip_vocab_padding(state, self.model_config.vocab_size)
 
+    def _gather_stages(self) -> dict[str, torch.Tensor]:
+        """Full weights of every pipeline stage, merged on rank 0: each rank gathers its stage's tensors over
+        data and tensor parallel, then the pipeline group that holds rank 0 sends them there."""
+        options = StateDictOptions(full_state_dict=True)
+        state = {k: v.cpu() for k, v in get_model_state_dict(self.inner, options=options).items()}
+        pp_mesh = self.mesh["pp"]
+        if 0 not in pp_mesh.mesh.tolist():
+            return {}
+        parts: list[dict] | None = [{} for _ in range(self.dims.pp)] if self.is_main else None
+        dist.gather_object(state, parts, dst=0, group=pp_mesh.get_group())
+        return {k: v for part in parts or [] for k, v in part.items()}
+
     # ---- the loop ----------------------------------------------------------------------------------------
     def _new_window(self) -> dict:
         """Accumulators between two log lines; the loss stays on the device until it is logged."""
-        return {"loss": torch.zeros((), device=self.device), "targets": 0, "tokens": 0}
+        return {"loss": torch.zeros((), device=self.device), "targets": 0, "tokens": 0, "steps": 0}
 
     def _record(
         self,
@@ -440,6 +512,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "target_tokens_per_s": window["targets"] / elapsed,
             "mfu": flops_per_token * tokens_per_s / (self.peak_flops * self.dims.world_size),
+            "step_time_s": elapsed / window["steps"],
             # From the samples consumed, not the sampler: the prefetcher has already drawn the next batch.
             "epoch": round(self.samples_seen / len(self.train_rows.rows), 4),
             **memory_bytes(self.device),
@@ -447,6 +520,8 @@ class Trainer:
         if not self._memory_logged:  # the first record of the run (or of a resumed run)
             record.update(self.memory)
             self._memory_logged = True
+        if self.plan is not None:  # the schedule's theoretical idle share, next to the measured step time
+            record["pp_bubble"] = self.plan.bubble_fraction
         if self.bad_steps:
             record["bad_steps"] = self.bad_steps
         if self.precision.loss_scale is not None:
@@ -513,6 +588,7 @@ class Trainer:
                 window["loss"] += loss_sum
                 window["targets"] += counts.targets
                 window["tokens"] += counts.tokens
+                window["steps"] += 1
                 progress.advance(task)
                 is_last = step == self.total_steps
                 if is_last or step % cfg.train.log_every == 0:

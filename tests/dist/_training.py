@@ -30,6 +30,7 @@ def train_runs(configs: list[dict]) -> list[dict]:
                 "state": state if main else None,
                 "memory": trainer.memory,
                 "layout": trainer.dims.describe(),
+                "run_dir": str(trainer.run_dir),
                 "powersgd": powersgd.compression_stats() if powersgd is not None else None,
             }
         )

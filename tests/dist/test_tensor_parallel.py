@@ -71,7 +71,7 @@ def _odd_vocab_folder(folder, **shape) -> dict:
         **shape,
     )
     model = Decoder(cfg)
-    model.init_weights(generator=torch.Generator().manual_seed(3))
+    model.init_weights(seed=3)
     return {"path": str(save_model(model, folder / "model")), "preset": None, "tokenizer": str(TOKENIZER)}
 
 

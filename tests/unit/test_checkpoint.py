@@ -17,9 +17,12 @@ STEPS = 6
 
 
 def _config(tmp_path, data, **checkpoint) -> dict:
-    cfg = tiny_config(tmp_path, data, train={"steps": STEPS, "micro_batch": 2, "grad_accum": 2, "lr": 3e-3,
-                                             "warmup": 1, "log_every": 1},
-                      checkpoint={"every": 2, "keep": 2, "save_final": False, **checkpoint})
+    cfg = tiny_config(
+        tmp_path,
+        data,
+        train={"steps": STEPS, "micro_batch": 2, "grad_accum": 2, "lr": 3e-3, "warmup": 1, "log_every": 1},
+        checkpoint={"every": 2, "keep": 2, "save_final": False, **checkpoint},
+    )
     return cfg
 
 
@@ -188,8 +191,13 @@ def test_a_process_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_
     _train_until(straight, None, monkeypatch)
     cfg = _config(tmp_path / "killed", data)
     (tmp_path / "killed.yaml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.run([sys.executable, "-c", _DIE_WHILE_SAVING, str(tmp_path / "killed.yaml")], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DIE_WHILE_SAVING, str(tmp_path / "killed.yaml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == -9, proc.stderr
     root = tmp_path / "killed" / "run" / "checkpoints"
     assert (root / ".tmp-step-00000004").is_dir() and not (root / "step-00000004").exists()

@@ -49,7 +49,7 @@ def test_global_batch_not_divisible_by_dp(tmp_path):
         ("parallel.offload=params", "offload=params needs sharded states: set parallel.zero_stage to 2 or 3"),
         ("parallel.grad_compression=fp16", None),
         ("parallel.backend=mpi2", "parallel.backend = 'mpi2'"),
-        ("parallel.pp=2", "not available in this version"),
+        ("parallel.cp=2", "not available in this version"),
     ],
 )
 def test_bad_parallel_settings(tmp_path, override, message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -134,8 +135,10 @@ class Decoder(nn.Module):
         self.reset_rope()
 
     def tie_weights(self) -> None:
-        """Share the embedding with the LM head when the checkpoint says so (again after `to_empty`)."""
-        if self.config.tie_embeddings:
+        """Share the embedding with the LM head when the checkpoint says so (again after `to_empty`). A
+        pipeline stage may hold only one of them, or its own copy of the head (parallel/pipeline.py)."""
+        whole = self.embed_tokens is not None and self.lm_head is not None
+        if self.config.tie_embeddings and whole and not getattr(self, "untied_copy", False):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Decoder:
@@ -152,15 +155,45 @@ class Decoder(nn.Module):
         self.inv_freq = freq.to(self.inv_freq.device) if self.inv_freq.device.type != "meta" else freq
 
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-        """Fresh weights for training from scratch (HF's scheme: normal(0, std), zero bias, unit norms)."""
-        for module in self.modules():
+    def init_weights(self, std: float = 0.02, seed: int = 0) -> None:
+        """Fresh weights for training from scratch (HF's scheme: normal(0, std), zero bias, unit norms). Each
+        module draws from its own generator, seeded by the seed and its name, so a model split into
+        pipeline stages (each built alone) gets exactly the weights the whole model would."""
+        for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
+                if name == "lm_head" and self.config.tie_embeddings:
+                    name = "embed_tokens"  # the tied head (or a stage's copy of it) is the embedding
+                generator = torch.Generator(module.weight.device)
+                generator.manual_seed(seed + zlib.crc32(name.encode()))
                 module.weight.normal_(0.0, std, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+
+    def blocks(self) -> list[nn.Module]:
+        """The decoder blocks this model holds, in order (all of them, or a pipeline stage's)."""
+        return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
+
+    def layer_inputs(
+        self,
+        position_ids: torch.Tensor,
+        dtype: torch.dtype,
+        doc_ids: torch.Tensor | None = None,
+        doc_layout: DocLayout | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """What every block takes besides the stream: RoPE cos/sin and how tokens may attend (computed from
+        the token positions [b, s], not the stream, which sequence parallel splits)."""
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype)
+        ctx = attention_context(self.config, position_ids.shape[1], doc_ids, doc_layout, position_ids.device)
+        return cos, sin, ctx
+
+    def head(self, h: torch.Tensor, output_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and LM head; `output_mask` [b, s] limits them to the positions that are scored."""
+        h = self.norm(h)
+        if output_mask is not None:  # only the positions that are scored: [n, vocab]
+            h = h[output_mask]
+        return self.lm_head(h)
 
     def forward(
         self,
@@ -170,15 +203,11 @@ class Decoder(nn.Module):
         doc_layout: DocLayout | None = None,
         output_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        b, s = input_ids.shape
         if position_ids is None:
+            b, s = input_ids.shape
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         h = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq, h.dtype)
-        ctx = attention_context(self.config, s, doc_ids, doc_layout, input_ids.device)
+        cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout)
         for layer in self.layers:
             h = layer(h, cos, sin, ctx)
-        h = self.norm(h)
-        if output_mask is not None:  # only the positions that are scored: [n, vocab]
-            h = h[output_mask]
-        return self.lm_head(h)
+        return self.head(h, output_mask)

@@ -7,6 +7,7 @@ from functools import partial
 from shardforge.models.llama import hf_adapter
 from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.model import Decoder
+from shardforge.models.llama.pipeline import pipeline_costs
 from shardforge.models.llama.plan import tensor_parallel_plan
 from shardforge.models.spec import ModelSpec, register
 
@@ -31,5 +32,6 @@ for _family, _arch in _FAMILIES.items():
             key_from_hf=hf_adapter.key_from_hf,
             flops_per_token=DecoderConfig.flops_per_token,
             tp_plan=tensor_parallel_plan,
+            pipeline_costs=pipeline_costs,
         )
     )
