@@ -192,6 +192,41 @@ def test_four_rank_fsdp_x_tp_demo_runs_and_exports(tmp_path):
     assert model.config.vocab_size == 1024
 
 
+def test_four_rank_pp_x_tp_demo_runs_logs_the_bubble_and_exports(tmp_path):
+    """The pipeline issue's acceptance command (shortened): 2 pipeline stages x 2 tensor-parallel ranks, with
+    the evaluation at the last step run through the stages."""
+    common = ["train.steps=2", "train.log_every=1", "data.train.0.max_samples=200"]
+    proc = _cli(
+        "train",
+        "examples/demo.yaml",
+        "--nproc",
+        "4",
+        "parallel.pp=2",
+        "parallel.tp=2",
+        *common,
+        f"output_dir={tmp_path / 'pp'}",
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "pp=2 x tp=2 on 4 rank(s)" in proc.stdout and proc.stdout.count("done:") == 1
+    assert "pipeline 1f1b, 2 ranks x 1 stage(s), 2 micro-batches per micro-step" in proc.stdout
+    metrics = [json.loads(line) for line in (tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["loss"] > 0 and m["step_time_s"] > 0 for m in metrics)
+    assert metrics[-1]["pp_bubble"] == 0.5 and metrics[-1]["eval_loss"] > 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final")
+    assert model.config.vocab_size == 1024 and model.config.tie_word_embeddings
+
+
+def test_bad_pipeline_settings_fail_before_launch(tmp_path):
+    proc = _cli("train", "examples/demo.yaml", "--nproc", "2", "parallel.pp=2", "parallel.pp_schedule=zbv")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "parallel.pp_virtual=2" in proc.stderr
+    proc = _cli("train", "examples/demo.yaml", "--nproc", "2", "parallel.pp=2", "parallel.pp_microbatches=3")
+    assert (
+        proc.returncode == 2 and "parallel.pp_microbatches=3 must divide train.micro_batch=4" in proc.stderr
+    )
+
+
 def test_export_command_writes_an_hf_folder_from_a_run(tmp_path):
     data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(24))
     cfg = _config(tmp_path, tiny_config(tmp_path, data, checkpoint={"every": 2, "save_final": False}))
