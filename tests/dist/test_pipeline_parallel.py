@@ -96,6 +96,7 @@ TWO_RANKS = {
     "dualpipev": ("llama4", dict(pp_schedule="dualpipev", pp_virtual=2, pp_microbatches=4)),
     "uneven_5_layers": ("llama5", dict(pp_schedule="1f1b")),
     "pp_layers_1_4": ("llama5", dict(pp_schedule="gpipe", pp_layers="1,4")),
+    "uneven_virtual": ("llama5", dict(pp_schedule="interleaved_1f1b", pp_virtual=2)),  # 5 layers, 4 stages
     "tied_1f1b": ("tied4", dict(pp_schedule="1f1b")),
     "tied_zbv": ("tied4", dict(pp_schedule="zbv", pp_virtual=2)),
     "selective_ckpt": ("llama4", dict(pp_schedule="1f1b", activation_checkpoint="selective")),
@@ -117,8 +118,11 @@ def two_ranks(tmp_path_factory, data, models, reference):
     resumed = _cfg(tmp, "tied_resumes", data, models["tied4"], pp=2)
     resumed["output_dir"] = str(_from_step_2(reference["tmp"] / "tied4" / "run", tmp / "tied_resumes_run"))
     configs.append(resumed)
+    for precision in ("bf16", "fp16"):  # the stream between stages in bf16; the loss scale over stages
+        configs.append(_cfg(tmp, precision, data, models["llama4"], pp=2))
+        configs[-1]["train"]["precision"] = precision
     per_rank = run_ranks(train_runs, 2, configs)
-    runs = dict(zip([*TWO_RANKS, "tied_saves", "tied_resumes"], per_rank[0], strict=True))
+    runs = dict(zip([*TWO_RANKS, "tied_saves", "tied_resumes", "bf16", "fp16"], per_rank[0], strict=True))
     return runs | {"tmp": tmp}
 
 
@@ -127,6 +131,14 @@ def test_pp2_matches_single_process(two_ranks, reference, name):
     run = two_ranks[name]
     assert "pp=2" in run["layout"]
     assert_same(run, reference[TWO_RANKS[name][0]])
+    # A stage holds its own layers only (built on the meta device, never the whole model).
+    whole = sum(t.numel() * t.element_size() for t in reference[TWO_RANKS[name][0]]["state"].values())
+    assert run["memory"]["param_bytes"] < 0.8 * whole
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_under_pp_tracks_fp32(two_ranks, reference, precision):
+    assert two_ranks[precision]["losses"] == pytest.approx(reference["llama4"]["losses"], rel=2e-2)
 
 
 def test_tied_checkpoints_cross_between_pipeline_and_single_process(two_ranks, reference, data, models):
