@@ -16,15 +16,13 @@ from shardforge.errors import ShardforgeError
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from shardforge.config import load_config
     from shardforge.launch import already_a_rank, launch_local
-    from shardforge.parallel.dims import ParallelDims
-    from shardforge.train.trainer import resolve_grad_accum, train
+    from shardforge.train.trainer import check_layout, train
 
     config = load_config(args.config, args.overrides)
     if (args.nproc > 1 or args.max_restarts > 0) and not already_a_rank(translate=False):
         # Restarts need the elastic agent, even for a single process.
         # Layout errors surface here, once, before any process starts.
-        dims = ParallelDims.from_config(config.parallel, args.nproc)
-        resolve_grad_accum(config, dims.dp)
+        check_layout(config, args.nproc)
         argv = (["--debug"] if args.debug else []) + ["train", args.config, *args.overrides]
         return launch_local(args.nproc, args.max_restarts, argv)
     result = train(config, console)

@@ -24,6 +24,7 @@ from shardforge.parallel.memory import local_tensor
 from shardforge.parallel.offload import OffloadedAdamW
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+FORMAT = 2  # 1: torch's nested layout (before pipeline parallel); 2: one key per parameter and value
 
 
 def _fqn(name: str) -> str:

@@ -68,6 +68,13 @@ class MethodSection(Section):
     finetuning: Literal["full"] = "full"
 
 
+# Pipeline schedules by how many stages each rank runs, and which split backward (zero bubble).
+ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # pp_virtual >= 2 stages per rank
+V_SCHEDULES = ("zbv", "dualpipev")  # exactly 2 stages per rank: r and 2pp-1-r
+ZERO_BUBBLE_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
+
+
 class ParallelSection(Section):
     """Parallel layout. Degrees multiply to the world size; -1 on dp_shard means "the rest of the world"."""
 
@@ -117,31 +124,33 @@ class ParallelSection(Section):
 
     def _check_pipeline(self) -> None:
         if self.pp == 1:
-            unused = [k for k in ("pp_layers", "pp_microbatches") if getattr(self, k) is not None]
-            unused += ["pp_virtual"] if self.pp_virtual > 1 else []
+            defaults = {
+                k: ParallelSection.model_fields[k].default for k in self.model_fields if k.startswith("pp_")
+            }
+            unused = [k for k, default in defaults.items() if getattr(self, k) != default]
             if unused:
                 raise ValueError(
                     f"parallel.{unused[0]} is set but parallel.pp=1: set parallel.pp > 1 to use it"
                 )
             return
-        one_stage = self.pp_schedule in ("gpipe", "1f1b")
-        if one_stage and self.pp_virtual != 1:
+        if self.pp_schedule in ONE_STAGE_SCHEDULES and self.pp_virtual != 1:
             raise ValueError(
                 f"parallel.pp_schedule={self.pp_schedule} runs one stage per rank, but parallel.pp_virtual="
                 f"{self.pp_virtual}: use interleaved_1f1b or zero_bubble for virtual stages, or pp_virtual=1"
             )
-        if self.pp_schedule in ("interleaved_1f1b", "zero_bubble") and self.pp_virtual < 2:
+        if self.pp_schedule in INTERLEAVED_SCHEDULES and self.pp_virtual < 2:
             raise ValueError(
                 f"parallel.pp_schedule={self.pp_schedule} interleaves several stages per rank: set "
                 f"parallel.pp_virtual >= 2 (it is {self.pp_virtual})"
             )
-        if self.pp_schedule in ("zero_bubble", "zbv", "dualpipev") and self.zero_stage >= 2:
+        if self.pp_schedule in ZERO_BUBBLE_SCHEDULES and self.zero_stage >= 2:
             raise ValueError(
                 f"parallel.pp_schedule={self.pp_schedule} computes weight gradients in a pass of their own, "
-                f"which does not reach FSDP2's gathered parameters (torch 2.13): with parallel.zero_stage="
-                f"{self.zero_stage} use pp_schedule 1f1b, gpipe or interleaved_1f1b"
+                f"which does not reach FSDP2's gathered parameters (torch 2.13), so it cannot be combined "
+                f"with data parallel: with parallel.zero_stage={self.zero_stage} use pp_schedule 1f1b, gpipe "
+                f"or interleaved_1f1b"
             )
-        if self.pp_schedule in ("zbv", "dualpipev") and self.pp_virtual != 2:
+        if self.pp_schedule in V_SCHEDULES and self.pp_virtual != 2:
             raise ValueError(
                 f"parallel.pp_schedule={self.pp_schedule} is V-shaped, exactly two stages per rank: set "
                 f"parallel.pp_virtual=2 (it is {self.pp_virtual})"

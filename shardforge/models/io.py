@@ -54,14 +54,20 @@ Prune = Callable[[nn.Module], None]
 
 
 def build_empty(
-    spec: ModelSpec, cfg: Any, device: str | torch.device = "cpu", prune: Prune | None = None
+    spec: ModelSpec,
+    cfg: Any,
+    device: str | torch.device = "cpu",
+    prune: Prune | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """The model built on the meta device, cut down by `prune` (a pipeline stage keeps its part), then
-    given uninitialized memory on `device`: nothing is allocated for what was pruned away."""
+    given uninitialized memory of `dtype` on `device`: nothing is allocated for what was pruned away, and
+    nothing in a wider dtype than the weights'."""
     with torch.device("meta"):
         model = spec.model_cls(cfg)
     if prune is not None:
         prune(model)
+    model.to(dtype)
     model.to_empty(device=device)
     model.tie_weights()
     model.reset_rope()
@@ -80,9 +86,9 @@ def load_model(
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"))
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
-    model = build_empty(spec, cfg, device, prune)
+    model = build_empty(spec, cfg, device, prune, dtype)
     load_hf_weights(model, spec, _weight_files(folder), dtype, partial=prune is not None)
-    return model.to(dtype)
+    return model
 
 
 @torch.no_grad()

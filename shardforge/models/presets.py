@@ -64,9 +64,10 @@ def build_preset(
     device: str | torch.device = "cpu",
     prune: Prune | None = None,
 ) -> nn.Module:
-    """A freshly initialized model of a preset shape (deterministic for a given seed, whatever `prune`
-    keeps of it: a pipeline stage gets the same weights the whole model would have)."""
+    """A freshly initialized model of a preset shape (deterministic for a given seed, whatever the device and
+    whatever `prune` keeps of it: a pipeline stage gets the weights the whole model would have). Initialized
+    in fp32 on the CPU (the same random streams everywhere), then cast and moved."""
     cfg = preset_config(name, vocab_size)
-    model = build_empty(spec_for(cfg.family), cfg, device, prune)
+    model = build_empty(spec_for(cfg.family), cfg, "cpu", prune)
     model.init_weights(seed=seed)
-    return model.to(dtype)
+    return model.to(dtype).to(device)

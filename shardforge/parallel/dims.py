@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from shardforge.config.schema import ParallelSection
+from shardforge.config.schema import ZERO_BUBBLE_SCHEDULES, ParallelSection
 from shardforge.errors import ConfigError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -87,6 +87,12 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.tp={parallel.tp} with {replicate} data-parallel replicas needs FSDP2: set "
                 f"parallel.zero_stage to 2 or 3 (DDP and ZeRO-1 do not take tensor-parallel parameters)"
+            )
+        if parallel.pp > 1 and replicate > 1 and parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES:
+            raise ConfigError(
+                f"parallel.pp_schedule={parallel.pp_schedule} cannot be combined with data parallel "
+                f"({replicate} replicas here): use 1f1b, gpipe or interleaved_1f1b with "
+                f"parallel.zero_stage 2 or 3, or use all {world_size} processes for pp x tp"
             )
         if parallel.pp > 1 and replicate > 1 and parallel.zero_stage < 2:
             raise ConfigError(

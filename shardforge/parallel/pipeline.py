@@ -16,6 +16,7 @@ per micro-batch shape and reused while the shape repeats.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -26,8 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
+from shardforge.config.schema import ONE_STAGE_SCHEDULES
 from shardforge.data.batching import IGNORE, Batch
-from shardforge.parallel.pipeline_plan import SCHEDULES, PipelinePlan
+from shardforge.parallel.pipeline_plan import TORCH_SCHEDULES, PipelinePlan
 
 LossOfLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Autocast = Callable[[], contextlib.AbstractContextManager]
@@ -45,9 +47,8 @@ def split_for_pipeline(model: nn.Module, plan: PipelinePlan, stages: list[int]) 
     elif model.config.tie_embeddings:
         weight = model.lm_head.weight
         model.lm_head.weight = nn.Parameter(torch.empty_like(weight), requires_grad=weight.requires_grad)
-        model.untied_copy = (
-            True  # tie_weights() leaves the copy alone; init and loading fill it as the embedding
-        )
+        # tie_weights() leaves the copy alone; init and loading fill it as the embedding.
+        model.untied_copy = True
 
 
 class StageModule(nn.Module):
@@ -107,16 +108,17 @@ class PipelineRunner:
         device: torch.device,
         stream_dtype: torch.dtype,
         stream_width: Callable[[int], int],
+        timeout: datetime.timedelta,
     ) -> None:
         self.plan, self.model, self.stages, self.device = plan, model, stages, device
         self.group = mesh["pp"].get_group()
         self.stream_dtype, self.stream_width = stream_dtype, stream_width
         self._schedules: OrderedDict[tuple, schedules._PipelineSchedule] = OrderedDict()
-        self._scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss
-        self._loss_sum = torch.zeros((), device=device)
+        self._scale: Callable[[torch.Tensor], torch.Tensor]  # set by run(), read by the loss function
+        self._loss_sum: torch.Tensor
         self.tied = model.config.tie_embeddings  # every stage's rank knows: all take part in making groups
         self.pp_rank = dist.get_group_rank(self.group, dist.get_rank())
-        self._tie_group = _tie_groups(mesh, plan) if self.tied and not plan.v_shaped else None
+        self._tie_group = _tie_groups(mesh, plan, timeout) if self.tied and not plan.v_shaped else None
 
     @property
     def tied_copy(self) -> nn.Parameter | None:
@@ -147,11 +149,11 @@ class PipelineRunner:
             )
             for index, module in self.stages.items()
         ]
-        cls = getattr(schedules, SCHEDULES[plan.schedule].torch_name)
-        one = SCHEDULES[plan.schedule].virtual == "one"
+        cls = getattr(schedules, TORCH_SCHEDULES[plan.schedule])
+        one = plan.schedule in ONE_STAGE_SCHEDULES
         schedule = cls(built[0] if one else built, m, loss_fn=self._loss_fn, scale_grads=False)
         self._schedules[key] = schedule
-        if len(self._schedules) > 4:  # shapes vary with the data: keep the recent ones only
+        if len(self._schedules) > 8:  # widths come in steps of max_length / 8: keep the recent ones
             self._schedules.popitem(last=False)
         return schedule
 
@@ -241,7 +243,9 @@ def _grad_as_param(param: nn.Parameter) -> torch.Tensor:
     return grad
 
 
-def _tie_groups(mesh: DeviceMesh, plan: PipelinePlan) -> dist.ProcessGroup | None:
+def _tie_groups(
+    mesh: DeviceMesh, plan: PipelinePlan, timeout: datetime.timedelta
+) -> dist.ProcessGroup | None:
     """For each position in the other mesh dimensions, a group of the first stage's rank and the last's; every
     rank creates all of them (in the same order), and keeps the one it belongs to."""
     ranks = mesh.mesh.reshape(plan.pp, -1)  # pp is the outermost mesh dimension
@@ -249,7 +253,7 @@ def _tie_groups(mesh: DeviceMesh, plan: PipelinePlan) -> dist.ProcessGroup | Non
     mine = None
     for column in range(ranks.shape[1]):
         pair = sorted({int(ranks[first, column]), int(ranks[last, column])})
-        group = dist.new_group(pair)
+        group = dist.new_group(pair, timeout=timeout)
         if dist.get_rank() in pair:
             mine = group
     return mine

@@ -11,25 +11,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardforge.config.schema import ParallelSection
+from shardforge.config.schema import (
+    INTERLEAVED_SCHEDULES,
+    V_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    ParallelSection,
+)
 from shardforge.errors import ConfigError
 from shardforge.models.spec import PipelineCosts, spec_for
 
-
-@dataclass(frozen=True)
-class ScheduleKind:
-    torch_name: str  # the class in torch.distributed.pipelining
-    virtual: str  # "one" (one stage per rank), "many" (>= 2), "two" (exactly 2, V-shaped)
-    zero_bubble: bool = False  # backward split into input and weight gradients
-
-
-SCHEDULES: dict[str, ScheduleKind] = {
-    "gpipe": ScheduleKind("ScheduleGPipe", "one"),
-    "1f1b": ScheduleKind("Schedule1F1B", "one"),
-    "interleaved_1f1b": ScheduleKind("ScheduleInterleaved1F1B", "many"),
-    "zero_bubble": ScheduleKind("ScheduleInterleavedZeroBubble", "many", zero_bubble=True),
-    "zbv": ScheduleKind("ScheduleZBVZeroBubble", "two", zero_bubble=True),
-    "dualpipev": ScheduleKind("ScheduleDualPipeV", "two", zero_bubble=True),
+# The torch.distributed.pipelining class behind each `parallel.pp_schedule`.
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 
 
@@ -47,7 +45,7 @@ class PipelinePlan:
 
     @property
     def v_shaped(self) -> bool:
-        return SCHEDULES[self.schedule].virtual == "two"
+        return self.schedule in V_SCHEDULES
 
     def stages_of(self, pp_rank: int) -> list[int]:
         """The stages rank `pp_rank` (its index along the pipeline dimension) runs, in model order."""
@@ -64,7 +62,7 @@ class PipelinePlan:
         interleaved; zero-bubble schedules fill two thirds of that with weight-gradient work (Qi et al.'s
         ZB-H1 estimate, with backward split into equal input- and weight-gradient halves)."""
         fraction = (self.pp - 1) / (self.virtual * self.microbatches)
-        return fraction / 3 if SCHEDULES[self.schedule].zero_bubble else fraction
+        return fraction / 3 if self.schedule in ZERO_BUBBLE_SCHEDULES else fraction
 
     def describe(self) -> str:
         parts = []
@@ -89,14 +87,15 @@ def plan_pipeline(
     at run time (or make hang) is a ConfigError here, naming the key and what would be valid."""
     if parallel.pp == 1:
         return None
-    kind = SCHEDULES[parallel.pp_schedule]
     pp, virtual, name = parallel.pp, parallel.pp_virtual, parallel.pp_schedule
     stages = pp * virtual
     m = parallel.pp_microbatches or stages
+    default = "" if parallel.pp_microbatches else " (the default: pp x pp_virtual)"
     if micro_batch % m:
         raise ConfigError(
-            f"parallel.pp_microbatches={m} must divide train.micro_batch={micro_batch}: each micro-step's "
-            f"{micro_batch} rows per data-parallel rank are split into that many pipeline micro-batches"
+            f"parallel.pp_microbatches={m}{default} must divide train.micro_batch={micro_batch}: each "
+            f"micro-step's {micro_batch} rows per data-parallel rank are split into that many pipeline "
+            f"micro-batches"
         )
     if name == "1f1b" and m < pp:
         raise ConfigError(
@@ -109,7 +108,7 @@ def plan_pipeline(
             f"parallel.pp_microbatches={m} < {stages} (pp x pp_virtual)"
         )
     rounds = max(1, m // pp)
-    if kind.virtual == "many" and m % rounds:
+    if name in INTERLEAVED_SCHEDULES and m % rounds:
         raise ConfigError(
             f"parallel.pp_schedule={name} runs micro-batches in rounds of pp={pp}: parallel.pp_microbatches="
             f"{m} must be a multiple of its {rounds} rounds (pp_microbatches // pp), e.g. {rounds * pp}"

@@ -80,12 +80,11 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 def pad_vocab(model: nn.Module, rows: int) -> None:
     """Grow the embedding and LM head to `rows` rows (zeros); a no-op when they already have that many."""
-    present = [
-        m for m in (model.embed_tokens, model.lm_head) if m is not None
-    ]  # a pipeline stage may lack one
-    vocab = present[0].weight.shape[0]
-    if rows <= vocab:
+    # A pipeline stage may hold one of them, or neither.
+    present = [m for m in (model.embed_tokens, model.lm_head) if m is not None]
+    if not present or rows <= present[0].weight.shape[0]:
         return
+    vocab = present[0].weight.shape[0]
     tied = len(present) == 2 and present[0].weight is present[1].weight
     for module in present[:1] if tied else present:
         weight = module.weight.detach()

@@ -3,7 +3,6 @@ clipping, precision, schedule, metrics, export) lives here once."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import math
@@ -12,16 +11,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from shardforge.checkpoint import Checkpointer, find_latest, load_checkpoint
 from shardforge.checkpoint.compat import check_compatible
 from shardforge.checkpoint.export import resolve_checkpoint
+from shardforge.checkpoint.optim_state import FORMAT as OPTIMIZER_FORMAT
 from shardforge.checkpoint.trainer_state import read_trainer_state
 from shardforge.config import Config, dump_config
 from shardforge.data.batching import Batch, GlobalOrder, split_global_batch
@@ -40,7 +42,7 @@ from shardforge.parallel.distributed import (
 )
 from shardforge.parallel.memory import memory_report
 from shardforge.parallel.pipeline import PipelineRunner, pipeline_stages, split_for_pipeline
-from shardforge.parallel.pipeline_plan import plan_pipeline
+from shardforge.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from shardforge.parallel.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
@@ -90,6 +92,21 @@ def resolve_grad_accum(cfg: Config, dp: int) -> int:
     return t.global_batch // per_step
 
 
+def check_layout(cfg: Config, world: int) -> tuple[ParallelDims, int, Any, PipelinePlan | None]:
+    """Every layout rule that needs only the config, the model's shape and the world size: checked in the
+    launching process before any rank starts, and again by each rank before its first collective. Returns
+    (dims, grad_accum, tokenizer, pipeline plan)."""
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    grad_accum = resolve_grad_accum(cfg, dims.dp)
+    shape = check_model_source(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.model.preset is not None:  # a preset's vocabulary is the tokenizer's
+        shape = dataclasses.replace(shape, vocab_size=len(tokenizer))
+    check_tensor_parallel(shape, cfg.parallel)
+    plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
+    return dims, grad_accum, tokenizer, plan
+
+
 class Trainer:
     def __init__(self, config: Config, console: Console | None = None) -> None:
         self.config = config
@@ -102,8 +119,7 @@ class Trainer:
         cfg = self.config
         # Everything that can be checked without talking to other ranks is checked first.
         world = world_size_from_env()
-        self.dims = ParallelDims.from_config(cfg.parallel, world)
-        self.grad_accum = resolve_grad_accum(cfg, self.dims.dp)
+        self.dims, self.grad_accum, self.tokenizer, self.plan = check_layout(cfg, world)
         self.device = pick_device(cfg.hardware.device, local_rank_from_env())
         backend = pick_backend(cfg.parallel.backend, self.device)
         if cfg.hardware.threads:
@@ -118,12 +134,6 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"output_dir {str(self.run_dir)!r} cannot be created: {exc.strerror}") from None
-        shape = check_model_source(cfg.model)
-        self.tokenizer = load_tokenizer(cfg.model)
-        if cfg.model.preset is not None:  # a preset's vocabulary is the tokenizer's
-            shape = dataclasses.replace(shape, vocab_size=len(self.tokenizer))
-        check_tensor_parallel(shape, cfg.parallel)
-        self.plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
 
         self.owns_process_group = init_distributed(backend, cfg.parallel.timeout_minutes)
         timeout = datetime.timedelta(minutes=cfg.parallel.timeout_minutes)
@@ -164,7 +174,7 @@ class Trainer:
             for block in model.blocks():
                 block.compile()
         stages = (
-            pipeline_stages(model, self.plan, pp_rank, self.stage.logits_loss_sum, self.precision_autocast)
+            pipeline_stages(model, self.plan, pp_rank, self.stage.logits_loss_sum, self.precision.autocast)
             if self.plan
             else {}
         )
@@ -174,7 +184,14 @@ class Trainer:
         self.inner = unwrap(self.model)
         self.pipeline = (
             PipelineRunner(
-                self.plan, model, stages, self.mesh, self.device, self._stream_dtype(), self._stream_width
+                self.plan,
+                model,
+                stages,
+                self.mesh,
+                self.device,
+                self._stream_dtype(),
+                self._stream_width,
+                datetime.timedelta(minutes=cfg.parallel.timeout_minutes),
             )
             if self.plan
             else None
@@ -205,8 +222,11 @@ class Trainer:
         self._pending: Future | None = None
         self._built = self.start_step
         self.pad_id = self.tokenizer.pad_token_id
-        # Sequence parallel splits every row's tokens evenly over the TP ranks.
+        # Sequence parallel splits every row's tokens evenly over the TP ranks. A pipeline builds a schedule
+        # per micro-batch shape: widths rounded to 1/8 of max_length keep the number of shapes small.
         self.seq_multiple = self.dims.tp if cfg.parallel.sequence_parallel else 1
+        if self.plan is not None:
+            self.seq_multiple = math.lcm(self.seq_multiple, max(1, cfg.data.max_length // 8))
         self.peak_flops = cfg.hardware.peak_flops or measure_matmul_peak(self.device, self.precision.dtype)
         n_params = self.model_config.num_params()
         if self.plan:
@@ -218,9 +238,6 @@ class Trainer:
             f"data-parallel); "
             f"peak {self.peak_flops / 1e9:.1f} GFLOP/s per device on {self.device}"
         )
-
-    def precision_autocast(self) -> contextlib.AbstractContextManager:
-        return self.precision.autocast()
 
     def _stream_dtype(self) -> torch.dtype:
         """The dtype of the residual stream between pipeline stages: FSDP2's compute dtype under mixed
@@ -289,6 +306,7 @@ class Trainer:
             "global_batch": self.global_batch,
             "rows": len(self.train_rows.rows),
             "seed": self.config.train.seed,
+            "optimizer_format": OPTIMIZER_FORMAT,
         }
 
     def _resume(self) -> None:
@@ -383,7 +401,8 @@ class Trainer:
             last = j == len(micro) - 1
             self._phase(
                 f"forward/backward of micro-step {j + 1}/{len(micro)} (TP/FSDP collectives"
-                + (", gradient reduction)" if last else ")")
+                + (", pipeline sends and FSDP gradient reduction" if self.pipeline is not None else "")
+                + (", gradient reduction)" if last and self.pipeline is None else ")")
             )
             mb = mb.to(self.device)
             if self.pipeline is not None:  # forward and backward of every pipeline micro-batch
@@ -444,7 +463,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float | None:
         """Mean loss over all eval target tokens. Every rank runs every batch (sharded models need all ranks
-        in each forward), so the result is the same everywhere without a reduction."""
+        in each forward), so the result is the same everywhere (a pipeline sums its last stage's over pp)."""
         if self.eval_rows is None:
             return None
         self.model.eval()
@@ -475,12 +494,17 @@ class Trainer:
         return strip_vocab_padding(state, self.model_config.vocab_size)
 
     def _gather_stages(self) -> dict[str, torch.Tensor]:
-        """Full weights of every pipeline stage, merged on rank 0: each rank gathers its stage's tensors over
-        data and tensor parallel, then the pipeline group that holds rank 0 sends them there."""
-        options = StateDictOptions(full_state_dict=True)
-        state = {k: v.cpu() for k, v in get_model_state_dict(self.inner, options=options).items()}
+        """Full weights of every pipeline stage, merged on rank 0: each stage gathers its tensors one at a
+        time over data and tensor parallel (to host memory, on the ranks that send them on), then the
+        pipeline group that holds rank 0 sends them there."""
         pp_mesh = self.mesh["pp"]
-        if 0 not in pp_mesh.mesh.tolist():
+        sender = 0 in pp_mesh.mesh.tolist()
+        state = {}
+        for key, value in self.inner.state_dict().items():  # the same order on every rank of a stage
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if sender:
+                state[key] = full.detach().cpu()
+        if not sender:
             return {}
         parts: list[dict] | None = [{} for _ in range(self.dims.pp)] if self.is_main else None
         dist.gather_object(state, parts, dst=0, group=pp_mesh.get_group())

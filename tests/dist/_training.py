@@ -37,9 +37,11 @@ def train_runs(configs: list[dict]) -> list[dict]:
     return out
 
 
-def assert_same(run: dict, ref: dict, rel: float = 1e-5, atol: float = 1e-5) -> None:
+def assert_same(run: dict, ref: dict, rel: float = 1e-5, atol: float = 5e-5) -> None:
     """Same loss and global gradient norm at every step (relative `rel`), the same eval loss and the same
-    final weights."""
+    final weights. Adam divides by the root of the squared-gradient average, so an element whose gradient is
+    ~1e-9 (an embedding row of a rare token) turns last-bit differences of a reordered sum into weight
+    differences of a few 1e-5 over a few steps: hence the absolute tolerance on weights."""
     assert len(run["losses"]) == len(ref["losses"])
     assert run["losses"] == pytest.approx(ref["losses"], rel=rel), run["layout"]
     assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=rel), run["layout"]

@@ -221,6 +221,18 @@ def test_a_resume_that_would_change_the_run_is_refused_with_every_difference(tmp
     assert "seed: checkpoint 0, this run 9" in message
 
 
+def test_a_checkpoint_of_the_older_optimizer_layout_is_refused_with_advice(tmp_path, data, monkeypatch):
+    cfg = _config(tmp_path / "a", data)
+    _train_until(cfg, 2, monkeypatch)
+    state_file = next((tmp_path / "a" / "run" / "checkpoints").glob("step-*")) / "trainer.json"
+    text = state_file.read_text()  # same size after the edit: the manifest still holds
+    state_file.write_text(text.replace('"optimizer_format": 2', '"optimizer_format": 1'))
+    with pytest.raises(
+        CheckpointError, match=r"optimizer_format: checkpoint 1, this run 2 .*shardforge export"
+    ):
+        Trainer(load_config(None, base=cfg)).setup()
+
+
 def test_resuming_an_earlier_checkpoint_replaces_the_later_ones(tmp_path, data, monkeypatch, capsys):
     cfg = _config(tmp_path / "a", data, keep=5)
     _train_until(cfg, None, monkeypatch)  # checkpoints at 2, 4, 6

@@ -98,6 +98,7 @@ def test_bad_plans_are_clear_errors(parallel, micro_batch, message):
         ),
         (["parallel.pp_virtual=2"], "parallel.pp_virtual is set but parallel.pp=1"),
         (["parallel.pp_layers=2,2"], "parallel.pp_layers is set but parallel.pp=1"),
+        (["parallel.pp_schedule=gpipe"], "parallel.pp_schedule is set but parallel.pp=1"),
         (
             ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual=2", "parallel.zero_stage=3"],
             "with parallel.zero_stage=3 use pp_schedule 1f1b",

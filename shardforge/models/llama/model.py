@@ -208,6 +208,6 @@ class Decoder(nn.Module):
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         h = self.embed_tokens(input_ids)
         cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout)
-        for layer in self.layers:
+        for layer in self.blocks():
             h = layer(h, cos, sin, ctx)
         return self.head(h, output_mask)
