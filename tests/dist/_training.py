@@ -10,7 +10,11 @@ import torch
 import torch.distributed as dist
 
 from shardforge.config import load_config
+from shardforge.models import save_model
+from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.llama.model import Decoder
 from shardforge.train.trainer import Trainer
+from tests.conftest import TOKENIZER
 
 
 def train_runs(configs: list[dict]) -> list[dict]:
@@ -66,3 +70,14 @@ def logged(run_dir: Path) -> list[dict]:
 
 def logged_losses(run_dir: Path) -> list[float]:
     return [record["loss"] for record in logged(run_dir)]
+
+
+def tiny_model_folder(folder: Path, vocab_size: int, seed: int, **shape) -> dict:
+    """An HF folder of a small Llama-family model (hidden 64, 4 query heads of 16; `shape` sets the rest),
+    as the `model` section of a config."""
+    cfg = DecoderConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_heads=4, head_dim=16, **shape
+    )
+    model = Decoder(cfg)
+    model.init_weights(seed=seed)
+    return {"path": str(save_model(model, folder / "model")), "preset": None, "tokenizer": str(TOKENIZER)}

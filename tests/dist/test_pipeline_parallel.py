@@ -10,31 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardforge.models import save_model
-from shardforge.models.llama.config import DecoderConfig
-from shardforge.models.llama.model import Decoder
-from tests.conftest import TOKENIZER, alpaca_records, tiny_config, write_jsonl
+from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
-from tests.dist._training import assert_same, logged_losses, train_runs
+from tests.dist._training import assert_same, logged_losses, tiny_model_folder, train_runs
 
 STEPS = 3
 VOCAB = 1027  # odd: TP pads it, and the padding must stay invisible across stages too
 
 
 def _folder(folder, layers: int, **shape) -> dict:
-    cfg = DecoderConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=176,
-        num_layers=layers,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        **shape,
-    )
-    model = Decoder(cfg)
-    model.init_weights(seed=7)
-    return {"path": str(save_model(model, folder / "model")), "preset": None, "tokenizer": str(TOKENIZER)}
+    return tiny_model_folder(folder, VOCAB, seed=7, num_layers=layers, num_kv_heads=2, **shape)
 
 
 @pytest.fixture(scope="module")

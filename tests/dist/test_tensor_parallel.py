@@ -10,17 +10,16 @@ import torch
 from shardforge.config import load_config
 from shardforge.config.schema import ParallelSection
 from shardforge.errors import ConfigError
-from shardforge.models import build_preset, save_model
+from shardforge.models import build_preset
 from shardforge.models.llama.config import DecoderConfig
-from shardforge.models.llama.model import Decoder
 from shardforge.parallel import activation_report, apply_activation_checkpointing
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 from shardforge.stages.base import causal_lm_loss_sum
 from shardforge.train.trainer import Trainer
-from tests.conftest import TOKENIZER, alpaca_records, tiny_config, write_jsonl
+from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
-from tests.dist._training import assert_same, train_runs
+from tests.dist._training import assert_same, tiny_model_folder, train_runs
 
 STEPS = 4
 ODD_VOCAB = 1027  # > the 1024-token test tokenizer and divisible by neither 2 nor 4: exercises the padding
@@ -61,18 +60,7 @@ def data(tmp_path_factory):
 
 
 def _odd_vocab_folder(folder, **shape) -> dict:
-    cfg = DecoderConfig(
-        vocab_size=ODD_VOCAB,
-        hidden_size=64,
-        intermediate_size=176,
-        num_layers=2,
-        num_heads=4,
-        head_dim=16,
-        **shape,
-    )
-    model = Decoder(cfg)
-    model.init_weights(seed=3)
-    return {"path": str(save_model(model, folder / "model")), "preset": None, "tokenizer": str(TOKENIZER)}
+    return tiny_model_folder(folder, ODD_VOCAB, seed=3, num_layers=2, **shape)
 
 
 @pytest.fixture(scope="module")
