@@ -16,7 +16,8 @@ from shardforge.errors import ShardforgeError
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from shardforge.config import load_config
     from shardforge.launch import already_a_rank, launch_local
-    from shardforge.train.trainer import check_layout, train
+    from shardforge.train.layout import check_layout
+    from shardforge.train.trainer import train
 
     config = load_config(args.config, args.overrides)
     if (args.nproc > 1 or args.max_restarts > 0) and not already_a_rank(translate=False):

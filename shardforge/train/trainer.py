@@ -3,7 +3,6 @@ clipping, precision, schedule, metrics, export) lives here once."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 import time
@@ -11,7 +10,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +30,6 @@ from shardforge.errors import CheckpointError, ConfigError, TrainingError
 from shardforge.models import save_model
 from shardforge.parallel import apply_activation_checkpointing
 from shardforge.parallel.data_parallel import apply_data_parallel, gradient_sync, unwrap
-from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.distributed import (
     init_distributed,
     local_rank_from_env,
@@ -42,16 +39,15 @@ from shardforge.parallel.distributed import (
 )
 from shardforge.parallel.memory import memory_report
 from shardforge.parallel.pipeline import PipelineRunner, pipeline_stages, split_for_pipeline
-from shardforge.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from shardforge.parallel.tensor_parallel import (
     apply_tensor_parallel,
-    check_tensor_parallel,
     loss_context,
     padded_vocab,
     strip_vocab_padding,
 )
 from shardforge.stages import get_stage
-from shardforge.train.build import build_model, check_model_source, load_tokenizer
+from shardforge.train.build import build_model
+from shardforge.train.layout import check_layout
 from shardforge.train.metrics import MetricsWriter, plot_loss
 from shardforge.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from shardforge.train.precision import Precision
@@ -76,35 +72,6 @@ class StepCounts:
 
     tokens: int
     targets: int
-
-
-def resolve_grad_accum(cfg: Config, dp: int) -> int:
-    """grad_accum, or the one implied by train.global_batch = micro_batch x grad_accum x dp."""
-    t = cfg.train
-    if t.global_batch is None:
-        return t.grad_accum
-    per_step = t.micro_batch * dp
-    if t.global_batch % per_step:
-        raise ConfigError(
-            f"train.global_batch={t.global_batch} is not divisible by train.micro_batch ({t.micro_batch}) x "
-            f"data-parallel size ({dp}) = {per_step}"
-        )
-    return t.global_batch // per_step
-
-
-def check_layout(cfg: Config, world: int) -> tuple[ParallelDims, int, Any, PipelinePlan | None]:
-    """Every layout rule that needs only the config, the model's shape and the world size: checked in the
-    launching process before any rank starts, and again by each rank before its first collective. Returns
-    (dims, grad_accum, tokenizer, pipeline plan)."""
-    dims = ParallelDims.from_config(cfg.parallel, world)
-    grad_accum = resolve_grad_accum(cfg, dims.dp)
-    shape = check_model_source(cfg.model)
-    tokenizer = load_tokenizer(cfg.model)
-    if cfg.model.preset is not None:  # a preset's vocabulary is the tokenizer's
-        shape = dataclasses.replace(shape, vocab_size=len(tokenizer))
-    check_tensor_parallel(shape, cfg.parallel)
-    plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
-    return dims, grad_accum, tokenizer, plan
 
 
 class Trainer:

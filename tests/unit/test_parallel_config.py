@@ -8,7 +8,7 @@ from shardforge.config import load_config
 from shardforge.config.schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.parallel.dims import ParallelDims
-from shardforge.train.trainer import resolve_grad_accum
+from shardforge.train.layout import resolve_grad_accum
 from tests.conftest import tiny_config
 
 

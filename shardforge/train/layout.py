@@ -1,0 +1,42 @@
+"""The layout checks of a run: every rule that needs only the config, the model's shape and the world size.
+The launching process runs them before any rank starts, and each rank again before its first collective."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardforge.config import Config
+from shardforge.errors import ConfigError
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.pipeline_plan import PipelinePlan, plan_pipeline
+from shardforge.parallel.tensor_parallel import check_tensor_parallel
+from shardforge.train.build import check_model_source, load_tokenizer
+
+
+def resolve_grad_accum(cfg: Config, dp: int) -> int:
+    """grad_accum, or the one implied by train.global_batch = micro_batch x grad_accum x dp."""
+    t = cfg.train
+    if t.global_batch is None:
+        return t.grad_accum
+    per_step = t.micro_batch * dp
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by train.micro_batch ({t.micro_batch}) x "
+            f"data-parallel size ({dp}) = {per_step}"
+        )
+    return t.global_batch // per_step
+
+
+def check_layout(cfg: Config, world: int) -> tuple[ParallelDims, int, Any, PipelinePlan | None]:
+    """Degrees against the world size, the batch split, the model's TP shape rules and the pipeline plan.
+    Returns (dims, grad_accum, tokenizer, pipeline plan)."""
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    grad_accum = resolve_grad_accum(cfg, dims.dp)
+    shape = check_model_source(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.model.preset is not None:  # a preset's vocabulary is the tokenizer's
+        shape = dataclasses.replace(shape, vocab_size=len(tokenizer))
+    check_tensor_parallel(shape, cfg.parallel)
+    plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
+    return dims, grad_accum, tokenizer, plan
