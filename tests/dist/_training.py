@@ -81,3 +81,8 @@ def tiny_model_folder(folder: Path, vocab_size: int, seed: int, **shape) -> dict
     model = Decoder(cfg)
     model.init_weights(seed=seed)
     return {"path": str(save_model(model, folder / "model")), "preset": None, "tokenizer": str(TOKENIZER)}
+
+
+def parity_train(steps: int, mb: int, accum: int = 2) -> dict:
+    """The train section of the parity runs: a few steps, accumulation, a high enough rate to move weights."""
+    return {"steps": steps, "micro_batch": mb, "grad_accum": accum, "lr": 3e-3, "warmup": 1, "log_every": 1}

@@ -15,7 +15,7 @@ from shardforge.data.batching import GlobalOrder
 from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
-from tests.dist._training import Interrupted, logged_losses
+from tests.dist._training import Interrupted, logged_losses, parity_train
 
 STEPS, STOP = 6, 4
 IDS = torch.arange(2, 26).view(2, 12)
@@ -25,14 +25,7 @@ def _cfg(out, data, *, mb: int, accum: int = 2, **parallel) -> dict:
     return tiny_config(
         out,
         data,
-        train={
-            "steps": STEPS,
-            "micro_batch": mb,
-            "grad_accum": accum,
-            "lr": 3e-3,
-            "warmup": 1,
-            "log_every": 1,
-        },
+        train=parity_train(STEPS, mb, accum),
         parallel=parallel,
         checkpoint={"every": 2, "save_final": False},
     )

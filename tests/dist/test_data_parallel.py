@@ -12,7 +12,7 @@ from shardforge.config import load_config
 from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
-from tests.dist._training import assert_same, train_runs
+from tests.dist._training import assert_same, parity_train, train_runs
 
 STEPS = 5
 
@@ -31,14 +31,7 @@ def _cfg(
     cfg = tiny_config(
         tmp_path / name,
         data,
-        train={
-            "steps": steps,
-            "micro_batch": mb,
-            "grad_accum": accum,
-            "lr": 3e-3,
-            "warmup": 1,
-            "log_every": 1,
-        },
+        train=parity_train(steps, mb, accum),
         parallel=parallel,
         checkpoint={"save_final": False},
     )

@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
-from tests.dist._training import assert_same, logged_losses, tiny_model_folder, train_runs
+from tests.dist._training import assert_same, logged_losses, parity_train, tiny_model_folder, train_runs
 
 STEPS = 3
 VOCAB = 1027  # odd: TP pads it, and the padding must stay invisible across stages too
@@ -47,7 +47,7 @@ def _cfg(tmp_path, name: str, data, model: dict, *, mb: int = 4, **parallel) -> 
     cfg = tiny_config(
         tmp_path / name,
         data[0],
-        train={"steps": STEPS, "micro_batch": mb, "grad_accum": 2, "lr": 3e-3, "warmup": 1, "log_every": 1},
+        train=parity_train(STEPS, mb),
         parallel=parallel,
         checkpoint={"save_final": False},
     )

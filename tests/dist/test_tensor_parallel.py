@@ -19,7 +19,7 @@ from shardforge.stages.base import causal_lm_loss_sum
 from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
-from tests.dist._training import assert_same, tiny_model_folder, train_runs
+from tests.dist._training import assert_same, parity_train, tiny_model_folder, train_runs
 
 STEPS = 4
 ODD_VOCAB = 1027  # > the 1024-token test tokenizer and divisible by neither 2 nor 4: exercises the padding
@@ -30,14 +30,7 @@ def _cfg(tmp_path, name: str, data, model: dict, *, mb: int = 4, accum: int = 2,
     cfg = tiny_config(
         tmp_path / name,
         data[0],
-        train={
-            "steps": STEPS,
-            "micro_batch": mb,
-            "grad_accum": accum,
-            "lr": 3e-3,
-            "warmup": 1,
-            "log_every": 1,
-        },
+        train=parity_train(STEPS, mb, accum),
         parallel=parallel,
         checkpoint={"save_final": False},
     )
