@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -21,10 +22,10 @@ from shardforge.config.schema import ParallelSection
 from shardforge.data.batching import collate
 from shardforge.data.examples import Example
 from shardforge.models import build_preset
+from shardforge.objectives.base import causal_lm_forward, causal_lm_loss_sum
 from shardforge.parallel import activation_report, apply_activation_checkpointing
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel, loss_context
-from shardforge.stages.base import causal_lm_loss_sum
 
 VOCAB = 1024
 
@@ -55,7 +56,7 @@ def main() -> None:
             model, dims, dims.build_mesh("cpu"), ParallelSection(tp=args.tp, sequence_parallel=sp)
         )
         apply_activation_checkpointing(model, mode)
-        report = activation_report(model, batch)
+        report = activation_report(model, partial(causal_lm_forward, model, batch))
         times = []
         for _ in range(3):  # the fastest of three: the first one also warms up
             start = time.perf_counter()

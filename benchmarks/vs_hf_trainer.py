@@ -107,7 +107,7 @@ def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
 
     from shardforge.config.schema import DataSection, DatasetSpec
     from shardforge.data.formats import read_dataset
-    from shardforge.stages import get_stage
+    from shardforge.objectives import get_stage
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     data = DataSection(train=[{"path": str(folder / f"{split}.jsonl"), "format": "alpaca"}], max_length=4096)

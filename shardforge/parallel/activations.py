@@ -22,8 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from shardforge.data.batching import Batch
-from shardforge.stages.base import causal_lm_forward
+Forward = Callable[[], Any]  # runs one training forward of the model, returns its output
 
 
 @dataclass(frozen=True)
@@ -130,21 +129,18 @@ def _tracking(model: nn.Module) -> Iterator[_CreatedTensors]:
             handle.remove()
 
 
-def _training_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
-    return causal_lm_forward(model, batch.to(next(model.parameters()).device))
-
-
-def activation_report(model: nn.Module, batch: Batch) -> ActivationReport:
-    """Run one training forward of `batch` and measure what it keeps for backward (the logits themselves
-    and the parameters excluded). No backward runs; the graph is freed before returning."""
+def activation_report(model: nn.Module, forward: Forward) -> ActivationReport:
+    """Run `forward` (one training forward of `model`, e.g. an objective's) and measure what it keeps for
+    backward (its output and the parameters excluded). No backward runs; the graph is freed before returning.
+    A callable rather than a batch: the measuring tool knows nothing of batches or objectives."""
     with _tracking(model) as created:
-        out = _training_forward(model, batch)
+        out = forward()
     held = created.alive(_storage_keys(out) | _storage_keys(list(model.parameters())))
     del out
     return ActivationReport(list(held.values()))
 
 
-def saved_tensor_report(model: nn.Module, batch: Batch) -> ActivationReport:
+def saved_tensor_report(model: nn.Module, forward: Forward) -> ActivationReport:
     """What autograd's saved-tensor hooks see in one forward, among the tensors the forward created. Blind to
     what checkpointing keeps; used to cross-check `activation_report`."""
     saved: list[torch.Tensor] = []
@@ -154,7 +150,7 @@ def saved_tensor_report(model: nn.Module, batch: Batch) -> ActivationReport:
         return t
 
     with _tracking(model) as created, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = _training_forward(model, batch)
+        out = forward()
     held = created.alive(_storage_keys(out) | _storage_keys(list(model.parameters())))
     keys = {t.untyped_storage().data_ptr() for t in saved}
     del out

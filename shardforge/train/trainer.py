@@ -28,6 +28,7 @@ from shardforge.data.batching import Batch, GlobalOrder, split_global_batch
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.errors import CheckpointError, ConfigError, TrainingError
 from shardforge.models import save_model
+from shardforge.objectives import get_stage
 from shardforge.parallel import apply_activation_checkpointing
 from shardforge.parallel.data_parallel import apply_data_parallel, gradient_sync, unwrap
 from shardforge.parallel.distributed import (
@@ -45,7 +46,6 @@ from shardforge.parallel.tensor_parallel import (
     padded_vocab,
     strip_vocab_padding,
 )
-from shardforge.stages import get_stage
 from shardforge.train.build import build_model
 from shardforge.train.layout import check_layout
 from shardforge.train.metrics import MetricsWriter, plot_loss

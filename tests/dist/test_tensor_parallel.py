@@ -4,6 +4,8 @@ sequence parallel change the activation memory as they should, and bad shapes fa
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -12,10 +14,10 @@ from shardforge.config.schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.models import build_preset
 from shardforge.models.llama.config import DecoderConfig
+from shardforge.objectives.base import causal_lm_forward, causal_lm_loss_sum
 from shardforge.parallel import activation_report, apply_activation_checkpointing
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel, loss_context
-from shardforge.stages.base import causal_lm_loss_sum
 from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
@@ -211,7 +213,7 @@ def _activation_bytes(batch) -> dict[str, dict]:
             model = build_preset("tiny-llama", vocab_size=1024, seed=1)
             apply_tensor_parallel(model, dims, mesh, parallel)
             apply_activation_checkpointing(model, mode)
-            report = activation_report(model, batch)
+            report = activation_report(model, partial(causal_lm_forward, model, batch))
             with loss_context(dims):
                 loss = causal_lm_loss_sum(model, batch)
                 loss.backward()

@@ -8,9 +8,9 @@ import torch
 from shardforge.data.batching import collate
 from shardforge.data.examples import Example
 from shardforge.models import build_preset
+from shardforge.objectives.base import causal_lm_forward, causal_lm_loss_sum
 from shardforge.parallel import activation_report, apply_activation_checkpointing
 from shardforge.parallel.activations import saved_tensor_report
-from shardforge.stages.base import causal_lm_loss_sum
 
 MODES = ("none", "selective", "full")
 
@@ -19,6 +19,14 @@ def _batch(packed: bool):
     examples = [Example(tuple(range(3 + i, 43 + i)), (False,) * 10 + (True,) * 30, "t") for i in range(4)]
     rows = [[0, 1], [2, 3]] if packed else [[0], [1], [2], [3]]
     return collate(examples, rows, pad_id=0)
+
+
+def _forward(model, batch):
+    return lambda: causal_lm_forward(model, batch)
+
+
+def _report(model, batch):
+    return activation_report(model, _forward(model, batch))
 
 
 def _model(mode: str, preset: str = "tiny-llama"):
@@ -45,7 +53,7 @@ def test_checkpoint_modes_give_the_same_loss_and_gradients(packed):
 
 def test_checkpoint_modes_keep_less_and_less():
     batch = _batch(packed=True)
-    totals = {mode: activation_report(_model(mode), batch).total_bytes for mode in MODES}
+    totals = {mode: _report(_model(mode), batch).total_bytes for mode in MODES}
     assert totals["full"] < totals["selective"] < totals["none"], totals
     # full keeps only each block's inputs: far below half of what an unchecked forward keeps.
     assert totals["full"] < 0.5 * totals["none"]
@@ -57,11 +65,11 @@ def test_report_agrees_with_saved_tensor_hooks(preset):
     batch = _batch(packed=False)
     for mode in ("none", "full"):
         model = _model(mode, preset)
-        report = activation_report(model, batch)
-        assert report.total_bytes == saved_tensor_report(model, batch).total_bytes > 0
+        report = _report(model, batch)
+        assert report.total_bytes == saved_tensor_report(model, _forward(model, batch)).total_bytes > 0
     # Selective checkpointing caches the matmul outputs where those hooks cannot see them: the report does.
     selective = _model("selective", preset)
-    hooks, report = saved_tensor_report(selective, batch), activation_report(selective, batch)
+    hooks, report = saved_tensor_report(selective, _forward(selective, batch)), _report(selective, batch)
     assert hooks.total_bytes < report.total_bytes
     mlp_wide = lambda t: t.shape[-1] == 176  # noqa: E731 - gate/up outputs
     assert report.bytes_where(mlp_wide) > hooks.bytes_where(mlp_wide)
@@ -70,11 +78,11 @@ def test_report_agrees_with_saved_tensor_hooks(preset):
 def test_report_is_per_module_and_freed():
     batch = _batch(packed=False)
     model = _model("none")
-    report = activation_report(model, batch)
+    report = _report(model, batch)
     modules = report.by_module()
     assert any(name.endswith("mlp.gate_proj") for name in modules)
     assert any(name.endswith("input_norm") for name in modules)
     # The MLP keeps its gate/up outputs (160 tokens x 176 channels) per layer: 2 x 2 layers x 160*176*4 bytes.
     assert report.bytes_where(lambda t: t.shape[-1] == 176) >= 4 * 160 * 176 * 4
     # Measuring twice gives the same answer: nothing from the first forward is left behind.
-    assert activation_report(model, batch).total_bytes == report.total_bytes
+    assert _report(model, batch).total_bytes == report.total_bytes

@@ -114,8 +114,8 @@ def test_non_finite_steps_are_skipped_then_halt(tmp_path, data, monkeypatch):
 
     import torch
 
-    from shardforge.stages.base import causal_lm_loss_sum
-    from shardforge.stages.sft import SFTStage
+    from shardforge.objectives.base import causal_lm_loss_sum
+    from shardforge.objectives.sft import SFTStage
 
     calls = {"n": 0}
     poisoned = {3, 4}  # both micro-steps of step 2

@@ -12,7 +12,7 @@ from shardforge.data.formats import Record
 from shardforge.data.packing import pack_rows
 from shardforge.errors import DataError
 from shardforge.models import build_preset
-from shardforge.stages import get_stage
+from shardforge.objectives import get_stage
 
 DOCS = [
     "the quick brown fox jumps over the lazy dog",

@@ -1,8 +1,8 @@
 """Training stages: each provides record encoding and a loss; they all run in the one trainer loop."""
 
-from shardforge.stages.base import Stage
-from shardforge.stages.pretrain import PretrainStage
-from shardforge.stages.sft import SFTStage
+from shardforge.objectives.base import Stage
+from shardforge.objectives.pretrain import PretrainStage
+from shardforge.objectives.sft import SFTStage
 
 STAGES: dict[str, type] = {"pt": PretrainStage, "sft": SFTStage}
 

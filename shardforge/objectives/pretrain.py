@@ -1,4 +1,4 @@
-"""Stage `sft`: supervised fine-tuning on conversations, targets on assistant tokens only by default."""
+"""Stage `pt`: next-token prediction on plain text documents, every token a target."""
 
 from __future__ import annotations
 
@@ -8,22 +8,19 @@ from shardforge.config.schema import DataSection
 from shardforge.data.batching import collate
 from shardforge.data.examples import Encoder
 from shardforge.data.formats import Record
-from shardforge.data.templates import encode_chat, resolve_template
-from shardforge.stages.base import causal_lm_loss_sum, logits_loss_sum
+from shardforge.data.templates import encode_text
+from shardforge.objectives.base import causal_lm_loss_sum, logits_loss_sum
 
 
-class SFTStage:
-    name = "sft"
+class PretrainStage:
+    name = "pt"
     collate = staticmethod(collate)
     loss_sum = staticmethod(causal_lm_loss_sum)
     logits_loss_sum = staticmethod(logits_loss_sum)
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
-        template = resolve_template(tokenizer, data.template)
-
         def encode(record: Record) -> tuple[list[int], list[bool]]:
-            return encode_chat(
-                tokenizer, template, list(record.messages or ()), data.train_on_prompt, record.source
-            )
+            ids = encode_text(tokenizer, record.text or "")
+            return ids, [True] * len(ids)
 
         return encode
