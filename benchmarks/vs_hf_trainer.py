@@ -106,7 +106,7 @@ def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
     from transformers import AutoTokenizer
 
     from shardforge.config.schema import DataSection, DatasetSpec
-    from shardforge.data.formats import read_dataset
+    from shardforge.data.loader import read_dataset
     from shardforge.objectives import get_stage
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)

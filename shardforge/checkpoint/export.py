@@ -7,26 +7,12 @@ from pathlib import Path
 
 import torch
 
-from shardforge.checkpoint.store import find_latest, validate
+from shardforge.checkpoint.store import resolve_checkpoint
 from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state
 from shardforge.config import load_config
-from shardforge.errors import CheckpointError
 from shardforge.models import save_model
+from shardforge.models.build import build_model, load_tokenizer
 from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
-from shardforge.train.build import build_model, load_tokenizer
-
-
-def resolve_checkpoint(path: Path, warn: Callable[[str], None]) -> Path:
-    """`path` itself if it is a complete checkpoint; for a run folder, its newest complete checkpoint."""
-    if (path / "checkpoints").is_dir():
-        found = find_latest(path / "checkpoints", warn)
-        if found is None:
-            raise CheckpointError(f"{path} is a run folder without a complete checkpoint")
-        return found
-    problem = validate(path)
-    if problem is not None:
-        raise CheckpointError(f"{path} is not a usable checkpoint: {problem}")
-    return path
 
 
 def export_checkpoint(path: Path, to: Path, warn: Callable[[str], None]) -> tuple[Path, Path]:

@@ -20,6 +20,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from shardforge.errors import CheckpointError
+
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
 DCP_METADATA = ".metadata"
@@ -111,3 +113,16 @@ def find_latest(root: Path, warn: Callable[[str], None]) -> Path | None:
             return folder
         warn(f"skipping checkpoint {folder}: {problem}; trying an older one")
     return None
+
+
+def resolve_checkpoint(path: Path, warn: Callable[[str], None]) -> Path:
+    """`path` itself if it is a complete checkpoint; for a run folder, its newest complete checkpoint."""
+    if (path / "checkpoints").is_dir():
+        found = find_latest(path / "checkpoints", warn)
+        if found is None:
+            raise CheckpointError(f"{path} is a run folder without a complete checkpoint")
+        return found
+    problem = validate(path)
+    if problem is not None:
+        raise CheckpointError(f"{path} is not a usable checkpoint: {problem}")
+    return path

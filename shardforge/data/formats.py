@@ -15,7 +15,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from shardforge.config.schema import DatasetSpec
 from shardforge.errors import DataError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -67,23 +66,6 @@ def default_fields(fmt: str, text_column: str = "text") -> FieldMap:
             text=text_column,
         )
     return FieldMap(text=text_column)
-
-
-def read_dataset(spec: DatasetSpec, stage: str) -> list[Record]:
-    """Read one configured dataset (a file/folder path, or a named dataset_info.json entry) for `stage`."""
-    if spec.name is not None:
-        from shardforge.data.dataset_info import resolve_entry
-
-        entry = resolve_entry(spec.name, spec.dataset_info or "", stage, spec.text_column)
-        if spec.format is not None and spec.format != entry.format:
-            raise DataError(
-                f'dataset "{spec.name}": format {spec.format} conflicts with its dataset_info formatting '
-                f"({entry.format}); drop format or make them agree"
-            )
-        return read_records(entry.path, entry.format, stage, entry.fields, spec.max_samples)
-    path = Path(spec.path or "")
-    fmt = spec.format or detect_format(path, spec.text_column)
-    return read_records(path, fmt, stage, default_fields(fmt, spec.text_column), spec.max_samples)
 
 
 def read_records(

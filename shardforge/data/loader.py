@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shardforge.config.schema import DataSection, DatasetSpec
+from shardforge.data.dataset_info import resolve_entry
 from shardforge.data.examples import EncodeStats, Example, encode_all
-from shardforge.data.formats import Record, read_dataset
+from shardforge.data.formats import Record, default_fields, detect_format, read_records
 from shardforge.data.packing import pack_rows, single_rows
 from shardforge.errors import DataError
 
@@ -36,6 +38,21 @@ class RowSet:
     @property
     def num_tokens(self) -> int:
         return sum(len(e.input_ids) for e in self.examples)
+
+
+def read_dataset(spec: DatasetSpec, stage: str) -> list[Record]:
+    """Read one configured dataset (a file/folder path, or a named dataset_info.json entry) for `stage`."""
+    if spec.name is not None:
+        entry = resolve_entry(spec.name, spec.dataset_info or "", stage, spec.text_column)
+        if spec.format is not None and spec.format != entry.format:
+            raise DataError(
+                f'dataset "{spec.name}": format {spec.format} conflicts with its dataset_info formatting '
+                f"({entry.format}); drop format or make them agree"
+            )
+        return read_records(entry.path, entry.format, stage, entry.fields, spec.max_samples)
+    path = Path(spec.path or "")
+    fmt = spec.format or detect_format(path, spec.text_column)
+    return read_records(path, fmt, stage, default_fields(fmt, spec.text_column), spec.max_samples)
 
 
 def _read_all(specs: list[DatasetSpec], stage: str) -> list[Record]:

@@ -8,10 +8,10 @@ from typing import Any
 
 from shardforge.config import Config
 from shardforge.errors import ConfigError
+from shardforge.models.build import check_model_source, load_tokenizer
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from shardforge.parallel.tensor_parallel import check_tensor_parallel
-from shardforge.train.build import check_model_source, load_tokenizer
 
 
 def resolve_grad_accum(cfg: Config, dp: int) -> int:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from shardforge.checkpoint import Checkpointer, find_latest, load_checkpoint
 from shardforge.checkpoint.compat import check_compatible
-from shardforge.checkpoint.export import resolve_checkpoint
+from shardforge.checkpoint.store import resolve_checkpoint
 from shardforge.checkpoint.optim_state import FORMAT as OPTIMIZER_FORMAT
 from shardforge.checkpoint.trainer_state import read_trainer_state
 from shardforge.config import Config, dump_config
@@ -28,6 +28,7 @@ from shardforge.data.batching import Batch, GlobalOrder, split_global_batch
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.errors import CheckpointError, ConfigError, TrainingError
 from shardforge.models import save_model
+from shardforge.models.build import build_model
 from shardforge.objectives import get_stage
 from shardforge.parallel import apply_activation_checkpointing
 from shardforge.parallel.data_parallel import apply_data_parallel, gradient_sync, unwrap
@@ -46,7 +47,6 @@ from shardforge.parallel.tensor_parallel import (
     padded_vocab,
     strip_vocab_padding,
 )
-from shardforge.train.build import build_model
 from shardforge.train.layout import check_layout
 from shardforge.train.metrics import MetricsWriter, plot_loss
 from shardforge.train.optim import build_optimizer, build_scheduler, clip_grad_norm

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardforge.config.schema import DatasetSpec
-from shardforge.data.formats import Record, read_dataset
+from shardforge.data.formats import Record
+from shardforge.data.loader import read_dataset
 from shardforge.errors import DataError
 from tests.conftest import lf_messages_entry
 

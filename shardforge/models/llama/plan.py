@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 
 from shardforge.errors import ConfigError
 from shardforge.models.llama.config import DecoderConfig
-from shardforge.parallel.styles import ReplicateParallel
+from shardforge.sharding.styles import ReplicateParallel
 
 
 def check_tensor_parallel(cfg: DecoderConfig, tp: int) -> None:
