@@ -107,14 +107,14 @@ def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
 
     from shardforge.config.schema import DataSection, DatasetSpec
     from shardforge.data.loader import read_dataset
-    from shardforge.objectives import get_stage
+    from shardforge.objectives import build_objective
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     data = DataSection(train=[{"path": str(folder / f"{split}.jsonl"), "format": "alpaca"}], max_length=4096)
-    encoder = get_stage("sft").encoder(tokenizer, data)
+    encoder = build_objective("sft").encoder(tokenizer, data)
     out = []
     for record in read_dataset(DatasetSpec(path=str(folder / f"{split}.jsonl"), format="alpaca"), "sft"):
-        ids, trained = encoder(record)
+        [(ids, trained)] = encoder(record)
         out.append((ids, [t if m else -100 for t, m in zip(ids, trained, strict=True)]))
     return out
 

@@ -6,6 +6,7 @@ import argparse
 import os
 import platform
 import sys
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.text import Text
@@ -21,9 +22,11 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     config = load_config(args.config, args.overrides)
     if (args.nproc > 1 or args.max_restarts > 0) and not already_a_rank(translate=False):
+        from shardforge.models.build import load_tokenizer
+
         # Restarts need the elastic agent, even for a single process.
         # Layout errors surface here, once, before any process starts.
-        check_layout(config, args.nproc)
+        check_layout(config, args.nproc, load_tokenizer(config.model))
         argv = (["--debug"] if args.debug else []) + ["train", args.config, *args.overrides]
         return launch_local(args.nproc, args.max_restarts, argv)
     result = train(config, console)
@@ -52,7 +55,7 @@ def _cmd_env(args: argparse.Namespace, console: Console) -> int:
 
     from shardforge import __version__
     from shardforge.models import preset_names, supported
-    from shardforge.train.runtime import measure_matmul_peak
+    from shardforge.train.peak import peak_flops
 
     rows = [
         ("shardforge", __version__),
@@ -69,10 +72,11 @@ def _cmd_env(args: argparse.Namespace, console: Console) -> int:
     ]
     for i in range(torch.cuda.device_count()):
         rows.append((f"cuda:{i}", torch.cuda.get_device_name(i)))
-    rows.append(("matmul peak fp32 (cpu)", f"{measure_matmul_peak(torch.device('cpu')) / 1e9:.1f} GFLOP/s"))
+    peak, source = peak_flops(torch.device("cpu"), torch.float32)
+    rows.append(("peak fp32 (cpu)", f"{peak / 1e9:.1f} GFLOP/s ({source})"))
     if torch.cuda.is_available():
-        peak = measure_matmul_peak(torch.device("cuda"), torch.bfloat16)
-        rows.append(("matmul peak bf16 (cuda)", f"{peak / 1e12:.1f} TFLOP/s"))
+        peak, source = peak_flops(torch.device("cuda"), torch.bfloat16)
+        rows.append(("peak bf16 (cuda)", f"{peak / 1e12:.1f} TFLOP/s ({source})"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         console.print(f"{key:<{width}}  {value}", highlight=False)
@@ -83,6 +87,21 @@ def _has_backend(name: str) -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and getattr(dist, f"is_{name}_available", lambda: False)()
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= low, else a usage error naming the value."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,9 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.max_length=512"
     )
-    p_train.add_argument("--nproc", type=int, default=1, help="processes (ranks) to start on this machine")
     p_train.add_argument(
-        "--max-restarts", type=int, default=0, help="restart the job this often after a failure"
+        "--nproc", type=_at_least(1), default=1, help="processes (ranks) to start on this machine"
+    )
+    p_train.add_argument(
+        "--max-restarts", type=_at_least(0), default=0, help="restart the job this often after a failure"
     )
     p_train.set_defaults(func=_cmd_train)
     p_export = sub.add_parser(

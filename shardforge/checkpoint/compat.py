@@ -28,11 +28,22 @@ _ADVICE = {
 
 
 def check_compatible(folder: Path, saved: dict, current: dict) -> None:
-    """`saved` and `current` map the keys of _ADVICE to values; every difference is reported at once."""
-    problems = [
-        f"{key}: checkpoint {saved.get(key)!r}, this run {current[key]!r} ({_ADVICE[key]})"
-        for key in _ADVICE
-        if saved.get(key) != current[key]
-    ]
+    """`saved` and `current` map the keys of _ADVICE to values; every difference is reported at once (for the
+    model, field by field)."""
+    problems = []
+    for key in _ADVICE:
+        was, now = saved.get(key), current[key]
+        if was == now:
+            continue
+        if key == "model" and isinstance(was, dict) and isinstance(now, dict):
+            fields = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
+            shown = ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in fields)
+            problems.append(f"model: {shown} (checkpoint -> this run; {_ADVICE[key]})")
+        elif key == "model" and not isinstance(was, dict):
+            problems.append(
+                f"model: the checkpoint records its model in an older form ({_ADVICE['optimizer_format']})"
+            )
+        else:
+            problems.append(f"{key}: checkpoint {was!r}, this run {now!r} ({_ADVICE[key]})")
     if problems:
         raise CheckpointError(f"{folder} cannot be resumed by this run: " + "; ".join(problems))

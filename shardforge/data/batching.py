@@ -4,7 +4,7 @@ samples."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,15 +16,17 @@ IGNORE = -100
 
 @dataclass
 class Batch:
-    """A micro-batch. `targets` are already shifted: targets[b, t] is the token to predict at position t."""
+    """A micro-batch. `targets` are already shifted: targets[b, t] is the token to predict at position t.
+    `extras` holds an objective's own per-row tensors (e.g. reference log-probabilities)."""
 
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor | None  # None on a pipeline stage's chunk (it receives the residual stream)
     targets: torch.Tensor
     position_ids: torch.Tensor
     doc_ids: torch.Tensor | None  # None: one document per row, plain causal attention suffices
     num_tokens: int  # real (non-pad) tokens
     num_targets: int
     doc_layout: DocLayout | None = None  # per-document attention for packed rows (cheaper than a mask)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -37,7 +39,22 @@ class Batch:
             self.num_tokens,
             self.num_targets,
             layout,
+            {k: move(v) for k, v in self.extras.items()},
         )
+
+    def fields(self) -> dict[str, torch.Tensor | None]:
+        """The per-row tensors besides the token ids: what a pipeline schedule splits into chunks (along the
+        rows) and hands to every stage. The per-document layout is not a per-row tensor: chunks use masks."""
+        rows = {"targets": self.targets, "position_ids": self.position_ids, "doc_ids": self.doc_ids}
+        return rows | self.extras
+
+    @classmethod
+    def from_fields(cls, input_ids: torch.Tensor | None, fields: dict[str, torch.Tensor | None]) -> Batch:
+        """A micro-batch (or a pipeline chunk of one) rebuilt from `fields()`; its counts are not carried (-1:
+        nothing reads them on a chunk, and counting would sync with the device)."""
+        rest = dict(fields)
+        targets, positions, docs = rest.pop("targets"), rest.pop("position_ids"), rest.pop("doc_ids")
+        return cls(input_ids, targets, positions, docs, -1, -1, None, rest)
 
 
 def collate(
@@ -91,46 +108,37 @@ def use_per_document(lengths: list[list[int]], width: int) -> bool:
 
 
 class GlobalOrder:
-    """Deterministic order of rows over epochs; the position is a global sample index (resumable, any dp
-    size).
+    """Deterministic order of groups (rows, or several rows that stay together) over epochs; the position
+    is a global sample index (resumable, any dp size).
 
-    Rows for global step k are positions [k*G, (k+1)*G) of the concatenated per-epoch permutations, so the
-    samples of a step depend only on the seed and the global batch size G, never on how G is split.
+    Groups for global step k are positions [k*G, (k+1)*G) of the concatenated per-epoch permutations, so
+    the samples of a step depend only on the seed and the global batch size G, never on how G is split.
     """
 
-    def __init__(self, num_rows: int, seed: int, shuffle: bool = True) -> None:
-        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+    def __init__(self, num_groups: int, seed: int) -> None:
+        self.num_groups, self.seed = num_groups, seed
         self.position = 0
         self._epoch, self._perm = -1, torch.arange(0)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed + epoch)
-            n = self.num_rows
-            self._perm = torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)
+            self._perm = torch.randperm(self.num_groups, generator=gen)
             self._epoch = epoch
         return self._perm
 
     def take(self, count: int) -> list[int]:
         out = []
         while len(out) < count:
-            epoch, offset = divmod(self.position, self.num_rows)
+            epoch, offset = divmod(self.position, self.num_groups)
             chunk = self._permutation(epoch)[offset : offset + count - len(out)]
             out.extend(chunk.tolist())
             self.position += len(chunk)
         return out
 
-    def state_dict(self) -> dict:
-        return {"position": self.position, "seed": self.seed, "num_rows": self.num_rows}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
-
 
 def split_global_batch(
-    row_ids: list[int], micro_batch: int, grad_accum: int, dp: int, rank: int
+    ids: list[int], micro_batch: int, grad_accum: int, dp: int, rank: int
 ) -> list[list[int]]:
-    """This rank's micro-batches of a global batch: micro-step j, rank r takes rows [(j*dp + r)*mb, +mb)."""
-    return [
-        row_ids[(j * dp + rank) * micro_batch : (j * dp + rank + 1) * micro_batch] for j in range(grad_accum)
-    ]
+    """This rank's micro-batches of a global batch: micro-step j, rank r takes [(j*dp + r)*mb, +mb)."""
+    return [ids[(j * dp + rank) * micro_batch : (j * dp + rank + 1) * micro_batch] for j in range(grad_accum)]

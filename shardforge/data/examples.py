@@ -38,31 +38,42 @@ class EncodeStats:
         return ", ".join(parts)
 
 
-Encoder = Callable[[Record], tuple[list[int], list[bool]]]
+Sequence_ = tuple[list[int], list[bool]]  # token ids and per-token target flags
+Encoder = Callable[[Record], list[Sequence_]]  # a record -> the sequences of its group
 
 
 def encode_all(
-    records: Sequence[Record], encode: Encoder, max_length: int, truncation: str, what: str
+    records: Sequence[Record],
+    encode: Encoder,
+    max_length: int,
+    truncation: str,
+    what: str,
+    group_size: int = 1,
 ) -> tuple[list[Example], EncodeStats]:
-    """Tokenize records; cut documents longer than max_length (counted, or an error when truncation=error)."""
+    """Tokenize records into groups of `group_size` sequences (consecutive in the result); cut sequences
+    longer than max_length (counted, or an error when truncation=error). A group with a sequence left
+    without any target is dropped whole, so groups never lose a member."""
     stats = EncodeStats(records=len(records))
-    examples = []
+    examples: list[Example] = []
     for record in records:
-        ids, trained = encode(record)
-        if len(ids) > max_length:
-            if truncation == "error":
-                raise DataError(
-                    f"{record.source}: {len(ids)} tokens > data.max_length={max_length} "
-                    f"(raise data.max_length or set data.truncation=right)"
-                )
-            stats.truncated += 1
-            stats.tokens_cut += len(ids) - max_length
-            ids, trained = ids[:max_length], trained[:max_length]
-        example = Example(tuple(ids), tuple(trained), record.source)
-        if example.num_targets == 0:
+        group = []
+        for ids, trained in encode(record):
+            if len(ids) > max_length:
+                if truncation == "error":
+                    raise DataError(
+                        f"{record.source}: {len(ids)} tokens > data.max_length={max_length} "
+                        f"(raise data.max_length or set data.truncation=right)"
+                    )
+                stats.truncated += 1
+                stats.tokens_cut += len(ids) - max_length
+                ids, trained = ids[:max_length], trained[:max_length]
+            group.append(Example(tuple(ids), tuple(trained), record.source))
+        if len(group) != group_size:
+            raise DataError(f"{record.source}: encoded into {len(group)} sequences, expected {group_size}")
+        if any(example.num_targets == 0 for example in group):
             stats.dropped_no_target.append(record.source)
             continue
-        examples.append(example)
+        examples.extend(group)
     if not examples:
         first = f" (e.g. {stats.dropped_no_target[0]})" if stats.dropped_no_target else ""
         raise DataError(

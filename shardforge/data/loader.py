@@ -17,19 +17,34 @@ from shardforge.errors import DataError
 
 @dataclass
 class RowSet:
-    """Examples and how they are grouped into rows (one or several documents per row)."""
+    """Examples, how they are laid out in rows (one or several documents per row), and which rows form a
+    group (the unit of sampling: a row alone, or the rows of one record's sequences, kept together)."""
 
     examples: list[Example]
     rows: list[list[int]]
+    groups: list[list[int]]
     stats: EncodeStats
 
-    def row_counts(self) -> tuple[list[int], list[int]]:
-        """(tokens, targets) per row, so any rank can count a whole global batch without communicating."""
-        if not hasattr(self, "_row_counts"):
-            tokens = [sum(len(self.examples[i].input_ids) for i in row) for row in self.rows]
+    def group_counts(self) -> dict[str, list[int]]:
+        """Per group: tokens, targets, sequences, 1 group, and the causal attention pairs its documents need
+        (n(n+1)/2 each: the MFU numerator's attention term), so any rank can count a whole global batch
+        without communicating."""
+        if not hasattr(self, "_group_counts"):
+            lengths = [[len(self.examples[i].input_ids) for i in row] for row in self.rows]
             targets = [sum(self.examples[i].num_targets for i in row) for row in self.rows]
-            self._row_counts = (tokens, targets)
-        return self._row_counts
+            per_row = {
+                "tokens": [sum(row) for row in lengths],
+                "targets": targets,
+                "sequences": [len(row) for row in lengths],
+                "attention_pairs": [sum(n * (n + 1) // 2 for n in row) for row in lengths],
+            }
+            self._group_counts = {k: [sum(v[r] for r in g) for g in self.groups] for k, v in per_row.items()}
+            self._group_counts["groups"] = [1] * len(self.groups)
+        return self._group_counts
+
+    def rows_of(self, groups: list[int]) -> list[list[int]]:
+        """The rows of these groups, in order (a group's rows consecutive)."""
+        return [self.rows[r] for g in groups for r in self.groups[g]]
 
     @property
     def num_targets(self) -> int:
@@ -62,14 +77,24 @@ def _read_all(specs: list[DatasetSpec], stage: str) -> list[Record]:
     return records
 
 
-def build_rows(records: list[Record], encoder: Any, data: DataSection, what: str, seed: int = 0) -> RowSet:
-    examples, stats = encode_all(records, encoder, data.max_length, data.truncation, what)
+def build_rows(
+    records: list[Record], encoder: Any, data: DataSection, what: str, seed: int = 0, group_size: int = 1
+) -> RowSet:
+    """Encode and lay out rows. Sequences of one group (group_size > 1) get a row each and are never packed
+    with others: they are compared with each other, not trained as independent documents."""
+    examples, stats = encode_all(records, encoder, data.max_length, data.truncation, what, group_size)
+    if group_size > 1:
+        rows = single_rows(len(examples))
+        groups = [list(range(g, g + group_size)) for g in range(0, len(rows), group_size)]
+        return RowSet(examples, rows, groups, stats)
     lengths = [len(e.input_ids) for e in examples]
     rows = pack_rows(lengths, data.max_length, seed) if data.packing else single_rows(len(examples))
-    return RowSet(examples, rows, stats)
+    return RowSet(examples, rows, [[r] for r in range(len(rows))], stats)
 
 
-def build_datasets(data: DataSection, stage: str, encoder: Any, seed: int) -> tuple[RowSet, RowSet | None]:
+def build_datasets(
+    data: DataSection, stage: str, encoder: Any, seed: int, group_size: int = 1
+) -> tuple[RowSet, RowSet | None]:
     """Training rows and (optional) evaluation rows; `data.eval_fraction` holds out a seeded share of
     train."""
     train_records = _read_all(data.train, stage)
@@ -82,6 +107,8 @@ def build_datasets(data: DataSection, stage: str, encoder: Any, seed: int) -> tu
             raise DataError(f"data.eval_fraction={data.eval_fraction} leaves no training record")
         eval_records += [r for i, r in enumerate(train_records) if i in held]
         train_records = [r for i, r in enumerate(train_records) if i not in held]
-    train = build_rows(train_records, encoder, data, "training data", seed)
-    evaluation = build_rows(eval_records, encoder, data, "evaluation data", seed) if eval_records else None
+    train = build_rows(train_records, encoder, data, "training data", seed, group_size)
+    evaluation = (
+        build_rows(eval_records, encoder, data, "evaluation data", seed, group_size) if eval_records else None
+    )
     return train, evaluation

@@ -54,24 +54,36 @@ def doc_layout(doc_lengths: list[list[int]], seq: int) -> DocLayout:
     return DocLayout(gather.flatten(), scatter, num_docs, max_len)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention with a boolean mask (True = attend), or causal when it is None. q is [b, heads, s, d]; k and
+    v may have fewer (grouped-query) heads, which SDPA's `enable_gqa` shares without copying them per
+    group (on CPU: exact, with or without a mask). On CUDA, torch runs grouped-query attention only in its
+    flash kernel (no mask) and the math kernel: with a mask, K/V are repeated instead so that the
+    memory-efficient kernel stays usable (transformers' `use_gqa_in_sdpa` makes the same choice)."""
+    groups = q.shape[1] // k.shape[1]
+    if mask is not None and groups > 1 and q.device.type == "cuda":
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+
+
 def attention_per_document(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: DocLayout, window: int | None = None
 ) -> torch.Tensor:
-    """Causal attention within each document; q, k, v and the result are [batch, heads, seq, head_dim]."""
+    """Causal attention within each document; q and the result are [batch, heads, seq, head_dim], k and v
+    [batch, kv_heads, seq, head_dim]."""
     b, h, s, d = q.shape
 
     def per_doc(x: torch.Tensor) -> torch.Tensor:
-        flat = x.transpose(1, 2).reshape(b * s, h, d)
-        flat = torch.cat([flat, flat.new_zeros(1, h, d)])
-        return flat[layout.gather].view(layout.num_docs, layout.max_len, h, d).transpose(1, 2)
+        heads = x.shape[1]
+        flat = x.transpose(1, 2).reshape(b * s, heads, d)
+        flat = torch.cat([flat, flat.new_zeros(1, heads, d)])
+        return flat[layout.gather].view(layout.num_docs, layout.max_len, heads, d).transpose(1, 2)
 
     mask = None
     if window is not None and layout.max_len > window:
         pos = torch.arange(layout.max_len, device=q.device)
         mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
-    out = F.scaled_dot_product_attention(
-        per_doc(q), per_doc(k), per_doc(v), attn_mask=mask, is_causal=mask is None
-    )
+    out = sdpa(per_doc(q), per_doc(k), per_doc(v), mask)
     flat = out.transpose(1, 2).reshape(layout.num_docs * layout.max_len, h, d)
     flat = torch.cat([flat, flat.new_zeros(1, h, d)])
     return flat[layout.scatter].view(b, s, h, d).transpose(1, 2)

@@ -12,10 +12,12 @@ from transformers import AutoConfig
 from shardforge.config.schema import ModelSection
 from shardforge.errors import ModelError
 from shardforge.models import build_preset, load_model
-from shardforge.models.io import Prune, read_config_json
+from shardforge.models.io import Prune, read_config_json, weight_files
 from shardforge.models.presets import preset_config
 from shardforge.models.spec import spec_for
 
+# What AutoTokenizer builds a tokenizer from; without any of them it quietly makes an empty one.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,6 +31,7 @@ def check_model_source(model: ModelSection) -> Any:
         raise ModelError(f"model.path {model.path!r} is not a folder (expected a Hugging Face model folder)")
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"))
+    weight_files(folder)  # a folder with config.json alone is a clear error here, not a surprise later
     return spec.config_from_hf(AutoConfig.from_pretrained(folder))
 
 
@@ -38,6 +41,12 @@ def load_tokenizer(model: ModelSection) -> Any:
     folder = model.tokenizer or model.path
     if folder is None or not Path(folder).is_dir():
         raise ModelError(f"tokenizer folder {folder!r} does not exist (set model.tokenizer to a folder)")
+    if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
+        key = "model.tokenizer" if model.tokenizer else "model.path"
+        raise ModelError(
+            f"{key} {folder!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); set model.tokenizer "
+            f"to a folder that has one"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as exc:

@@ -31,7 +31,7 @@ def read_config_json(folder: Path) -> dict:
         raise ModelError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     if (folder / INDEX_FILE).is_file():
         try:
             names = sorted(set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values()))
@@ -87,7 +87,7 @@ def load_model(
     spec = spec_for(meta.get("model_type"), meta.get("architectures"))
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
     model = build_empty(spec, cfg, device, prune, dtype)
-    load_hf_weights(model, spec, _weight_files(folder), dtype, partial=prune is not None)
+    load_hf_weights(model, spec, weight_files(folder), dtype, partial=prune is not None)
     return model
 
 

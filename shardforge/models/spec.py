@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
 from shardforge.errors import ModelError
+
+CheckpointMode = Literal["none", "selective", "full"]  # train.activation_checkpoint
 
 
 @dataclass(frozen=True)
@@ -22,23 +24,101 @@ class PipelineCosts:
 
 
 @dataclass(frozen=True)
+class ParamCounts:
+    """Parameters by group, per layer where layers hold them: what memory and FLOP formulas multiply."""
+
+    embedding: int
+    attention: tuple[int, ...]
+    mlp: tuple[int, ...]
+    norms: tuple[int, ...]
+    final_norm: int
+    head: int  # 0 when tied to the embedding (one tensor, counted once)
+
+    @property
+    def total(self) -> int:
+        """Equals the built model's parameter count (shared tensors once)."""
+        layers = sum(self.attention) + sum(self.mlp) + sum(self.norms)
+        return self.embedding + layers + self.final_norm + self.head
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes one training forward keeps for backward on one rank. Tokens are the micro-batch's positions
+    (padding included), scored ones those the LM head projects."""
+
+    per_token: float  # the blocks, the embedding output, RoPE tables, the final norm
+    per_scored: float  # the LM head's input
+    loss_per_scored: float  # the loss's fp32 log-probabilities: after the model's forward, but kept too
+
+    def total(self, tokens: int, scored: int, loss: bool = True) -> float:
+        return tokens * self.per_token + scored * (self.per_scored + (self.loss_per_scored if loss else 0.0))
+
+
+def causal_pairs(lengths: Iterable[int]) -> int:
+    """The (query, key) pairs causal attention needs over documents of these lengths: n(n+1)/2 each. A
+    dense kernel over rows of width s executes rows * s * s instead."""
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What one model costs, in one place: parameters by group, forward FLOPs per piece, activation bytes.
+    Read by pipeline balancing, MFU and the planner; checked against FlopCounterMode, the built model and
+    `activation_report` (tests/unit/test_costs.py)."""
+
+    params: ParamCounts
+    embed_flops: float  # forward, per token (a lookup: 0)
+    layer_flops: tuple[float, ...]  # forward matmul FLOPs per token, per decoder layer
+    pair_flops: tuple[float, ...]  # forward FLOPs per (query, key) score pair, per layer (QK^T and AV)
+    head_flops: float  # forward, per scored token: the head runs on target positions only
+    # (mode, dtype bytes, tp, sequence_parallel) -> bytes kept for backward; the family's formula.
+    activations: Callable[[CheckpointMode, int, int, bool], ActivationBytes]
+
+    def forward_flops(self, tokens: int, scored: int, attention_pairs: int) -> float:
+        """Forward FLOPs of `tokens` positions of which `scored` reach the LM head, with `attention_pairs`
+        (query, key) pairs evaluated per layer, summed over rows (see `causal_pairs`)."""
+        body = tokens * (self.embed_flops + sum(self.layer_flops))
+        return body + attention_pairs * sum(self.pair_flops) + scored * self.head_flops
+
+    def train_flops(self, tokens: int, scored: int, attention_pairs: int) -> float:
+        """Forward + backward: backward computes input and weight gradients, twice the forward."""
+        return 3 * self.forward_flops(tokens, scored, attention_pairs)
+
+    def pipeline(self, seq_len: int) -> PipelineCosts:
+        """Forward FLOPs per token of each piece a pipeline split places, rows of `seq_len` tokens with causal
+        attention (about seq_len / 2 pairs per token); backward is ~2x forward for all of them alike."""
+        pairs_per_token = seq_len / 2
+        layers = [m + p * pairs_per_token for m, p in zip(self.layer_flops, self.pair_flops, strict=True)]
+        return PipelineCosts(embed=self.embed_flops, layers=layers, head=self.head_flops)
+
+    def activation_bytes(
+        self,
+        mode: CheckpointMode = "none",
+        dtype_bytes: int = 4,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+    ) -> ActivationBytes:
+        """Per-rank bytes kept for backward by `train.activation_checkpoint` mode, for activations of
+        `dtype_bytes` each, under tensor parallel degree `tp` (with or without sequence parallel)."""
+        return self.activations(mode, dtype_bytes, tp, sequence_parallel and tp > 1)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family. `tp_plan(config, tp, sequence_parallel)` checks the shapes and returns the
-    tensor-parallel plan (module pattern -> ParallelStyle); `pipeline_costs(config, seq_len)` is the cost
-    of each piece that the pipeline split balances."""
+    tensor-parallel plan (module pattern -> ParallelStyle); `costs(config)` is its cost model (parameters,
+    FLOPs per piece, activation bytes), which pipeline balancing, MFU and the planner read."""
 
     name: str
     model_type: str  # config.json model_type
     architecture: str  # config.json architectures[0]
-    config_cls: type
     model_cls: type[nn.Module]
     config_from_hf: Callable[[Any], Any]  # transformers config -> our config
     hf_config_from: Callable[[Any], Any]  # our config -> transformers config
     key_to_hf: Callable[[str], str]
     key_from_hf: Callable[[str], str]
-    flops_per_token: Callable[[Any, int], float]
+    costs: Callable[[Any], CostModel]
     tp_plan: Callable[[Any, int, bool], dict[str, Any]] | None = None
-    pipeline_costs: Callable[[Any, int], PipelineCosts] | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

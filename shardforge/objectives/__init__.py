@@ -1,14 +1,21 @@
-"""Training stages: each provides record encoding and a loss; they all run in the one trainer loop."""
+"""Training objectives (the config's `method.stage`): each provides encoding, grouping, collation and the
+loss; they all run in the one trainer loop."""
 
-from shardforge.objectives.base import Stage
-from shardforge.objectives.pretrain import PretrainStage
-from shardforge.objectives.sft import SFTStage
+from __future__ import annotations
 
-STAGES: dict[str, type] = {"pt": PretrainStage, "sft": SFTStage}
+from shardforge.config.schema import MethodSection
+from shardforge.objectives.base import Objective
+from shardforge.objectives.pretrain import PretrainObjective
+from shardforge.objectives.sft import SFTObjective
+
+OBJECTIVES: dict[str, type] = {"pt": PretrainObjective, "sft": SFTObjective}
 
 
-def get_stage(name: str) -> Stage:
-    return STAGES[name]()
+def build_objective(method: MethodSection | str) -> Objective:
+    """The objective of a `method` section (or of a bare stage name); hyper-parameters such as a beta or a
+    reference model come from that section as objectives gain them."""
+    stage = method if isinstance(method, str) else method.stage
+    return OBJECTIVES[stage]()
 
 
-__all__ = ["STAGES", "Stage", "get_stage"]
+__all__ = ["OBJECTIVES", "Objective", "build_objective"]

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shardforge.config.schema import ParallelSection
 from shardforge.parallel.dims import ParallelDims
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_data_parallel(
@@ -63,8 +63,8 @@ def _fully_shard(
     precision: str,
     device: torch.device,
 ) -> None:
-    param_dtype = None if precision == "fp32" else _DTYPES[precision]
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=_DTYPES[parallel.reduce_dtype])
+    param_dtype = None if precision == "fp32" else DTYPES[precision]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[parallel.reduce_dtype])
     # Pinned host memory needs an accelerator; on a CPU-only machine plain memory is the only choice.
     offload = (
         CPUOffloadPolicy(pin_memory=device.type == "cuda")

@@ -15,10 +15,10 @@ per micro-batch shape and reused while the shape repeats.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,11 +28,10 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from shardforge.config.schema import ONE_STAGE_SCHEDULES
-from shardforge.data.batching import IGNORE, Batch
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.engine import Autocast, Differentiate, clip_grad_norm, dp_sum, gathered_state
 from shardforge.parallel.pipeline_plan import TORCH_SCHEDULES, PipelinePlan
-
-LossOfLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Autocast = Callable[[], contextlib.AbstractContextManager]
+from shardforge.parallel.tensor_parallel import loss_context, strip_vocab_padding
 
 
 def split_for_pipeline(model: nn.Module, plan: PipelinePlan, stages: list[int]) -> None:
@@ -52,73 +51,77 @@ def split_for_pipeline(model: nn.Module, plan: PipelinePlan, stages: list[int]) 
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: its blocks (and the embedding / the head and loss on the first / last stage).
-    Its modules are those of the rank's model (shared, not copied), under the same names."""
+    """One pipeline stage: a view of the rank's model holding the stage's blocks (and the embedding / the norm
+    and head on the first / last stage), run by the model's own forward. The last stage also computes the
+    objective's sums: it returns the differentiated loss sum and hands every sum to `record`."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        layers: tuple[int, ...],
-        first: bool,
-        last: bool,
-        loss: LossOfLogits,
-        autocast: Autocast = contextlib.nullcontext,
+        self, part: nn.Module, last: bool, objective: Any, autocast: Autocast, record: Callable[[dict], None]
     ) -> None:
         super().__init__()
-        self.embed_tokens = model.embed_tokens if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self._model = [model]  # for RoPE and the attention context (a list: not registered as a child)
-        self._loss, self._autocast = loss, autocast  # autocast wraps the forward only (as without pipeline)
+        self.part = part
+        self._last, self._objective, self._autocast, self._record = last, objective, autocast, record
+        self._batch_type: type | None = None  # set by the engine: how a chunk of per-row tensors is rebuilt
 
     def blocks(self) -> list[nn.Module]:
-        return list(self.layers.values())
+        return self.part.blocks()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        position_ids: torch.Tensor,
-        doc_ids: torch.Tensor | None,
-        targets: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **fields: torch.Tensor | None) -> torch.Tensor:
         """Token ids (first stage) or the residual stream -> the stream, or the loss sum on the last stage."""
-        model = self._model[0]
+        chunk = self._batch_type.from_fields(None, fields)
+        inputs = self._objective.model_inputs(chunk)
+        inputs.pop("doc_layout", None)  # not a per-row tensor: packed chunks use the block-diagonal mask
         with self._autocast():
-            h = self.embed_tokens(x) if self.embed_tokens is not None else x
-            cos, sin, ctx = model.layer_inputs(position_ids, h.dtype, doc_ids)
-            for block in self.layers.values():
-                h = block(h, cos, sin, ctx)
-            if self.lm_head is None:
-                return h
-            scored = targets != IGNORE
-            return self._loss(model.head(h, scored), targets[scored])
+            out = self.part(x, **inputs)
+            if not self._last:
+                return out
+            sums = self._objective.loss(out, chunk)
+        self._record({k: v.detach() for k, v in sums.items()})
+        return sums["loss"]
 
 
-class PipelineRunner:
-    """Runs one schedule over a micro-step's rows on every rank of a pipeline: returns the loss sum (on every
-    pipeline rank, not only the last) after forward and backward of all pipeline micro-batches."""
+class PipelineEngine:
+    """Runs one schedule per micro-step over the rank's stages (forward and backward of every pipeline
+    micro-batch); every pipeline rank gets the objective's sums, not only the last."""
+
+    is_pipeline = True
 
     def __init__(
         self,
         plan: PipelinePlan,
         model: nn.Module,
-        stages: dict[int, StageModule],
+        objective: Any,
+        dims: ParallelDims,
         mesh: DeviceMesh,
         device: torch.device,
+        autocast: Autocast,
         stream_dtype: torch.dtype,
-        stream_width: Callable[[int], int],
+        sequence_parallel: bool,
         timeout: datetime.timedelta,
     ) -> None:
-        self.plan, self.model, self.stages, self.device = plan, model, stages, device
+        self.plan, self.model, self.inner, self.objective = plan, model, model, objective
+        self.dims, self.mesh, self.device = dims, mesh, device
         self.group = mesh["pp"].get_group()
-        self.stream_dtype, self.stream_width = stream_dtype, stream_width
+        self.stream_dtype = stream_dtype
+        self.sp_split = dims.tp if sequence_parallel else 1  # sequence parallel splits the stream's tokens
         self._schedules: OrderedDict[tuple, schedules._PipelineSchedule] = OrderedDict()
-        self._scale: Callable[[torch.Tensor], torch.Tensor]  # set by run(), read by the loss function
-        self._loss_sum: torch.Tensor
+        self._differentiate: Differentiate  # set per run, read by the loss function
+        self._sums: list[dict[str, torch.Tensor]] = []
         self.tied = model.config.tie_embeddings  # every stage's rank knows: all take part in making groups
         self.pp_rank = dist.get_group_rank(self.group, dist.get_rank())
         self._tie_group = _tie_groups(mesh, plan, timeout) if self.tied and not plan.v_shaped else None
+        last = plan.num_stages - 1
+        self.stages = {
+            s: StageModule(
+                model.part(list(plan.layers[s]), s == 0, s == last),
+                s == last,
+                objective,
+                autocast,
+                self._sums.append,
+            )
+            for s in plan.stages_of(self.pp_rank)
+        }
+        self.params: list[nn.Parameter] = []  # set by `parallelize` once data parallel has sharded the stages
 
     @property
     def tied_copy(self) -> nn.Parameter | None:
@@ -134,7 +137,7 @@ class PipelineRunner:
         chunk = rows // m
         meta = torch.device("meta")
         ids = torch.empty(chunk, width, dtype=torch.long, device=meta)
-        stream = torch.empty(chunk, self.stream_width(width), self.model.config.hidden_size, device=meta)
+        stream = torch.empty(chunk, width // self.sp_split, self.model.config.hidden_size, device=meta)
         stream = stream.to(self.stream_dtype).requires_grad_()  # gradients flow back through it
         loss = torch.empty((), dtype=torch.float32, device=meta)
         built = [
@@ -158,26 +161,33 @@ class PipelineRunner:
         return schedule
 
     def _loss_fn(self, loss_sum: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
-        self._loss_sum += loss_sum.detach()
-        return self._scale(loss_sum)
+        return self._differentiate(loss_sum)
 
-    def run(self, batch: Batch, scale: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Forward and backward of `batch` in the schedule; `scale` turns a micro-batch's loss sum into what
-        is differentiated. Returns the batch's loss sum on every pipeline rank."""
+    def _prepare(self, batch: Any) -> None:
+        for stage in self.stages.values():
+            stage._batch_type = type(batch)
+        self._sums.clear()
+
+    def forward_backward(
+        self, batch: Any, differentiate: Differentiate, sync: bool
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward of `batch` in the schedule (torch's stages reduce FSDP gradients at the end
+        of every schedule run, whatever `sync` says)."""
         rows, width = batch.input_ids.shape
         fresh = (rows, width) not in self._schedules
         schedule = self._schedule(rows, width)
-        self._scale, self._loss_sum = scale, torch.zeros((), device=self.device)
+        self._prepare(batch)
+        self._differentiate = differentiate
         args = (batch.input_ids,) if 0 in self.stages else ()
-        kwargs = {"position_ids": batch.position_ids, "doc_ids": batch.doc_ids, "targets": batch.targets}
         # A schedule's first step sets its stages up, and torch then drops the gradients of FSDP modules
         # (meant for a shape-inference pass, which declared shapes skip): the gradients accumulated by
         # earlier micro-steps are set aside around it and added back.
         kept = self._take_grads() if fresh else []
-        schedule.step(*args, target=batch.targets, losses=[], return_outputs=False, **kwargs)
+        with loss_context(self.dims):
+            schedule.step(*args, target=batch.targets, losses=[], return_outputs=False, **batch.fields())
         for param, grad in kept:
             param.grad = grad if param.grad is None else param.grad + grad
-        return self._everywhere(self._loss_sum)
+        return self._everywhere()
 
     def _take_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         taken = []
@@ -188,33 +198,39 @@ class PipelineRunner:
         return taken
 
     @torch.no_grad()
-    def loss_sum(self, batch: Batch) -> torch.Tensor:
-        """Forward only (evaluation): the whole batch goes through the stages in model order, each rank
-        running its stages and passing the stream on with point-to-point sends; no schedule, no chunks."""
+    def eval_sums(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Forward only: the whole batch goes through the stages in model order, each rank running its
+        stages and passing the stream on with point-to-point sends; no schedule, no chunks."""
+        self._prepare(batch)
         rows, width = batch.input_ids.shape
-        shape = (rows, self.stream_width(width), self.model.config.hidden_size)
-        loss, h = torch.zeros((), device=self.device), batch.input_ids
-        for index in range(self.plan.num_stages):
-            if index not in self.stages:
-                continue
-            if index > 0 and self.plan.rank_of(index - 1) != self.pp_rank:
-                h = torch.empty(shape, dtype=self.stream_dtype, device=self.device)
-                dist.recv(h, group=self.group, group_src=self.plan.rank_of(index - 1))
-            out = self.stages[index](h, batch.position_ids, batch.doc_ids, batch.targets)
-            if index == self.plan.num_stages - 1:
-                loss = out.detach()
-            elif self.plan.rank_of(index + 1) != self.pp_rank:
-                dist.send(out.contiguous(), group=self.group, group_dst=self.plan.rank_of(index + 1))
-            h = out
-        return self._everywhere(loss)
+        shape = (rows, width // self.sp_split, self.model.config.hidden_size)
+        h, fields = batch.input_ids, batch.fields()
+        with loss_context(self.dims):
+            for index in range(self.plan.num_stages):
+                if index not in self.stages:
+                    continue
+                if index > 0 and self.plan.rank_of(index - 1) != self.pp_rank:
+                    h = torch.empty(shape, dtype=self.stream_dtype, device=self.device)
+                    dist.recv(h, group=self.group, group_src=self.plan.rank_of(index - 1))
+                out = self.stages[index](h, **fields)
+                if index < self.plan.num_stages - 1 and self.plan.rank_of(index + 1) != self.pp_rank:
+                    dist.send(out.contiguous(), group=self.group, group_dst=self.plan.rank_of(index + 1))
+                h = out
+        return self._everywhere()
 
-    def _everywhere(self, loss: torch.Tensor) -> torch.Tensor:
-        """Only the last stage computes the loss: summed over the pipeline, every rank logs the same."""
-        dist.all_reduce(loss, group=self.group)
-        return loss
+    def _everywhere(self) -> dict[str, torch.Tensor]:
+        """Only the last stage computes the sums: added over the pipeline, every rank has them (in the
+        objective's metric order, so ranks without them take part alike)."""
+        names = self.objective.metrics
+        total = torch.zeros(len(names), device=self.device)
+        for sums in self._sums:
+            total += torch.stack([sums[k].float() for k in names])
+        self._sums.clear()
+        dist.all_reduce(total, group=self.group)
+        return dict(zip(names, total.unbind(), strict=True))
 
     @torch.no_grad()
-    def sum_tied_grads(self) -> None:
+    def reduce_tied_grads(self) -> None:
         """The embedding's gradient and its copy's (the LM head's) both become their sum: once per optimizer
         step, after the last micro-step (collective over the first and last stages' ranks)."""
         if not self.tied:
@@ -231,6 +247,26 @@ class PipelineRunner:
         dist.all_reduce(
             grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0], group=self._tie_group
         )
+
+    def clip(self, max_norm: float | None) -> torch.Tensor:
+        return clip_grad_norm(self.params, max_norm, self.group, self.tied_copy)
+
+    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return dp_sum(value, self.dims, self.mesh)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights of every stage, merged on rank 0: each stage gathers its tensors one at a time over
+        data and tensor parallel (to host memory, on the ranks that send them on), then the pipeline group
+        that holds rank 0 sends them there."""
+        sender = 0 in self.mesh["pp"].mesh.tolist()
+        state = dict(gathered_state(self.inner, sender, self.device))
+        if not sender:
+            return {}
+        main = dist.get_rank() == 0
+        parts: list[dict] | None = [{} for _ in range(self.dims.pp)] if main else None
+        dist.gather_object(state, parts, dst=0, group=self.group)
+        merged = {k: v for part in parts or [] for k, v in part.items()}
+        return strip_vocab_padding(merged, self.model.config.vocab_size)
 
 
 def _grad_as_param(param: nn.Parameter) -> torch.Tensor:
@@ -257,14 +293,3 @@ def _tie_groups(
         if dist.get_rank() in pair:
             mine = group
     return mine
-
-
-def pipeline_stages(
-    model: nn.Module, plan: PipelinePlan, pp_rank: int, loss: LossOfLogits, autocast: Autocast
-) -> dict[int, StageModule]:
-    """This rank's stage modules over its (split, TP-sharded, checkpoint-wrapped) model, by stage index."""
-    last = plan.num_stages - 1
-    return {
-        s: StageModule(model, plan.layers[s], s == 0, s == last, loss, autocast)
-        for s in plan.stages_of(pp_rank)
-    }

@@ -113,13 +113,10 @@ def plan_pipeline(
             f"parallel.pp_schedule={name} runs micro-batches in rounds of pp={pp}: parallel.pp_microbatches="
             f"{m} must be a multiple of its {rounds} rounds (pp_microbatches // pp), e.g. {rounds * pp}"
         )
-    spec = spec_for(model_config.family)
-    if spec.pipeline_costs is None:
-        raise ConfigError(f"parallel.pp={pp}: the {model_config.family} family has no pipeline split rule")
     counts = (
         parse_layer_counts(parallel.pp_layers, model_config.num_layers, stages)
         if parallel.pp_layers
-        else balance_layers(spec.pipeline_costs(model_config, seq_len), stages)
+        else balance_layers(spec_for(model_config.family).costs(model_config).pipeline(seq_len), stages)
     )
     layers, start = [], 0
     for n in counts:

@@ -1,12 +1,23 @@
-"""Metrics sinks: JSONL (one object per logged step), TensorBoard, console lines, and the loss-curve PNG."""
+"""Metrics: the window between two log lines (sums on the device, counts on the host), throughput, MFU,
+memory and progress (`MetricsProcessor`), and the sinks (`MetricsWriter`: JSONL, TensorBoard, console
+lines; `plot_loss`: the loss-curve PNG)."""
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from shardforge.config.schema import LogSection
+from shardforge.train.runtime import memory_bytes
+
+Flops = Callable[[int, int, int], float]  # (tokens, scored tokens, attention pairs) -> training FLOPs
 
 
 class MetricsWriter:
@@ -49,6 +60,102 @@ class MetricsWriter:
 
 
 _CONSOLE_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "epoch")
+
+
+class MetricsProcessor:
+    """Accumulates each step's sums and counts, turns a window of steps into one record, and sends records
+    to the sinks (rank 0), the progress bar and, at the end, the loss plot.
+
+    The loss sums stay on the device until a record is due (one host sync per log line); the global batch's
+    counts are known on the host. MFU divides the FLOPs the steps really needed (the cost model's: body on
+    every token, LM head on scored positions, causal attention pairs) by the peak of every device; the peak
+    and where it comes from are in the run's first record, and a ratio above 1 is reported as a measurement
+    problem instead of being logged silently."""
+
+    def __init__(
+        self,
+        objective: Any,
+        flops: Flops,
+        peak: tuple[float, str],
+        world: int,
+        device: torch.device,
+        warn: Callable[[str], None],
+        writer: MetricsWriter | None,
+        plot: Path | None,
+        static: dict[str, Any],
+    ) -> None:
+        self.metrics, self.normalizer = objective.metrics, objective.normalizer
+        self.flops, self.world, self.device, self.warn = flops, world, device, warn
+        self.peak, self.peak_source = peak
+        self.writer, self.plot, self.static = writer, plot, static  # static: logged in every record
+        self.first_record: dict[str, Any] = {"peak_flops": self.peak, "peak_source": self.peak_source}
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums = torch.zeros(len(self.metrics), device=self.device)
+        self.counts: dict[str, int] = {}
+        self.steps, self.step_flops = 0, 0.0
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Leave time spent outside the steps (evaluation, checkpoints) out of the window's rates."""
+        self.t0 = time.perf_counter()
+
+    def add(self, sums: dict[str, torch.Tensor], counts: dict[str, int]) -> None:
+        self.sums += torch.stack([sums[k].float() for k in self.metrics])
+        for key, value in counts.items():
+            self.counts[key] = self.counts.get(key, 0) + value
+        self.steps += 1
+        self.step_flops += self.flops(counts["tokens"], counts["targets"], counts["attention_pairs"])
+
+    def record(self, step: int, reduce: Callable[[torch.Tensor], torch.Tensor], **extra: Any) -> dict:
+        """The window's record; `reduce` sums the loss sums over data-parallel ranks (a collective)."""
+        elapsed = time.perf_counter() - self.t0
+        means = (reduce(self.sums) / self.counts[self.normalizer]).tolist()
+        record: dict[str, Any] = {"step": step, **dict(zip(self.metrics, means, strict=True)), **extra}
+        mfu = self.step_flops / elapsed / (self.peak * self.world)
+        record.update(
+            tokens_per_s=self.counts["tokens"] / elapsed,
+            target_tokens_per_s=self.counts["targets"] / elapsed,
+            mfu=mfu,
+            step_time_s=elapsed / self.steps,
+            **self.static,
+            **memory_bytes(self.device),
+            **self.first_record,
+        )
+        self.first_record = {}
+        if mfu > 1:
+            self.warn(
+                f"MFU {mfu:.2f} > 1 at step {step}: the peak ({self.peak / 1e9:.1f} GFLOP/s, "
+                f"{self.peak_source}) is too low for this device; set hardware.peak_flops"
+            )
+        self._reset()
+        return record
+
+    def write(self, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def close(self) -> list[dict]:
+        """Close the sinks, draw the loss curve; returns the run's records (rank 0's; empty elsewhere)."""
+        if self.writer is None:
+            return []
+        self.writer.close()
+        if self.plot is not None:
+            plot_loss(self.writer.history, self.plot)
+        return self.writer.history
+
+
+def progress_bar(console: Console, log: LogSection, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=console,
+        disable=not (log.progress and enabled and console.is_terminal),
+    )
 
 
 def _fmt(key: str, value: Any) -> str:

@@ -1,15 +1,14 @@
-"""AdamW (plain, ZeRO-1 sharded, or CPU-offloaded), global-norm clipping, and the learning-rate schedule."""
+"""AdamW (plain, ZeRO-1 sharded, or CPU-offloaded) and the learning-rate schedule (global-norm clipping is the
+engine's: it knows the layout)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from shardforge.config.schema import ParallelSection, TrainSection
 from shardforge.parallel.offload import OffloadedAdamW
@@ -45,29 +44,6 @@ def build_optimizer(
             groups, optimizer_class=torch.optim.AdamW, process_group=dp_mesh.get_group(), **hyper, **kernel
         )
     return torch.optim.AdamW(groups, **hyper, **kernel)
-
-
-@torch.no_grad()
-def clip_grad_norm(
-    params: list[torch.Tensor],
-    max_norm: float | None,
-    pp_group: dist.ProcessGroup | None = None,
-    counted_elsewhere: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Global gradient norm over all ranks' shards (DTensor grads are reduced over data and tensor parallel;
-    pipeline stages add their squares over `pp_group`); clips when max_norm is set. `counted_elsewhere` is a
-    parameter whose gradient another one already counts (a pipeline stage's copy of a tied embedding)."""
-    grads = [p.grad for p in params if p.grad is not None and p is not counted_elsewhere]
-    total = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if pp_group is not None:
-        squares = total.pow(2)
-        dist.all_reduce(squares, group=pp_group)
-        total = squares.sqrt()
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return total
 
 
 def warmup_steps(total: int, train: TrainSection) -> int:

@@ -1,10 +1,9 @@
-"""Process-level facts the loop needs: device, threads, seeds, measured matmul peak, memory in use."""
+"""Process-level facts the loop needs: device, threads, seeds, memory in use (the peak FLOP/s: peak.py)."""
 
 from __future__ import annotations
 
 import os
 import random
-import time
 
 import numpy as np
 import torch
@@ -26,25 +25,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def measure_matmul_peak(
-    device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.3
-) -> float:
-    """FLOP/s of a square matmul on this device: the MFU denominator when hardware.peak_flops is unset."""
-    # CPUs without bf16/fp16 units run low precision ~100x slower: a smaller matrix keeps this under a second.
-    n = 8192 if device.type == "cuda" else (1024 if dtype == torch.float32 else 256)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b  # warm-up
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = max(best, 2 * n**3 / (time.perf_counter() - start))
-    return best
 
 
 def memory_bytes(device: torch.device) -> dict[str, int]:

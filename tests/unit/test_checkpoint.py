@@ -114,18 +114,18 @@ def test_non_finite_steps_are_skipped_then_halt(tmp_path, data, monkeypatch):
 
     import torch
 
-    from shardforge.objectives.base import causal_lm_loss_sum
-    from shardforge.objectives.sft import SFTStage
+    from shardforge.objectives.base import CausalLM
+    from shardforge.objectives.sft import SFTObjective
 
     calls = {"n": 0}
     poisoned = {3, 4}  # both micro-steps of step 2
 
-    def sometimes_nan(model, batch):
+    def sometimes_nan(output, batch):
         calls["n"] += 1
-        loss = causal_lm_loss_sum(model, batch)
-        return loss * torch.nan if calls["n"] in poisoned else loss
+        loss = CausalLM.loss(output, batch)["loss"]
+        return {"loss": loss * torch.nan if calls["n"] in poisoned else loss}
 
-    monkeypatch.setattr(SFTStage, "loss_sum", staticmethod(sometimes_nan))
+    monkeypatch.setattr(SFTObjective, "loss", staticmethod(sometimes_nan))
     trainer = Trainer(load_config(None, base=_config(tmp_path / "a", data, every=None)))
     result = trainer.train()
     assert [r.get("bad_steps", 0) for r in result.history] == [0, 1, 1, 1, 1, 1]

@@ -6,13 +6,16 @@ import pytest
 import torch
 
 from shardforge.config.schema import DataSection
+from shardforge.data.batch_source import DatasetSource, GlobalBatchLoader
 from shardforge.data.batching import IGNORE, GlobalOrder, collate, split_global_batch
-from shardforge.data.examples import Example, encode_all
+from shardforge.data.examples import EncodeStats, Example, encode_all
 from shardforge.data.formats import Record
+from shardforge.data.loader import RowSet
 from shardforge.data.packing import pack_rows
 from shardforge.errors import DataError
 from shardforge.models import build_preset
-from shardforge.objectives import get_stage
+from shardforge.objectives import build_objective
+from shardforge.objectives.base import causal_lm_loss_sum
 
 DOCS = [
     "the quick brown fox jumps over the lazy dog",
@@ -28,7 +31,7 @@ def _data(**kw) -> DataSection:
 
 
 def _pt_examples(tokenizer) -> list[Example]:
-    stage = get_stage("pt")
+    stage = build_objective("pt")
     records = [Record(f"x:{i}", None, t) for i, t in enumerate(DOCS)]
     examples, _ = encode_all(records, stage.encoder(tokenizer, _data()), 512, "right", "x")
     return examples
@@ -47,13 +50,12 @@ def test_pretrain_packing_is_exact(tokenizer, attention_path):
     """Loss and gradients of pt on one packed row equal those of the documents run one by one."""
     examples = _pt_examples(tokenizer)
     model = build_preset("tiny-qwen3", vocab_size=len(tokenizer), seed=3)
-    stage = get_stage("pt")
     pad = tokenizer.pad_token_id
 
     packed = collate(examples, [list(range(len(examples)))], pad)
     assert (packed.doc_layout is not None) == (attention_path == "per-document")
     assert packed.doc_ids is not None and packed.input_ids.shape[0] == 1
-    loss_packed = stage.loss_sum(model, packed)
+    loss_packed = causal_lm_loss_sum(model, packed)
     loss_packed.backward()
     grads_packed = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -63,7 +65,7 @@ def test_pretrain_packing_is_exact(tokenizer, attention_path):
     for i in range(len(examples)):
         one = collate(examples, [[i]], pad)
         assert one.doc_ids is None
-        loss_single = loss_single + stage.loss_sum(model, one)
+        loss_single = loss_single + causal_lm_loss_sum(model, one)
         targets_single += one.num_targets
     loss_single.backward()
 
@@ -76,12 +78,11 @@ def test_pretrain_packing_is_exact(tokenizer, attention_path):
 def test_padding_rows_match_packing(tokenizer):
     examples = _pt_examples(tokenizer)
     model = build_preset("tiny-llama", vocab_size=len(tokenizer), seed=1)
-    stage = get_stage("pt")
     padded = collate(examples, [[i] for i in range(len(examples))], tokenizer.pad_token_id)
     packed = collate(examples, [list(range(len(examples)))], tokenizer.pad_token_id)
     assert padded.input_ids.shape[0] == len(examples) and padded.num_targets == packed.num_targets
     torch.testing.assert_close(
-        stage.loss_sum(model, padded), stage.loss_sum(model, packed), rtol=1e-5, atol=1e-5
+        causal_lm_loss_sum(model, padded), causal_lm_loss_sum(model, packed), rtol=1e-5, atol=1e-5
     )
 
 
@@ -95,7 +96,7 @@ def test_targets_do_not_cross_documents(tokenizer):
 
 
 def test_sft_labels_only_assistant_tokens(tokenizer):
-    stage = get_stage("sft")
+    stage = build_objective("sft")
     messages = (
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Add 2 + 2"},
@@ -103,17 +104,17 @@ def test_sft_labels_only_assistant_tokens(tokenizer):
         {"role": "user", "content": "And 3 + 3?"},
         {"role": "assistant", "content": "6"},
     )
-    ids, trained = stage.encoder(tokenizer, _data())(Record("x:1", messages, None))
+    [(ids, trained)] = stage.encoder(tokenizer, _data())(Record("x:1", messages, None))
     assert (
         tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if m])
         == "The sum is 4.<|im_end|>\n6<|im_end|>\n"
     )
-    ids2, trained2 = stage.encoder(tokenizer, _data(train_on_prompt=True))(Record("x:1", messages, None))
+    [(ids2, trained2)] = stage.encoder(tokenizer, _data(train_on_prompt=True))(Record("x:1", messages, None))
     assert ids2 == ids and all(trained2)
 
 
 def test_truncation_is_counted_or_an_error(tokenizer):
-    stage = get_stage("pt")
+    stage = build_objective("pt")
     enc = stage.encoder(tokenizer, _data())
     records = [Record(f"f.jsonl:{i + 1}", None, t) for i, t in enumerate(DOCS)]
     examples, stats = encode_all(records, enc, 8, "right", "x")
@@ -124,7 +125,7 @@ def test_truncation_is_counted_or_an_error(tokenizer):
 
 
 def test_no_trainable_tokens_is_an_error(tokenizer):
-    stage = get_stage("sft")
+    stage = build_objective("sft")
     long_prompt = ({"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"})
     with pytest.raises(DataError, match="no example has a trainable token"):
         encode_all(
@@ -158,8 +159,36 @@ def test_global_order_is_split_invariant_and_covers_each_epoch():
         parts = [split_global_batch(step, mb, accum, dp, r) for r in range(dp)]
         assert sorted(i for rank in parts for micro in rank for i in micro) == sorted(step)
     resumed = GlobalOrder(10, seed=5)
-    resumed.load_state_dict({"position": 7})
+    resumed.position = 7  # what a resumed loader sets (test below)
     assert resumed.take(6) == (first_epoch + GlobalOrder(10, seed=5).take(20)[10:])[7:13]
+
+
+def test_loader_state_is_the_position_after_the_batches_handed_out():
+    """The loader draws one batch ahead on a thread; its state counts only batches handed out, and a loader
+    resumed from that state hands out exactly the batches the uninterrupted one does next."""
+    examples = [Example(tuple(range(2, 4 + i % 5)), (True,) * (2 + i % 5), f"x:{i}") for i in range(10)]
+    rows = RowSet(examples, [[i] for i in range(10)], [[i] for i in range(10)], EncodeStats())
+
+    def loader(batches: int) -> GlobalBatchLoader:
+        return GlobalBatchLoader(DatasetSource(rows, 3, 2, 1, 2, 0, collate, pad_id=0), batches)
+
+    straight = loader(5)
+    seen = [straight.next() for _ in range(5)]
+    assert [b.position for b in seen] == [4, 8, 12, 16, 20]
+    first = loader(5)
+    first.next(), first.next()
+    assert first.state_dict() == {"position": 8}  # although the third batch is already drawn
+    first.close()
+    resumed = loader(3)
+    resumed.load_state_dict(first.state_dict())
+    for expected in seen[2:]:
+        got = resumed.next()
+        assert torch.equal(got.micro[0].input_ids, expected.micro[0].input_ids)
+        assert got.counts == expected.counts  # counts over the whole global batch (both dp ranks)
+    ids = GlobalOrder(10, seed=3).take(4)  # the first global batch: 2 rows x 2 data-parallel ranks
+    assert seen[0].counts["targets"] == sum(examples[i].num_targets for i in ids)
+    assert seen[0].counts["tokens"] == sum(len(examples[i].input_ids) for i in ids)
+    assert seen[0].counts["groups"] == 4
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral"])
@@ -170,7 +199,7 @@ def test_per_document_attention_equals_masked_attention(tokenizer, preset, monke
     import dataclasses
 
     long_docs = [Record(f"x:{i}", None, " ".join(["word"] * (10 + 15 * i))) for i in range(4)]
-    stage = get_stage("pt")
+    stage = build_objective("pt")
     examples, _ = encode_all(long_docs, stage.encoder(tokenizer, _data()), 512, "right", "x")
     model = build_preset(preset, vocab_size=len(tokenizer), seed=4)
     import shardforge.data.batching as batching
@@ -182,7 +211,7 @@ def test_per_document_attention_equals_masked_attention(tokenizer, preset, monke
     results = []
     for batch in (fast, masked):
         model.zero_grad()
-        loss = stage.loss_sum(model, batch)
+        loss = causal_lm_loss_sum(model, batch)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardforge import load_model, save_model
 from shardforge.errors import ModelError
+from shardforge.models.llama.costs import param_counts
 
 BASE = dict(
     vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, max_position_embeddings=256
@@ -150,10 +151,10 @@ def test_low_precision_cast_keeps_fp32_rope(tmp_path):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parameter_count_formula(tmp_path, case):
-    """DecoderConfig.num_params (used for FLOPs and the planner) equals the real parameter count."""
+    """The cost model's parameter count (used for FLOPs and the planner) equals the real parameter count."""
     _, folder = _hf_model(tmp_path, case)
     ours = load_model(folder)
-    assert ours.config.num_params() == sum(p.numel() for p in ours.parameters())
+    assert param_counts(ours.config).total == sum(p.numel() for p in ours.parameters())
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])

@@ -42,23 +42,3 @@ class DecoderConfig:
         if self.layer_types is None:
             return True
         return self.layer_types[layer] == "sliding_attention"
-
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count from shapes (for FLOP and memory estimates)."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        q, kv = self.num_heads * d, self.num_kv_heads * d
-        attn = h * (q + 2 * kv) + q * h
-        attn += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + 2 * d * self.qk_norm
-        mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
-        per_layer = attn + mlp + 2 * h
-        emb = self.vocab_size * h
-        total = self.num_layers * per_layer + h + (emb if include_embedding else 0)
-        if not self.tie_embeddings or not include_embedding:
-            total += emb
-        return total
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x matmul params plus causal attention (Megatron/PaLM accounting)."""
-        dense = 6 * self.num_params(include_embedding=False)
-        attn = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len  # 12*L*h*d*s/2 (causal)
-        return float(dense + attn)

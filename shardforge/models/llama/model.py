@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardforge.models.attention import DocLayout, attention_per_document
+from shardforge.models.attention import DocLayout, attention_per_document, sdpa
 from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
 
@@ -28,8 +28,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer  # its slot in a KV cache
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -50,15 +51,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        if ctx.cache is not None:
+            k, v = ctx.cache.write(self.layer, k, v)
         if ctx.layout is not None:
             out = attention_per_document(q, k, v, ctx.layout, ctx.window if sliding else None)
         else:
-            mask = ctx.sliding if sliding else ctx.full
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            out = sdpa(q, k, v, ctx.sliding if sliding else ctx.full)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -73,14 +71,19 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+MLPFactory = Callable[[DecoderConfig, int], nn.Module]  # (config, layer index) -> the block's MLP
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+    """Pre-norm attention and MLP; `mlp` builds another MLP than the dense one (a mixture of experts)."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int, mlp: MLPFactory | None = None) -> None:
         super().__init__()
         self.sliding = cfg.is_sliding(layer)
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp(cfg, layer) if mlp is not None else MLP(cfg)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
@@ -90,21 +93,60 @@ class Block(nn.Module):
 
 
 @dataclass
+class KVCache:
+    """Keys and values of the tokens seen so far, preallocated per layer as [batch, kv_heads, max_len,
+    head_dim] (on first use: the local head count under TP, the stream's dtype) so that decoding writes in
+    place instead of concatenating. The rows of a batch share the slots; each slot's absolute position is
+    kept per row (left-padded rows differ) for the sliding window, and `key_mask` [batch, max_len] marks
+    the real tokens (False: padding, never attended; None: all real). One cache per module that runs the
+    forward: the forward advances `filled` by its length."""
+
+    max_len: int
+    key_mask: torch.Tensor | None = None
+    filled: int = 0
+    positions: torch.Tensor | None = None  # [batch, max_len]
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> keys
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this forward's k, v [b, kv_heads, s, d] after the filled slots; return all filled so far."""
+        b, heads, s, d = k.shape
+        if layer not in self.keys:
+            self.keys[layer] = k.new_zeros(b, heads, self.max_len, d)
+            self.values[layer] = v.new_zeros(b, heads, self.max_len, d)
+        end = self.filled + s
+        self.keys[layer][:, :, self.filled : end] = k
+        self.values[layer][:, :, self.filled : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+@dataclass
 class AttentionContext:
-    """How tokens may attend, computed once per forward: boolean masks [b, 1, s, s] (True = attend; None =
-    plain causal) for full and sliding-window layers, or a per-document layout for packed rows."""
+    """How tokens may attend, computed once per forward: boolean masks [b, 1, s, keys] (True = attend; None =
+    plain causal) for full and sliding-window layers, or a per-document layout for packed rows, and the
+    KV cache the layers write to."""
 
     full: torch.Tensor | None = None
     sliding: torch.Tensor | None = None
     layout: DocLayout | None = None
     window: int | None = None
+    cache: KVCache | None = None
 
 
 def attention_context(
-    cfg: DecoderConfig, seq: int, doc_ids: torch.Tensor | None, layout: DocLayout | None, device: torch.device
+    cfg: DecoderConfig,
+    position_ids: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    layout: DocLayout | None,
+    cache: KVCache | None = None,
 ) -> AttentionContext:
+    if cache is not None:
+        if doc_ids is not None or layout is not None:
+            raise ValueError("a KV cache holds one sequence per row: packed rows (doc_ids) cannot use it")
+        return _cached_context(cfg, position_ids, cache)
     if layout is not None:
         return AttentionContext(layout=layout, window=cfg.sliding_window)
+    seq, device = position_ids.shape[1], position_ids.device
     needs_window = cfg.sliding_window is not None and seq > cfg.sliding_window
     if doc_ids is None and not needs_window:
         return AttentionContext()
@@ -119,15 +161,40 @@ def attention_context(
     return AttentionContext(full=full, sliding=full & window[None, None])
 
 
+def _cached_context(cfg: DecoderConfig, position_ids: torch.Tensor, cache: KVCache) -> AttentionContext:
+    """The s queries of this forward come after `filled` cached keys, so the masks [b, 1, s, filled + s]
+    are explicit (SDPA's `is_causal` aligns the query block with the first keys, which is wrong here)."""
+    b, s = position_ids.shape
+    start, end = cache.filled, cache.filled + s
+    if end > cache.max_len:
+        raise ValueError(f"the KV cache holds {cache.max_len} positions: {start} filled, {s} more given")
+    if cache.positions is None:
+        cache.positions = position_ids.new_zeros(b, cache.max_len)
+    cache.positions[:, start:end] = position_ids
+    slots = torch.arange(end, device=position_ids.device)
+    mine = slots[None, :] == slots[start:, None]
+    allowed = (slots[None, :] <= slots[start:, None])[None]  # [1, s, end]: earlier slots
+    if cache.key_mask is not None:
+        allowed = allowed & cache.key_mask[:, None, :end]
+    allowed = (allowed | mine)[:, None]  # a padding query sees itself: no empty softmax row (NaN)
+    if cfg.sliding_window is None:
+        return AttentionContext(full=allowed, sliding=allowed, cache=cache)
+    distance = position_ids[:, :, None] - cache.positions[:, None, :end]  # absolute positions, per row
+    return AttentionContext(
+        full=allowed, sliding=allowed & (distance < cfg.sliding_window)[:, None], cache=cache
+    )
+
+
 class Decoder(nn.Module):
     """Token ids -> logits. `position_ids` and `doc_ids` (or the faster `doc_layout`) describe packed rows
-    (positions restart per document); `output_mask` [b, s] limits the LM head to those positions."""
+    (positions restart per document); `output_mask` [b, s] limits the LM head to those positions. A
+    pipeline stage is a `part` of it: the same forward, from and to the residual stream."""
 
-    def __init__(self, cfg: DecoderConfig) -> None:
+    def __init__(self, cfg: DecoderConfig, mlp: MLPFactory | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, mlp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -175,39 +242,69 @@ class Decoder(nn.Module):
         """The decoder blocks this model holds, in order (all of them, or a pipeline stage's)."""
         return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
 
+    def part(self, layers: list[int], first: bool, last: bool) -> Decoder:
+        """A view of some of this model (a pipeline stage): the given layers (original indices), the
+        embedding if `first`, the final norm and LM head if `last`. Its modules and RoPE buffer are this
+        model's, under the same names, so it allocates nothing and runs this model's forward."""
+        view = object.__new__(type(self))
+        nn.Module.__init__(view)
+        view.config = self.config
+        view.embed_tokens = self.embed_tokens if first else None
+        held = self.layers
+        view.layers = nn.ModuleDict(
+            {str(i): held[str(i)] if isinstance(held, nn.ModuleDict) else held[i] for i in layers}
+        )
+        view.norm = self.norm if last else None
+        view.lm_head = self.lm_head if last else None
+        view.register_buffer("inv_freq", self.inv_freq, persistent=False)
+        return view
+
     def layer_inputs(
         self,
         position_ids: torch.Tensor,
         dtype: torch.dtype,
         doc_ids: torch.Tensor | None = None,
         doc_layout: DocLayout | None = None,
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """What every block takes besides the stream: RoPE cos/sin and how tokens may attend (computed from
         the token positions [b, s], not the stream, which sequence parallel splits)."""
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype)
-        ctx = attention_context(self.config, position_ids.shape[1], doc_ids, doc_layout, position_ids.device)
-        return cos, sin, ctx
+        return cos, sin, attention_context(self.config, position_ids, doc_ids, doc_layout, cache)
+
+    def final_hidden(self, h: torch.Tensor, output_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm; `output_mask` [b, s] keeps only the positions that are scored ([n, hidden])."""
+        h = self.norm(h)
+        return h[output_mask] if output_mask is not None else h
 
     def head(self, h: torch.Tensor, output_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head; `output_mask` [b, s] limits them to the positions that are scored."""
-        h = self.norm(h)
-        if output_mask is not None:  # only the positions that are scored: [n, vocab]
-            h = h[output_mask]
-        return self.lm_head(h)
+        return self.lm_head(self.final_hidden(h, output_mask))
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        x: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         doc_layout: DocLayout | None = None,
         output_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
+        """`x`: token ids [b, s], or the residual stream [b, s, hidden] where there is no embedding (a later
+        pipeline stage). Returns logits; the stream after the blocks where there is no head (an earlier
+        stage); or with `return_hidden` the final normed hidden states (for reward and value heads).
+        With `cache`, this forward's keys and values are added to it and attention covers all it holds."""
         if position_ids is None:
-            b, s = input_ids.shape
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        h = self.embed_tokens(input_ids)
-        cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout)
+            start = cache.filled if cache is not None else 0
+            b, s = x.shape[:2]
+            position_ids = torch.arange(start, start + s, device=x.device).expand(b, s)
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout, cache)
         for layer in self.blocks():
             h = layer(h, cos, sin, ctx)
-        return self.head(h, output_mask)
+        if cache is not None:
+            cache.filled += position_ids.shape[1]
+        if self.lm_head is None:
+            return h
+        return self.final_hidden(h, output_mask) if return_hidden else self.head(h, output_mask)

@@ -5,9 +5,8 @@ from __future__ import annotations
 from functools import partial
 
 from shardforge.models.llama import hf_adapter
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.llama.costs import costs
 from shardforge.models.llama.model import Decoder
-from shardforge.models.llama.pipeline import pipeline_costs
 from shardforge.models.llama.plan import tensor_parallel_plan
 from shardforge.models.spec import ModelSpec, register
 
@@ -24,14 +23,12 @@ for _family, _arch in _FAMILIES.items():
             name=_family,
             model_type=_family,
             architecture=_arch,
-            config_cls=DecoderConfig,
             model_cls=Decoder,
             config_from_hf=partial(hf_adapter.config_from_hf, family=_family),
             hf_config_from=partial(hf_adapter.hf_config_from, model_type=_family, architecture=_arch),
             key_to_hf=hf_adapter.key_to_hf,
             key_from_hf=hf_adapter.key_from_hf,
-            flops_per_token=DecoderConfig.flops_per_token,
+            costs=costs,
             tp_plan=tensor_parallel_plan,
-            pipeline_costs=pipeline_costs,
         )
     )

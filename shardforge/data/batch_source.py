@@ -1,0 +1,109 @@
+"""Where the loop's global batches come from, and the loader that draws them ahead.
+
+The loop pulls one `GlobalBatch` per optimizer step from a `BatchSource`. Today's source is a tokenized data
+set (`DatasetSource`: a seeded global order over groups, split over data-parallel ranks and micro-steps); an
+RL source (rollouts made by the training engine) can take its place without touching the loop. The source's
+position is what a checkpoint stores, so a resumed run continues with exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from shardforge.data.batching import Batch, GlobalOrder, split_global_batch
+from shardforge.data.examples import Example
+from shardforge.data.loader import RowSet
+
+Collate = Callable[[Sequence[Example], Sequence[Sequence[int]], int, int], Batch]
+
+
+@dataclass
+class GlobalBatch:
+    """This rank's micro-batches of one optimizer step, and counts over the whole global batch (all ranks,
+    known on the host before the step: tokens, targets, sequences, groups, attention_pairs)."""
+
+    micro: list[Batch]
+    counts: dict[str, int]
+    position: int  # the source's position once this batch is consumed
+
+
+class BatchSource(Protocol):
+    prefetch: bool  # may the next batch be drawn ahead on a thread while the current step runs?
+
+    def next_batch(self) -> GlobalBatch: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class DatasetSource:
+    """Global batches of `groups_per_step` groups from a RowSet: micro-step j, data-parallel rank r takes
+    the groups [(j*dp + r)*mb, +mb) of the step's positions in the seeded global order."""
+
+    prefetch = True
+
+    def __init__(
+        self,
+        rows: RowSet,
+        seed: int,
+        micro_batch: int,
+        grad_accum: int,
+        dp: int,
+        dp_rank: int,
+        collate: Collate,
+        pad_id: int,
+        multiple: int = 1,
+    ) -> None:
+        self.rows, self.collate, self.pad_id, self.multiple = rows, collate, pad_id, multiple
+        self.split = (micro_batch, grad_accum, dp, dp_rank)
+        self.groups_per_step = micro_batch * grad_accum * dp
+        self.order = GlobalOrder(len(rows.groups), seed)
+
+    def next_batch(self) -> GlobalBatch:
+        ids = self.order.take(self.groups_per_step)
+        counts = {key: sum(per_group[i] for i in ids) for key, per_group in self.rows.group_counts().items()}
+        micro = [
+            self.collate(self.rows.examples, self.rows.rows_of(part), self.pad_id, self.multiple)
+            for part in split_global_batch(ids, *self.split)
+        ]
+        return GlobalBatch(micro, counts, self.order.position)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.position = int(state["position"])
+
+
+class GlobalBatchLoader:
+    """Hands out the source's global batches, drawing the next one on a background thread while the current
+    step computes (when the source allows), so data preparation never stalls a step. `state_dict()` is the
+    position after the last batch handed out, not after the one drawn ahead."""
+
+    def __init__(self, source: BatchSource, batches: int) -> None:
+        self.source, self.left = source, batches
+        self.position = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardforge-data")
+        self._pending: Future | None = None
+
+    def next(self) -> GlobalBatch:
+        if self.left <= 0:
+            raise StopIteration("the loader's batches are all handed out")
+        if self._pending is None:
+            self._pending = self._pool.submit(self.source.next_batch)
+        batch = self._pending.result()
+        self.left -= 1
+        ahead = self.left > 0 and self.source.prefetch
+        self._pending = self._pool.submit(self.source.next_batch) if ahead else None
+        self.position = batch.position
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position (before the first batch is drawn)."""
+        self.source.load_state_dict(state)
+        self.position = int(state["position"])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

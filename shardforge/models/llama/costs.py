@@ -1,0 +1,101 @@
+"""The Llama family's cost model: parameters by group, forward FLOPs per piece, activation bytes per token.
+
+Activation bytes follow what this code's autograd graph keeps (measured by `activation_report`, one process),
+in the spirit of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", adapted
+to these modules: RMSNorm computed in fp32 (an fp32 copy of a low-precision input, an fp32 rsqrt per row),
+SwiGLU (gate, SiLU, up and product outputs), RoPE (q and k after rotation), grouped-query K/V kept at their
+own head count (SDPA's enable_gqa), no dropout, and flash-style SDPA, which keeps the output and a fp32
+logsumexp per (token, head), never the s x s scores: so the sequence length does not enter. Under tensor
+parallel, heads and MLP channels are split; the residual stream and the norms only with sequence parallel,
+whose all-gathered attention / MLP inputs are kept whole, as DTensor's matmuls save them.
+Not modelled: packed rows' per-document gather copies (attention_per_document), K/V repeated per query head
+(CUDA with a mask: models/attention.py `sdpa`), masks or score matrices of non-flash kernels, the TP
+embedding's masking temporaries, and transient peaks (only what is kept for backward).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+from shardforge.models.spec import ActivationBytes, CheckpointMode, CostModel, ParamCounts
+
+if TYPE_CHECKING:  # config.py counts its parameters here
+    from shardforge.models.llama.config import DecoderConfig
+
+FP32 = 4  # bytes; RMSNorm, the logsumexp and the loss work in fp32
+
+
+def param_counts(cfg: DecoderConfig) -> ParamCounts:
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    attn = h * (q + 2 * kv) + q * h
+    attn += (q + 2 * kv) * cfg.qkv_bias + h * cfg.o_bias + 2 * d * cfg.qk_norm
+    mlp = 3 * h * i + (2 * i + h) * cfg.mlp_bias
+    n = cfg.num_layers
+    embedding = cfg.vocab_size * h
+    return ParamCounts(
+        embedding=embedding,
+        attention=(attn,) * n,
+        mlp=(mlp,) * n,
+        norms=(2 * h,) * n,
+        final_norm=h,
+        head=0 if cfg.tie_embeddings else embedding,
+    )
+
+
+def activation_bytes(
+    cfg: DecoderConfig, mode: CheckpointMode, b: int, tp: int, sequence_parallel: bool
+) -> ActivationBytes:
+    """Bytes kept per token (and per scored token) on one rank; `b` is the activation dtype's size."""
+    h, d, vocab = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    heads, kv_heads = cfg.num_heads / tp, cfg.num_kv_heads / tp
+    q, kv, inner = heads * d, kv_heads * d, cfg.intermediate_size / tp
+    split = tp if sequence_parallel else 1
+    stream = h / split  # the residual stream's elements per token on this rank
+
+    def norm(width: float, rows: float) -> float:
+        """An RMSNorm's own saved tensors: its input in fp32 (the input itself, or the fp32 copy of a
+        low-precision one, which is then all that is kept of it), the per-row rsqrt, the normalized input."""
+        return (FP32 + b) * width + FP32 * rows
+
+    if mode == "full":  # each block keeps only its input, the stream
+        layer = b * stream
+    elif mode == "selective":  # matmul and collective outputs, and the block input
+        matmuls = b * (q + 2 * kv + 2 * inner) + 2 * b * h  # o/down outputs: whole partial sums
+        # Under SP the reduce-scatters' outputs and the all-gathered inputs, else the all-reduces' outputs.
+        collectives = 2 * b * (stream + h) if sequence_parallel else 2 * b * h * (tp > 1)
+        layer = matmuls + collectives + b * stream
+    else:
+        attention = b * (2 * q + 2 * kv) + FP32 * heads  # q, k after RoPE, v, the output; logsumexp
+        if cfg.qk_norm:  # the q/k norms over head_dim (their inputs: the q/k projections' outputs)
+            attention += norm(q, heads) + norm(kv, kv_heads)
+        # Both norms take the stream (the block input, the residual after attention); the matmuls after
+        # them keep their (all-gathered) output whole.
+        norms = 2 * (norm(stream, 1 / split) + b * h)
+        layer = norms + attention + 4 * b * inner  # SwiGLU: gate, SiLU, up and product
+    rope = 2 * b * d  # cos and sin, shared by all layers
+    final = norm(h, 1)  # on the whole (gathered) stream; its input is the last block's output
+    output_mask = 1  # bool, kept by the head's indexing
+    # The embedding output is the first block's input, counted there.
+    per_token = cfg.num_layers * layer + rope + final + output_mask
+    return ActivationBytes(
+        per_token=per_token,
+        per_scored=b * h,
+        loss_per_scored=FP32 * vocab / tp,  # log-softmax of the (vocabulary-parallel) logits
+    )
+
+
+def costs(cfg: DecoderConfig) -> CostModel:
+    """FLOPs count the matmuls (2 per multiply-add); norms, RoPE and SiLU are a rounding error."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    matmuls = 2.0 * (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size)
+    return CostModel(
+        params=param_counts(cfg),
+        embed_flops=0.0,  # a table lookup
+        layer_flops=(matmuls,) * cfg.num_layers,
+        pair_flops=(4.0 * cfg.num_heads * d,) * cfg.num_layers,  # QK^T and AV: 2 x 2 x head_dim per head
+        head_flops=2.0 * h * cfg.vocab_size,  # the vocabulary projection dominates the norm and the loss
+        activations=partial(activation_bytes, cfg),
+    )

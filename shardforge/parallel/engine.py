@@ -1,0 +1,175 @@
+"""The engine: what the loop calls to run a micro-batch on whatever layout the model was given.
+
+`parallelize` (parallel/parallelize.py) returns an Engine; the loop never asks which layout it has. Two
+implementations share this interface: `PlainEngine` (one process, DDP, ZeRO, FSDP2, TP: one module runs the
+whole forward) and `PipelineEngine` (parallel/pipeline.py: a schedule runs the rank's stages).
+
+The objective is duck-typed here (`model_inputs(batch)`, `loss(output, batch) -> sums`, `metrics`), and so are
+batches (`input_ids`, `fields()`, `from_fields()`): the parallel layer knows neither objectives nor data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from shardforge.parallel.data_parallel import gradient_sync
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.tensor_parallel import loss_context, strip_vocab_padding
+
+Differentiate = Callable[
+    [torch.Tensor], torch.Tensor
+]  # a micro-batch's loss sum -> what backward starts from
+Autocast = Callable[[], contextlib.AbstractContextManager]
+
+
+class Engine(Protocol):
+    model: nn.Module  # what runs forward: a DDP wrapper, an FSDP2/TP model, or the rank's pipeline part
+    inner: nn.Module  # the rank's model itself (parameter names, state dicts, checkpoints)
+    params: list[nn.Parameter]  # trainable parameters of this rank
+    is_pipeline: bool
+
+    def forward_backward(
+        self, batch: Any, differentiate: Differentiate, sync: bool
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward of a micro-batch; returns the objective's sums (detached, on every rank).
+        `sync=False` on all but the last micro-step of an accumulation skips the gradient reduction."""
+        ...
+
+    def eval_sums(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Forward only: the objective's sums for a batch (on every rank of this data-parallel replica)."""
+        ...
+
+    def reduce_tied_grads(self) -> None:
+        """Sum the gradients of weights held twice (a tied embedding across pipeline stages)."""
+        ...
+
+    def clip(self, max_norm: float | None) -> torch.Tensor:
+        """Global gradient norm over every rank's shards and stages; clips when max_norm is set."""
+        ...
+
+    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks, in place (a no-op without data parallel)."""
+        ...
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full weights on the host, under the model's own names, without vocabulary padding; complete on
+        rank 0 (a collective call)."""
+        ...
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    params: list[torch.Tensor],
+    max_norm: float | None,
+    pp_group: dist.ProcessGroup | None = None,
+    counted_elsewhere: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Global gradient norm over all ranks' shards (DTensor grads are reduced over data and tensor parallel;
+    pipeline stages add their squares over `pp_group`); clips when max_norm is set. `counted_elsewhere` is a
+    parameter whose gradient another one already counts (a pipeline stage's copy of a tied embedding)."""
+    grads = [p.grad for p in params if p.grad is not None and p is not counted_elsewhere]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if pp_group is not None:
+        squares = total.pow(2)
+        dist.all_reduce(squares, group=pp_group)
+        total = squares.sqrt()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+def dp_sum(value: torch.Tensor, dims: ParallelDims, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Sum over all data-parallel ranks (over each dimension of a 2-D HSDP mesh in turn)."""
+    dp_mesh = dims.dp_mesh(mesh)
+    if dp_mesh is not None:
+        for dim in range(dp_mesh.ndim):
+            dist.all_reduce(value, group=dp_mesh.get_group(dim))
+    return value
+
+
+def gathered_state(module: nn.Module, keep: bool, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor on the host) for each entry of `module`'s state dict, gathered one tensor at a time
+    over data and tensor parallel (every rank of the tensor's mesh takes part), so no rank ever holds more
+    than one gathered tensor on the device; only ranks that `keep` receive the host copies. A tensor held
+    twice (tied weights) is gathered once."""
+    done: dict[int, torch.Tensor] = {}
+    for key, value in module.state_dict().items():  # the same order on every rank
+        if id(value) in done:
+            yield key, done[id(value)]
+            continue
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            if local.device != device:  # offloaded shards: collectives run on the compute device
+                value = DTensor.from_local(
+                    local.to(device),
+                    value.device_mesh,
+                    value.placements,
+                    shape=value.shape,
+                    stride=value.stride(),
+                )
+            value = value.full_tensor()
+        if keep:
+            done[id(value)] = host = value.detach().cpu()
+            yield key, host
+
+
+class PlainEngine:
+    """Every layout in which one module runs the whole forward on each rank."""
+
+    is_pipeline = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner: nn.Module,
+        objective: Any,
+        dims: ParallelDims,
+        mesh: DeviceMesh | None,
+        autocast: Autocast,
+        device: torch.device,
+    ) -> None:
+        self.model, self.inner, self.objective = model, inner, objective
+        self.dims, self.mesh, self.autocast, self.device = dims, mesh, autocast, device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def _sums(self, batch: Any) -> dict[str, torch.Tensor]:
+        with self.autocast():
+            output = self.model(batch.input_ids, **self.objective.model_inputs(batch))
+            return self.objective.loss(output, batch)
+
+    def forward_backward(
+        self, batch: Any, differentiate: Differentiate, sync: bool
+    ) -> dict[str, torch.Tensor]:
+        with gradient_sync(self.model, sync=sync), loss_context(self.dims):
+            sums = self._sums(batch)
+            differentiate(sums["loss"]).backward()
+        return {k: v.detach() for k, v in sums.items()}
+
+    @torch.no_grad()
+    def eval_sums(self, batch: Any) -> dict[str, torch.Tensor]:
+        with loss_context(self.dims):
+            return self._sums(batch)
+
+    def reduce_tied_grads(self) -> None:
+        """Tied weights are one parameter here: nothing to sum."""
+
+    def clip(self, max_norm: float | None) -> torch.Tensor:
+        return clip_grad_norm(self.params, max_norm)
+
+    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return dp_sum(value, self.dims, self.mesh)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        keep = not dist.is_initialized() or dist.get_rank() == 0
+        state = dict(gathered_state(self.inner, keep, self.device))
+        return strip_vocab_padding(state, self.inner.config.vocab_size)

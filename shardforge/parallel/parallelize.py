@@ -1,0 +1,72 @@
+"""parallelize(): apply a run's layout to a built model, in the one fixed order, and return its Engine.
+
+The order: tensor (+ sequence) parallel first, since it swaps parameters for DTensors that the later wrappers
+take as they are. Activation checkpointing wraps whole (TP-sharded) blocks: `full` recomputation repeats their
+TP collectives (in the same order on every rank), `selective` keeps their outputs. Compile sees the final
+block code. Pipeline stages are then cut over the wrapped blocks. Data parallel comes last: DDP wraps the
+model, or FSDP2 shards the (TP) parameters over the data-parallel mesh dims, with one root per pipeline stage.
+Under pipeline parallel the model given here is already pruned to this rank's stages (on the meta device,
+before its weights existed).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardforge.config.schema import Config
+from shardforge.parallel.activation_ckpt import apply_activation_checkpointing
+from shardforge.parallel.data_parallel import DTYPES, apply_data_parallel, unwrap
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.engine import Autocast, Engine, PlainEngine
+from shardforge.parallel.pipeline import PipelineEngine
+from shardforge.parallel.pipeline_plan import PipelinePlan
+from shardforge.parallel.tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    config: Config,
+    plan: PipelinePlan | None,
+    objective: Any,
+    autocast: Autocast,
+    device: torch.device,
+) -> Engine:
+    parallel, precision = config.parallel, config.train.precision
+    apply_tensor_parallel(model, dims, mesh, parallel)
+    apply_activation_checkpointing(model, parallel.activation_checkpoint)
+    if config.train.compile:
+        for block in model.blocks():
+            block.compile()
+    if plan is None:
+        wrapped = apply_data_parallel(model, dims, mesh, parallel, precision, device)
+        return PlainEngine(wrapped, unwrap(wrapped), objective, dims, mesh, autocast, device)
+    engine = PipelineEngine(
+        plan,
+        model,
+        objective,
+        dims,
+        mesh,
+        device,
+        autocast,
+        _stream_dtype(model, dims, precision),
+        parallel.sequence_parallel,
+        datetime.timedelta(minutes=parallel.timeout_minutes),
+    )
+    apply_data_parallel(model, dims, mesh, parallel, precision, device, list(engine.stages.values()))
+    engine.params = [p for p in model.parameters() if p.requires_grad]
+    return engine
+
+
+def _stream_dtype(model: nn.Module, dims: ParallelDims, precision: str) -> torch.dtype:
+    """The dtype of the residual stream between pipeline stages: FSDP2's compute dtype under mixed
+    precision, else the weights' (autocast leaves the stream in the weights' dtype)."""
+    if dims.sharded and precision != "fp32":
+        return DTYPES[precision]
+    return next(model.parameters()).dtype

@@ -1,0 +1,219 @@
+"""The composition root of a training run: from a Config to the parts the loop drives (process group and
+mesh, data, objective, engine, optimizer, schedule, checkpoints, batch source, metrics); nothing loops."""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardforge.checkpoint.manager import CheckpointManager, signature
+from shardforge.config import Config, dump_config
+from shardforge.data.batch_source import DatasetSource
+from shardforge.data.loader import RowSet, build_datasets
+from shardforge.errors import ConfigError
+from shardforge.models.build import build_model, load_tokenizer
+from shardforge.models.spec import spec_for
+from shardforge.objectives import Objective, build_objective
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.distributed import (
+    init_distributed,
+    local_rank_from_env,
+    pick_backend,
+    world_size_from_env,
+)
+from shardforge.parallel.engine import Engine
+from shardforge.parallel.parallelize import parallelize
+from shardforge.parallel.pipeline import split_for_pipeline
+from shardforge.parallel.pipeline_plan import PipelinePlan
+from shardforge.parallel.tensor_parallel import padded_vocab
+from shardforge.train.layout import check_layout
+from shardforge.train.metrics import MetricsProcessor, MetricsWriter
+from shardforge.train.optim import build_optimizer, build_scheduler
+from shardforge.train.peak import peak_flops
+from shardforge.train.precision import Precision
+from shardforge.train.runtime import pick_device, seed_everything
+
+
+def console_for(quiet: bool = False) -> Console:
+    """Library output never hard-wraps: a path or a checkpoint name in a log file (SLURM, CI, pytest)
+    must stay on one line whatever the width of a terminal that is not there."""
+    return Console(soft_wrap=True, quiet=quiet)
+
+
+@dataclass
+class TrainResult:
+    """What `train()` returns."""
+
+    run_dir: Path
+    steps: int
+    final_loss: float
+    eval_loss: float | None
+    tokens_per_s: float
+    final_model: Path | None
+    history: list[dict] = field(default_factory=list)  # the logged records (rank 0)
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once."""
+
+    config: Config
+    console: Console
+    run_dir: Path
+    device: torch.device
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    plan: PipelinePlan | None
+    is_main: bool
+    owns_process_group: bool
+    tokenizer: Any
+    objective: Objective
+    precision: Precision
+    train_rows: RowSet
+    eval_rows: RowSet | None
+    model_config: Any
+    engine: Engine
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    checkpoints: CheckpointManager
+    source: DatasetSource
+    grad_accum: int
+    global_batch: int  # groups per optimizer step (rows, for objectives whose groups are single rows)
+    total_steps: int
+    seq_multiple: int  # row widths are padded to a multiple of this (sequence parallel, pipeline schedules)
+    peak: tuple[float, str]  # FLOP/s per device and where that figure comes from
+
+
+def build_run(config: Config, console: Console, objective: Objective | None = None) -> Run:
+    """Every check that needs no other rank runs first, so a bad value fails alike everywhere."""
+    cfg = config
+    world = world_size_from_env()
+    tokenizer = load_tokenizer(cfg.model)
+    dims, grad_accum, plan = check_layout(cfg, world, tokenizer)
+    device = pick_device(cfg.hardware.device, local_rank_from_env())
+    if cfg.hardware.threads:
+        torch.set_num_threads(cfg.hardware.threads)
+    run_dir = Path(cfg.output_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"output_dir {str(run_dir)!r} cannot be created: {exc.strerror}") from None
+
+    owns = init_distributed(pick_backend(cfg.parallel.backend, device), cfg.parallel.timeout_minutes)
+    mesh = dims.build_mesh(device.type, datetime.timedelta(minutes=cfg.parallel.timeout_minutes))
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    console = console if is_main else console_for(quiet=True)
+    seed_everything(cfg.train.seed)
+    if is_main:
+        dump_config(cfg, run_dir / "config.yaml")
+
+    objective = objective or build_objective(cfg.method)
+    precision = Precision(cfg.train.precision, device)
+    stage = "pt" if objective.reads_text else "sft"  # how the readers present records: text or chat
+    encoder = objective.encoder(tokenizer, cfg.data)
+    train_rows, eval_rows = build_datasets(cfg.data, stage, encoder, cfg.train.seed, objective.group_size)
+    for what, rows in (("train", train_rows), ("eval", eval_rows)):
+        if rows is not None:
+            console.print(f"{what} data: {_describe_rows(rows, cfg)}")
+
+    # A pipeline rank builds only its stages' part of the model (pruned on the meta device).
+    pp_rank = dims.pp_rank(mesh)
+    prune = partial(split_for_pipeline, plan=plan, stages=plan.stages_of(pp_rank)) if plan else None
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, device, prune)
+    model_config = model.config
+    engine = parallelize(model, dims, mesh, cfg, plan, objective, precision.autocast, device)
+
+    global_batch = cfg.train.micro_batch * grad_accum * dims.dp
+    groups = len(train_rows.groups)
+    total = math.ceil(cfg.train.epochs * groups / global_batch) if cfg.train.epochs else cfg.train.steps
+    if global_batch > groups:
+        console.print(
+            f"[yellow]warning:[/] the global batch ({global_batch} groups of rows) is larger than the "
+            f"training data ({groups}): rows repeat within a step"
+        )
+    optimizer = build_optimizer(engine.model, cfg.train, cfg.parallel, dims.dp_mesh(mesh))
+    scheduler = build_scheduler(optimizer, total, cfg.train)
+    warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
+    vocab_rows = padded_vocab(model_config.vocab_size, dims.tp)
+    sig = signature(model_config, vocab_rows, global_batch, len(train_rows.rows), cfg.train.seed)
+    parts = (engine.model, optimizer, scheduler, precision)
+    layout = (dims.world_size, dims.describe())
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout, warn)
+    # Sequence parallel splits every row's tokens evenly over the TP ranks. A pipeline builds a schedule
+    # per micro-batch shape: widths rounded to 1/8 of max_length keep the number of shapes small.
+    multiple = dims.tp if cfg.parallel.sequence_parallel else 1
+    if plan is not None:
+        multiple = math.lcm(multiple, max(1, cfg.data.max_length // 8))
+    source = DatasetSource(
+        train_rows,
+        cfg.train.seed,
+        cfg.train.micro_batch,
+        grad_accum,
+        dims.dp,
+        dims.dp_rank(mesh),
+        objective.collate,
+        tokenizer.pad_token_id,
+        multiple,
+    )
+    dtype = precision.dtype
+    shapes = _gemm_shapes(model_config, cfg.train.micro_batch * cfg.data.max_length, dims.tp)
+    peak = peak_flops(device, dtype, cfg.hardware.peak_flops, shapes)
+    return Run(
+        cfg, console, run_dir, device, dims, mesh, plan, is_main, owns, tokenizer, objective, precision,
+        train_rows, eval_rows, model_config, engine, optimizer, scheduler, checkpoints, source, grad_accum,
+        global_batch, total, multiple, peak,
+    )  # fmt: skip
+
+
+def _gemm_shapes(model_config: Any, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of the model's main matmuls for a micro-batch on one rank: where the CPU peak is measured."""
+    h, i = model_config.hidden_size, model_config.intermediate_size // tp
+    return [(tokens, h, i), (tokens, i, h), (tokens, h, h // tp)]
+
+
+def _describe_rows(rows: RowSet, cfg: Config) -> str:
+    fill = rows.num_tokens / (len(rows.rows) * cfg.data.max_length)
+    mode = f"packed into {len(rows.rows)} rows ({fill:.0%} full)" if cfg.data.packing else "one per row"
+    if len(rows.groups) != len(rows.rows):
+        mode = f"{len(rows.groups)} groups of {len(rows.rows) // len(rows.groups)} rows"
+    return (
+        f"{rows.stats.summary()}; {len(rows.examples)} examples, {rows.num_tokens} tokens, "
+        f"{rows.num_targets} targets, {mode}"
+    )
+
+
+def metrics_for(run: Run, start_step: int, warn: Callable[[str], None]) -> MetricsProcessor:
+    """The run's metrics processor: JSONL/TensorBoard sinks and the plot on rank 0 only."""
+    log = run.config.log
+    writer = MetricsWriter(run.run_dir, log.tensorboard, run.console, start_step) if run.is_main else None
+    costs = spec_for(run.model_config.family).costs(run.model_config)
+    # The schedule's theoretical idle share, next to the measured step time.
+    static = {"pp_bubble": run.plan.bubble_fraction} if run.plan is not None else {}
+    plot = run.run_dir / "loss.png" if log.plot else None
+    world = run.dims.world_size
+    return MetricsProcessor(
+        run.objective, costs.train_flops, run.peak, world, run.device, warn, writer, plot, static
+    )
+
+
+def describe_run(run: Run) -> str:
+    """The start-up line: model, layout, batch arithmetic and the peak the MFU is measured against."""
+    t = run.config.train
+    n_params = spec_for(run.model_config.family).costs(run.model_config).params.total
+    peak, source = run.peak
+    return (
+        f"model: {run.model_config.family}, {n_params / 1e6:.2f}M parameters, {t.precision}; "
+        f"layout: {run.dims.describe()}; {run.total_steps} steps of {run.global_batch} rows "
+        f"({t.micro_batch} per rank x {run.grad_accum} accumulation x {run.dims.dp} data-parallel); "
+        f"peak {peak / 1e9:.1f} GFLOP/s per device on {run.device} ({source})"
+    )
