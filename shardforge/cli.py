@@ -22,11 +22,11 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
 
     config = load_config(args.config, args.overrides)
     if (args.nproc > 1 or args.max_restarts > 0) and not already_a_rank(translate=False):
-        from shardforge.models.build import load_tokenizer
+        from shardforge.models.build import model_source
 
         # Restarts need the elastic agent, even for a single process.
         # Layout errors surface here, once, before any process starts.
-        check_layout(config, args.nproc, load_tokenizer(config.model))
+        check_layout(config, args.nproc, model_source(config.model)[0])
         argv = (["--debug"] if args.debug else []) + ["train", args.config, *args.overrides]
         return launch_local(args.nproc, args.max_restarts, argv)
     result = train(config, console)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,16 @@ def load_tokenizer(model: ModelSection) -> Any:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def model_source(model: ModelSection) -> tuple[Any, Any]:
+    """(the model's shape, its tokenizer), each checked in that order: a bad folder is reported as such
+    before the tokenizer is looked for in it. A preset's vocabulary is its tokenizer's."""
+    shape = check_model_source(model)
+    tokenizer = load_tokenizer(model)
+    if model.preset is not None:
+        shape = dataclasses.replace(shape, vocab_size=len(tokenizer))
+    return shape, tokenizer
 
 
 def build_model(

@@ -3,12 +3,10 @@ The launching process runs them before any rank starts, and each rank again befo
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from shardforge.config import Config
 from shardforge.errors import ConfigError
-from shardforge.models.build import check_model_source
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from shardforge.parallel.tensor_parallel import check_tensor_parallel
@@ -28,9 +26,9 @@ def resolve_grad_accum(cfg: Config, dp: int) -> int:
     return t.global_batch // per_step
 
 
-def check_layout(cfg: Config, world: int, tokenizer: Any) -> tuple[ParallelDims, int, PipelinePlan | None]:
-    """Degrees against the world size, the batch split, the model's TP shape rules and the pipeline plan.
-    Returns (dims, grad_accum, pipeline plan). The tokenizer gives a preset its vocabulary."""
+def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int, PipelinePlan | None]:
+    """Degrees against the world size, the batch split, the model's TP shape rules (`shape`: the model's
+    config, from `model_source`) and the pipeline plan. Returns (dims, grad_accum, pipeline plan)."""
     if world < 1:
         raise ConfigError(f"--nproc {world}: a run needs at least one process")
     if world == 1 and cfg.parallel.offload != "none":
@@ -40,9 +38,6 @@ def check_layout(cfg: Config, world: int, tokenizer: Any) -> tuple[ParallelDims,
         )
     dims = ParallelDims.from_config(cfg.parallel, world)
     grad_accum = resolve_grad_accum(cfg, dims.dp)
-    shape = check_model_source(cfg.model)
-    if cfg.model.preset is not None:  # a preset's vocabulary is the tokenizer's
-        shape = dataclasses.replace(shape, vocab_size=len(tokenizer))
     check_tensor_parallel(shape, cfg.parallel)
     plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
     return dims, grad_accum, plan

@@ -21,7 +21,7 @@ from shardforge.config import Config, dump_config
 from shardforge.data.batch_source import DatasetSource
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.errors import ConfigError
-from shardforge.models.build import build_model, load_tokenizer
+from shardforge.models.build import build_model, model_source
 from shardforge.models.spec import spec_for
 from shardforge.objectives import Objective, build_objective
 from shardforge.parallel.dims import ParallelDims
@@ -98,8 +98,8 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     """Every check that needs no other rank runs first, so a bad value fails alike everywhere."""
     cfg = config
     world = world_size_from_env()
-    tokenizer = load_tokenizer(cfg.model)
-    dims, grad_accum, plan = check_layout(cfg, world, tokenizer)
+    shape, tokenizer = model_source(cfg.model)
+    dims, grad_accum, plan = check_layout(cfg, world, shape)
     device = pick_device(cfg.hardware.device, local_rank_from_env())
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)

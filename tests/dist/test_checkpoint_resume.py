@@ -54,16 +54,16 @@ def _run(cfg: dict, stop_after: int | None) -> dict:
     try:
         trainer.train()
     except Interrupted:  # the live model's logits, to compare with its exported checkpoint
-        if trainer.pipeline is None:  # (a pipeline stage is no whole model to call)
+        if not trainer.engine.is_pipeline:  # (a pipeline stage is no whole model to call)
             with torch.no_grad():
                 logits = trainer.model(IDS)
             logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
     finally:
         GlobalOrder.take, Trainer.save_checkpoint = original_take, original_save
-    done = (trainer.samples_seen - (trainer.start_step * trainer.global_batch)) // trainer.global_batch
+    done = (trainer.samples_seen - (trainer.start_step * trainer.run.global_batch)) // trainer.run.global_batch
     return {
         "ids": takes[:done],
-        "rows": len(trainer.train_rows.rows),
+        "rows": len(trainer.run.train_rows.rows),
         "start": trainer.start_step,
         "logits": logits,
     }

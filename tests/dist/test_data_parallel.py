@@ -213,7 +213,7 @@ def _count_gradient_collectives(ddp_cfg: dict, fsdp_cfg: dict) -> dict[str, int]
         fsdp.train_step()
     finally:
         _fsdp_param_group.foreach_reduce = original
-    counts["fsdp_groups"] = len(fsdp.inner.layers) + 1
+    counts["fsdp_groups"] = len(fsdp.engine.inner.layers) + 1
     return counts
 
 
