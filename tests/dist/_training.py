@@ -17,11 +17,12 @@ from shardforge.train.trainer import Trainer
 from tests.conftest import TOKENIZER
 
 
-def train_runs(configs: list[dict]) -> list[dict]:
-    """Train each config in turn on this rank; full weights come back from rank 0."""
+def train_runs(configs: list[dict], objective=None) -> list[dict]:
+    """Train each config in turn on this rank (with `objective` instead of the config's, if given); full
+    weights come back from rank 0."""
     out = []
     for cfg in configs:
-        trainer = Trainer(load_config(None, base=cfg))
+        trainer = Trainer(load_config(None, base=cfg), objective=objective)
         result = trainer.train()
         state = trainer.full_state_dict()
         main = not dist.is_initialized() or dist.get_rank() == 0

@@ -60,7 +60,9 @@ def _run(cfg: dict, stop_after: int | None) -> dict:
             logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
     finally:
         GlobalOrder.take, Trainer.save_checkpoint = original_take, original_save
-    done = (trainer.samples_seen - (trainer.start_step * trainer.run.global_batch)) // trainer.run.global_batch
+    done = (
+        trainer.samples_seen - (trainer.start_step * trainer.run.global_batch)
+    ) // trainer.run.global_batch
     return {
         "ids": takes[:done],
         "rows": len(trainer.run.train_rows.rows),
