@@ -60,6 +60,18 @@ def assert_same(run: dict, ref: dict, rel: float = 1e-5, atol: float = 5e-5) -> 
         )
 
 
+def assert_tracks(run: dict, ref: dict) -> None:
+    """A low-precision layout against one process in the same precision. The two round differently (FSDP2
+    casts the weights, autocast the matmul inputs; sums run in another order), so the bound is low-precision
+    noise (measured: losses within 3e-4, gradient norms within 1e-3, the loss movement within 0.04%), yet far
+    below what a wrong or missing gradient does to a run whose loss moves by 0.6-1.2 over these steps."""
+    assert len(run["losses"]) == len(ref["losses"]) > 1
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-3), run["layout"]
+    assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=5e-3), run["layout"]
+    moved, ref_moved = run["losses"][-1] - run["losses"][0], ref["losses"][-1] - ref["losses"][0]
+    assert ref_moved < -0.3 and moved == pytest.approx(ref_moved, rel=1e-2), run["layout"]
+
+
 class Interrupted(Exception):
     """Raised by a test to stop a run as if its process had died."""
 

@@ -123,3 +123,32 @@ def test_override_into_a_list_item(tmp_path):
         load_config(_write(tmp_path, GOOD), ["data.train.3.max_samples=5"])
     with pytest.raises(ConfigError, match="'lr' is not a section"):
         load_config(_write(tmp_path, GOOD), ["train.lr.x=5"])
+
+
+@pytest.mark.parametrize(
+    ("value", "message"), [("0", "must be at least 1, got 0"), ("two", "expected an integer")]
+)
+def test_nproc_below_one_is_refused(value, message, capsys):
+    from shardforge.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "any.yaml", "--nproc", value])
+    assert exit_info.value.code == 2
+    assert f"argument --nproc: {message}" in capsys.readouterr().err
+
+
+def test_a_model_folder_says_what_it_lacks(tmp_path):
+    """A folder with config.json alone is refused for its missing weights, and a folder with weights but no
+    tokenizer for its missing tokenizer, instead of failing later on data without trainable tokens."""
+    from shardforge.config.schema import ModelSection
+    from shardforge.errors import ModelError
+    from shardforge.models import build_preset, save_model
+    from shardforge.models.build import load_tokenizer, model_source
+
+    folder = save_model(build_preset("tiny-llama", vocab_size=64), tmp_path / "model")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match=r"model: no model.safetensors or model.safetensors.index.json"):
+        model_source(ModelSection(path=str(folder)))
+    save_model(build_preset("tiny-llama", vocab_size=64), folder)  # weights back, still no tokenizer
+    with pytest.raises(ModelError, match=r"model.path '.*model' has no tokenizer \(none of tokenizer.json"):
+        load_tokenizer(ModelSection(path=str(folder)))

@@ -119,3 +119,14 @@ def test_compile_matches_eager(tmp_path):
     eager, _ = _run(tmp_path, "eager", train={"steps": 2})
     compiled, _ = _run(tmp_path, "compiled", train={"steps": 2, "compile": True})
     assert compiled == pytest.approx(eager, rel=1e-4)
+
+
+def test_library_console_never_hard_wraps(capsys, monkeypatch):
+    """Paths in logs (SLURM files, CI, pytest's capture) must stay on one line whatever the width: a console
+    that is not a terminal would otherwise wrap at 80 columns."""
+    from shardforge.train.setup import console_for
+
+    monkeypatch.setenv("COLUMNS", "40")
+    path = "/runs/" + "deep/" * 40 + "checkpoints/step-00000002"
+    console_for().print(f"resumed from {path} (step 2, 8 samples seen)")
+    assert path in capsys.readouterr().out
