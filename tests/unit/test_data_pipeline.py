@@ -105,6 +105,8 @@ def test_sft_labels_only_assistant_tokens(tokenizer):
         {"role": "assistant", "content": "6"},
     )
     [(ids, trained)] = stage.encoder(tokenizer, _data())(Record("x:1", messages, None))
+    # The end marker and the newline after it are targets, as in LLaMA-Factory's chatml template
+    # (format_assistant "{{content}}<|im_end|>\n"): a model trained so stops by itself.
     assert (
         tokenizer.decode([t for t, m in zip(ids, trained, strict=True) if m])
         == "The sum is 4.<|im_end|>\n6<|im_end|>\n"
@@ -139,7 +141,11 @@ def test_pack_rows_fills_and_respects_capacity():
     assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in r) <= 10 for r in rows)
     assert len(rows) <= 6  # 49 tokens need at least 5 rows of 10
-    assert pack_rows(lengths, 10) == rows and pack_rows(lengths, 10, seed=1) != rows  # seeded, not sorted
+    assert pack_rows(lengths, 10) == rows and pack_rows(lengths, 10, seed=1) != rows  # seeded
+    # Online best fit in random order, not best-fit decreasing (which fills rows longest first: here
+    # 9+1, 8+2, 7+3, 6+4, 5+4, row sizes in decreasing order).
+    sizes = [sum(lengths[i] for i in r) for r in rows]
+    assert sizes != sorted(sizes, reverse=True) and 4 not in rows[0]
     import random
 
     rng = random.Random(0)
