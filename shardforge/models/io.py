@@ -64,7 +64,7 @@ def build_empty(
     given uninitialized memory of `dtype` on `device`: nothing is allocated for what was pruned away, and
     nothing in a wider dtype than the weights'."""
     with torch.device("meta"):
-        model = spec.model_cls(cfg)
+        model = spec.build(cfg)
     if prune is not None:
         prune(model)
     model.to(dtype)
@@ -140,7 +140,7 @@ def load_hf_weights(
 
 def _whole_model(spec: ModelSpec, cfg: Any) -> nn.Module:
     with torch.device("meta"):
-        return spec.model_cls(cfg)
+        return spec.build(cfg)
 
 
 def hf_state_dict(

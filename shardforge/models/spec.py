@@ -119,6 +119,11 @@ class ModelSpec:
     key_from_hf: Callable[[str], str]
     costs: Callable[[Any], CostModel]
     tp_plan: Callable[[Any, int, bool], dict[str, Any]] | None = None
+    mlp: Callable[[Any, int], nn.Module] | None = None  # (config, layer) -> a block's MLP; None: the default
+
+    def build(self, config: Any) -> nn.Module:
+        """The family's model for `config` (call under `torch.device("meta")` to allocate nothing)."""
+        return self.model_cls(config, mlp=self.mlp)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

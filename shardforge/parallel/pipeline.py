@@ -35,19 +35,10 @@ from shardforge.parallel.tensor_parallel import loss_context, strip_vocab_paddin
 
 
 def split_for_pipeline(model: nn.Module, plan: PipelinePlan, stages: list[int]) -> None:
-    """Keep only what `stages` need, in place (on the meta device: nothing is allocated for the rest).
-    `layers` becomes a ModuleDict keyed by the original layer index, so names stay `layers.<i>....`."""
+    """Prune a model (still on the meta device) to what this rank's `stages` need, by the family's own rule
+    (`model.prune`)."""
     keep = sorted(i for s in stages for i in plan.layers[s])
-    model.layers = nn.ModuleDict({str(i): model.layers[i] for i in keep})
-    if 0 not in stages:
-        model.embed_tokens = None
-    if plan.num_stages - 1 not in stages:
-        model.norm = model.lm_head = None
-    elif model.config.tie_embeddings:
-        weight = model.lm_head.weight
-        model.lm_head.weight = nn.Parameter(torch.empty_like(weight), requires_grad=weight.requires_grad)
-        # tie_weights() leaves the copy alone; init and loading fill it as the embedding.
-        model.untied_copy = True
+    model.prune(keep, first=0 in stages, last=plan.num_stages - 1 in stages)
 
 
 class StageModule(nn.Module):

@@ -242,6 +242,22 @@ class Decoder(nn.Module):
         """The decoder blocks this model holds, in order (all of them, or a pipeline stage's)."""
         return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
 
+    def prune(self, layers: list[int], first: bool, last: bool) -> None:
+        """Keep only what a pipeline rank holds, in place (on the meta device: nothing is ever allocated for
+        the rest): the given layers, as a ModuleDict keyed by their original index so names stay
+        `layers.<i>....`; the embedding if `first`; the final norm and head if `last`. A last stage without
+        the first gets its own copy of a tied embedding as its head (`untied_copy`: init and loading fill
+        it as the embedding; the pipeline sums the two gradients)."""
+        self.layers = nn.ModuleDict({str(i): self.layers[i] for i in layers})
+        if not first:
+            self.embed_tokens = None
+        if not last:
+            self.norm = self.lm_head = None
+        elif self.config.tie_embeddings:
+            weight = self.lm_head.weight
+            self.lm_head.weight = nn.Parameter(torch.empty_like(weight), requires_grad=weight.requires_grad)
+            self.untied_copy = True  # tie_weights() leaves the copy alone
+
     def part(self, layers: list[int], first: bool, last: bool) -> Decoder:
         """A view of some of this model (a pipeline stage): the given layers (original indices), the
         embedding if `first`, the final norm and LM head if `last`. Its modules and RoPE buffer are this
