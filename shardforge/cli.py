@@ -17,18 +17,19 @@ from shardforge.errors import ShardforgeError
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     from shardforge.config import load_config
     from shardforge.launch import already_a_rank, launch_local
-    from shardforge.train.layout import check_layout
-    from shardforge.train.trainer import train
 
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides)  # a bad config fails here, before torch is imported
     if (args.nproc > 1 or args.max_restarts > 0) and not already_a_rank(translate=False):
         from shardforge.models.build import model_source
+        from shardforge.train.layout import check_layout
 
         # Restarts need the elastic agent, even for a single process.
         # Layout errors surface here, once, before any process starts.
         check_layout(config, args.nproc, model_source(config.model)[0])
         argv = (["--debug"] if args.debug else []) + ["train", args.config, *args.overrides]
         return launch_local(args.nproc, args.max_restarts, argv)
+    from shardforge.train.trainer import train
+
     result = train(config, console)
     eval_part = f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else ""
     console.print(

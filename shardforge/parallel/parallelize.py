@@ -23,7 +23,6 @@ from shardforge.parallel.activation_ckpt import apply_activation_checkpointing
 from shardforge.parallel.data_parallel import DTYPES, apply_data_parallel, unwrap
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import Autocast, Engine, PlainEngine
-from shardforge.parallel.pipeline import PipelineEngine
 from shardforge.parallel.pipeline_plan import PipelinePlan
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -47,6 +46,8 @@ def parallelize(
     if plan is None:
         wrapped = apply_data_parallel(model, dims, mesh, parallel, precision, device)
         return PlainEngine(wrapped, unwrap(wrapped), objective, dims, mesh, autocast, device)
+    from shardforge.parallel.pipeline import PipelineEngine  # torch's pipelining costs 0.4 s to import
+
     engine = PipelineEngine(
         plan,
         model,

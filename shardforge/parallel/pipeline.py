@@ -34,13 +34,6 @@ from shardforge.parallel.pipeline_plan import TORCH_SCHEDULES, PipelinePlan
 from shardforge.parallel.tensor_parallel import loss_context, strip_vocab_padding
 
 
-def split_for_pipeline(model: nn.Module, plan: PipelinePlan, stages: list[int]) -> None:
-    """Prune a model (still on the meta device) to what this rank's `stages` need, by the family's own rule
-    (`model.prune`)."""
-    keep = sorted(i for s in stages for i in plan.layers[s])
-    model.prune(keep, first=0 in stages, last=plan.num_stages - 1 in stages)
-
-
 class StageModule(nn.Module):
     """One pipeline stage: a view of the rank's model holding the stage's blocks (and the embedding / the norm
     and head on the first / last stage), run by the model's own forward. The last stage also computes the

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from shardforge.config.schema import (
     INTERLEAVED_SCHEDULES,
     V_SCHEDULES,
@@ -180,3 +182,10 @@ def balance_layers(costs: PipelineCosts, stages: int) -> list[int]:
         counts.append(i - cut[s][i])
         i = cut[s][i]
     return counts[::-1]
+
+
+def split_for_pipeline(model: nn.Module, plan: PipelinePlan, stages: list[int]) -> None:
+    """Prune a model (still on the meta device) to what this rank's `stages` need, by the family's own rule
+    (`model.prune`)."""
+    keep = sorted(i for s in stages for i in plan.layers[s])
+    model.prune(keep, first=0 in stages, last=plan.num_stages - 1 in stages)

@@ -33,8 +33,7 @@ from shardforge.parallel.distributed import (
 )
 from shardforge.parallel.engine import Engine
 from shardforge.parallel.parallelize import parallelize
-from shardforge.parallel.pipeline import split_for_pipeline
-from shardforge.parallel.pipeline_plan import PipelinePlan
+from shardforge.parallel.pipeline_plan import PipelinePlan, split_for_pipeline
 from shardforge.parallel.tensor_parallel import padded_vocab
 from shardforge.train.layout import check_layout
 from shardforge.train.metrics import MetricsProcessor, MetricsWriter
