@@ -1,4 +1,5 @@
-"""Rows of a training batch: several documents packed per row (best-fit decreasing), or one per row."""
+"""Rows of a training batch: several documents packed per row (online best fit in seeded random order), or
+one per row."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ A rank that stops making progress (stuck in a collective that never completes, o
 watchdog thread: it prints which rank was doing what (the loop marks each phase, e.g. "step 12: backward of
 micro-step 2 (gradient reduce-scatter)"), dumps every thread's Python stack with faulthandler and exits
 non-zero, so the launcher tears the job down (or restarts it) instead of waiting forever. A collective that
-times out inside torch raises on its rank; `explain_timeout` adds the same line and stacks before it ends.
+times out inside torch raises on its rank; the trainer's `train()` prints the same line and stacks (`dump`)
+before it ends.
 """
 
 from __future__ import annotations
