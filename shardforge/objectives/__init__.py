@@ -14,8 +14,8 @@ OBJECTIVES: dict[str, type] = {"pt": PretrainObjective, "sft": SFTObjective}
 def build_objective(method: MethodSection | str) -> Objective:
     """The objective of a `method` section (or of a bare stage name); hyper-parameters such as a beta or a
     reference model come from that section as objectives gain them."""
-    stage = method if isinstance(method, str) else method.stage
-    return OBJECTIVES[stage]()
+    section = MethodSection(stage=method) if isinstance(method, str) else method
+    return OBJECTIVES[section.stage](section)
 
 
 __all__ = ["OBJECTIVES", "Objective", "build_objective"]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardforge.config.schema import DataSection
+from shardforge.config.schema import DataSection, MethodSection
 from shardforge.data.batching import IGNORE, Batch, collate
 from shardforge.data.examples import Encoder, Example
 
@@ -83,6 +83,9 @@ class CausalLM:
     metrics = ("loss",)
     reads_text = False
     collate = staticmethod(collate)
+
+    def __init__(self, method: MethodSection | None = None) -> None:
+        self.method = method or MethodSection()  # where an objective's hyper-parameters come from
 
     @staticmethod
     def model_inputs(batch: Batch) -> dict[str, Any]:

@@ -1,12 +1,13 @@
 """Pipeline parallel over a built decoder, with torch.distributed.pipelining's schedules and manual stages.
 
-Each rank builds only its own part of the model (`split_for_pipeline`, applied on the meta device before any
-weight exists): the decoder layers of its stages, plus the embedding on the first stage and the final norm
-and LM head on the last. Parameter names stay those of the whole model, so checkpoints, the optimizer and
-export see one model whatever the split.
+Each rank builds only its own part of the model (`pipeline_plan.split_for_pipeline`, applied on the meta
+device before any weight exists): the decoder layers of its stages, plus the embedding on the first stage and
+the final norm and LM head on the last. Parameter names stay those of the whole model, so checkpoints, the
+optimizer and export see one model whatever the split. Each stage runs a `part` of that model through the
+model's own forward; the last one computes the objective's sums on its chunk of the micro-batch.
 
 A tied embedding cannot be shared across ranks: the last stage holds a copy of it as its LM head. The two
-gradients are summed after each schedule run and the copy is left out of the gradient norm, so the copy
+gradients are summed once per optimizer step and the copy is left out of the gradient norm, so the copy
 stays equal to the embedding, as in a single process.
 
 Schedules need fixed activation shapes, declared up front (no shape-inference pass): one schedule is built

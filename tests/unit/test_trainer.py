@@ -140,3 +140,49 @@ def test_library_console_never_hard_wraps(capsys, monkeypatch):
     path = "/runs/" + "deep/" * 40 + "checkpoints/step-00000002"
     console_for().print(f"resumed from {path} (step 2, 8 samples seen)")
     assert path in capsys.readouterr().out
+
+
+def test_hooks_see_every_step_log_eval_and_save(tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", alpaca_records(40))
+    cfg = tiny_config(
+        tmp_path,
+        data,
+        train={"steps": 4, "log_every": 2, "eval_every": 4},
+        data={"eval_fraction": 0.2},
+        checkpoint={"every": 2, "save_final": False},
+    )
+    trainer = Trainer(load_config(None, base=cfg))
+    seen: dict[str, list[int]] = {event: [] for event in ("step_end", "log", "eval", "save")}
+    for event, steps in seen.items():
+        trainer.add_hook(event, lambda _trainer, step, _payload, steps=steps: steps.append(step))
+    trainer.train()
+    assert seen == {"step_end": [1, 2, 3, 4], "log": [2, 4], "eval": [4], "save": [2, 4]}
+    with pytest.raises(ValueError, match="unknown hook 'epoch'"):
+        trainer.add_hook("epoch", print)
+
+
+def test_an_mfu_above_one_is_reported_not_logged_silently():
+    """A peak below what the steps achieved (a probe taken on a busy machine) is flagged in the warning,
+    and the peak and its source are in the first record only."""
+    from shardforge.objectives.base import CausalLM
+    from shardforge.train.metrics import MetricsProcessor
+
+    warnings: list[str] = []
+    metrics = MetricsProcessor(
+        CausalLM,
+        lambda t, s, p: 1e12,
+        (1e9, "a bad probe"),
+        1,
+        torch.device("cpu"),
+        warnings.append,
+        None,
+        None,
+        {},
+    )
+    counts = {"tokens": 100, "targets": 50, "attention_pairs": 1000}
+    metrics.add({"loss": torch.tensor(100.0)}, counts)
+    first = metrics.record(1, lambda t: t)
+    assert first["loss"] == 2.0 and first["peak_source"] == "a bad probe" and first["mfu"] > 1
+    assert "MFU" in warnings[0] and "a bad probe" in warnings[0] and "hardware.peak_flops" in warnings[0]
+    metrics.add({"loss": torch.tensor(100.0)}, counts)
+    assert "peak_flops" not in metrics.record(2, lambda t: t)
