@@ -164,9 +164,14 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         tokenizer.pad_token_id,
         multiple,
     )
-    dtype = precision.dtype
+    # Only rank 0 logs MFU, so only it probes: the other ranks wait at their first collective meanwhile
+    # instead of competing for the cores the probe measures.
     shapes = _gemm_shapes(model_config, cfg.train.micro_batch * cfg.data.max_length, dims.tp)
-    peak = peak_flops(device, dtype, cfg.hardware.peak_flops, shapes)
+    peak = (
+        peak_flops(device, precision.dtype, cfg.hardware.peak_flops, shapes)
+        if is_main
+        else (cfg.hardware.peak_flops or math.nan, "rank 0 measures the peak")
+    )
     return Run(
         cfg, console, run_dir, device, dims, mesh, plan, is_main, owns, tokenizer, objective, precision,
         train_rows, eval_rows, model_config, engine, optimizer, scheduler, checkpoints, source, grad_accum,
