@@ -235,11 +235,21 @@ def test_four_rank_pp_x_tp_demo_runs_logs_the_bubble_and_exports(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "pp=2 x tp=2 on 4 rank(s)" in proc.stdout and proc.stdout.count("done:") == 1
     assert "pipeline 1f1b, 2 ranks x 1 stage(s), 2 micro-batches per micro-step" in proc.stdout
-    metrics = [json.loads(line) for line in (tmp_path / "pp" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 and all(m["loss"] > 0 and m["step_time_s"] > 0 for m in metrics)
-    assert metrics[-1]["pp_bubble"] == 0.5 and metrics[-1]["eval_loss"] > 0
+    # One process on the same global batch (4 rows): the same losses, eval loss and exported model.
+    single = _cli("train", "examples/demo.yaml", *common, f"output_dir={tmp_path / 'one'}")
+    assert single.returncode == 0, single.stderr
+    metrics, ref = ([json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+                    for run in ("pp", "one"))  # fmt: skip
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["step_time_s"] > 0 for m in metrics)
+    assert [m["loss"] for m in metrics] == pytest.approx([m["loss"] for m in ref], rel=1e-4)
+    assert metrics[-1]["eval_loss"] == pytest.approx(ref[-1]["eval_loss"], rel=1e-4)
+    assert metrics[-1]["pp_bubble"] == 0.5 and "pp_bubble" not in ref[-1]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "pp" / "final")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final")
     assert model.config.vocab_size == 1024 and model.config.tie_word_embeddings
+    ids = torch.randint(0, 1024, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_pipeline_settings_fail_before_launch(tmp_path):
