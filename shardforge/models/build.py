@@ -32,7 +32,10 @@ def check_model_source(model: ModelSection) -> Any:
         raise ModelError(f"model.path {model.path!r} is not a folder (expected a Hugging Face model folder)")
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"))
-    weight_files(folder)  # a folder with config.json alone is a clear error here, not a surprise later
+    try:  # a folder with config.json alone is a clear error here, not a surprise later
+        weight_files(folder)
+    except ModelError as exc:
+        raise ModelError(f"model.path: {exc} (a model folder needs its weights besides config.json)") from None
     return spec.config_from_hf(AutoConfig.from_pretrained(folder))
 
 
