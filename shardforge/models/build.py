@@ -35,7 +35,9 @@ def check_model_source(model: ModelSection) -> Any:
     try:  # a folder with config.json alone is a clear error here, not a surprise later
         weight_files(folder)
     except ModelError as exc:
-        raise ModelError(f"model.path: {exc} (a model folder needs its weights besides config.json)") from None
+        raise ModelError(
+            f"model.path: {exc} (a model folder needs its weights besides config.json)"
+        ) from None
     return spec.config_from_hf(AutoConfig.from_pretrained(folder))
 
 

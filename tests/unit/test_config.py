@@ -147,7 +147,10 @@ def test_a_model_folder_says_what_it_lacks(tmp_path):
 
     folder = save_model(build_preset("tiny-llama", vocab_size=64), tmp_path / "model")
     (folder / "model.safetensors").unlink()
-    with pytest.raises(ModelError, match=r"model.path: .*model: no model.safetensors or model.safetensors.index.json .*needs its weights"):
+    with pytest.raises(
+        ModelError,
+        match=r"model.path: .*no model.safetensors or model.safetensors.index.json .*needs its weights",
+    ):
         model_source(ModelSection(path=str(folder)))
     save_model(build_preset("tiny-llama", vocab_size=64), folder)  # weights back, still no tokenizer
     with pytest.raises(ModelError, match=r"model.path '.*model' has no tokenizer \(none of tokenizer.json"):
