@@ -50,6 +50,24 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_data_prepare(args: argparse.Namespace, console: Console) -> int:
+    from shardforge.config import load_config
+    from shardforge.train.setup import prepare_data
+
+    report = prepare_data(load_config(args.config, args.overrides), console)
+    for what, stats in report.items():
+        histogram = stats.pop("length_histogram")
+        console.print(
+            f"{what}: "
+            + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in stats.items())
+        )
+        console.print(
+            f"{what} sequence lengths (tokens: count): "
+            + ", ".join(f"{k}: {v}" for k, v in histogram.items())
+        )
+    return 0
+
+
 def _cmd_env(args: argparse.Namespace, console: Console) -> int:
     import torch
     import transformers
@@ -131,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_export.add_argument("--to", required=True, help="the folder to write")
     p_export.set_defaults(func=_cmd_export)
+    p_data = sub.add_parser("data", help="data utilities")
+    data_sub = p_data.add_subparsers(dest="data_command", required=True)
+    p_prepare = data_sub.add_parser(
+        "prepare",
+        help="tokenize a config's data into the dataset cache ahead of a job and print its statistics",
+    )
+    p_prepare.add_argument("config", help="path to the YAML config")
+    p_prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
+    p_prepare.set_defaults(func=_cmd_data_prepare)
     p_env = sub.add_parser("env", help="versions, threads, devices and measured matmul peak")
     p_env.set_defaults(func=_cmd_env)
     return parser
@@ -141,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come before or after options (`train cfg.yaml --nproc 2 train.lr=1e-3`).
     args, extra = parser.parse_known_args(argv)
-    unknown = [a for a in extra if a.startswith("-") or args.command != "train"]
+    unknown = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:

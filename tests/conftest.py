@@ -69,7 +69,12 @@ def tiny_config(tmp_path: Path, train_file: Path, fmt: str = "alpaca", **section
     cfg = {
         "output_dir": str(tmp_path / "run"),
         "model": {"preset": "tiny-llama", "tokenizer": str(TOKENIZER)},
-        "data": {"train": [{"path": str(train_file), "format": fmt}], "max_length": 128},
+        # The dataset cache of a test stays in its own folder (not the user's ~/.cache).
+        "data": {
+            "train": [{"path": str(train_file), "format": fmt}],
+            "max_length": 128,
+            "cache_dir": str(tmp_path / "dataset-cache"),
+        },
         "train": {"steps": 4, "micro_batch": 2, "lr": 1e-3, "warmup": 1, "log_every": 1},
         "log": {"tensorboard": False, "plot": False, "progress": False},
         "hardware": {"peak_flops": 1e11},

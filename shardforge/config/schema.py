@@ -61,6 +61,8 @@ class DataSection(Section):
     template: Literal["auto", "chatml"] = "auto"
     truncation: Literal["right", "error"] = "right"
     eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    cache: bool = True  # tokenize once into memory-mapped arrays, reused by later runs and every rank
+    cache_dir: str | None = None  # None: $XDG_CACHE_HOME/shardforge/datasets (~/.cache/...)
 
 
 class MethodSection(Section):

@@ -8,19 +8,22 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.config.schema import DataSection, DatasetSpec
+from shardforge.data.cache import DatasetCache, Splits, file_fingerprint
 from shardforge.data.dataset_info import resolve_entry
-from shardforge.data.examples import EncodeStats, Example, encode_all
+from shardforge.data.examples import EncodeStats, encode_all
 from shardforge.data.formats import Record, default_fields, detect_format, read_records
 from shardforge.data.packing import pack_rows, single_rows
+from shardforge.data.store import ExampleStore
 from shardforge.errors import DataError
 
 
 @dataclass
 class RowSet:
-    """Examples, how they are laid out in rows (one or several documents per row), and which rows form a
-    group (the unit of sampling: a row alone, or the rows of one record's sequences, kept together)."""
+    """Encoded examples (flat arrays, see data/store.py), how they are laid out in rows (one or several
+    documents per row), and which rows form a group (the unit of sampling: a row alone, or the rows of one
+    record's sequences, kept together)."""
 
-    examples: list[Example]
+    examples: ExampleStore
     rows: list[list[int]]
     groups: list[list[int]]
     stats: EncodeStats
@@ -30,13 +33,14 @@ class RowSet:
         (n(n+1)/2 each: the MFU numerator's attention term), so any rank can count a whole global batch
         without communicating."""
         if not hasattr(self, "_group_counts"):
-            lengths = [[len(self.examples[i].input_ids) for i in row] for row in self.rows]
-            targets = [sum(self.examples[i].num_targets for i in row) for row in self.rows]
+            lengths, targets = self.examples.lengths.tolist(), self.examples.num_targets.tolist()
             per_row = {
-                "tokens": [sum(row) for row in lengths],
-                "targets": targets,
-                "sequences": [len(row) for row in lengths],
-                "attention_pairs": [sum(n * (n + 1) // 2 for n in row) for row in lengths],
+                "tokens": [sum(lengths[i] for i in row) for row in self.rows],
+                "targets": [sum(targets[i] for i in row) for row in self.rows],
+                "sequences": [len(row) for row in self.rows],
+                "attention_pairs": [
+                    sum(lengths[i] * (lengths[i] + 1) // 2 for i in row) for row in self.rows
+                ],
             }
             self._group_counts = {k: [sum(v[r] for r in g) for g in self.groups] for k, v in per_row.items()}
             self._group_counts["groups"] = [1] * len(self.groups)
@@ -48,11 +52,11 @@ class RowSet:
 
     @property
     def num_targets(self) -> int:
-        return sum(e.num_targets for e in self.examples)
+        return int(self.examples.num_targets.sum())
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(e.input_ids) for e in self.examples)
+        return int(self.examples.offsets[-1])
 
 
 def read_dataset(spec: DatasetSpec, stage: str) -> list[Record]:
@@ -77,26 +81,74 @@ def _read_all(specs: list[DatasetSpec], stage: str) -> list[Record]:
     return records
 
 
-def build_rows(
-    records: list[Record], encoder: Any, data: DataSection, what: str, seed: int = 0, group_size: int = 1
-) -> RowSet:
-    """Encode and lay out rows. Sequences of one group (group_size > 1) get a row each and are never packed
-    with others: they are compared with each other, not trained as independent documents."""
-    examples, stats = encode_all(records, encoder, data.max_length, data.truncation, what, group_size)
+def lay_out(store: ExampleStore, stats: EncodeStats, data: DataSection, seed: int, group_size: int) -> RowSet:
+    """Rows and groups over encoded examples (cheap: from their lengths alone)."""
     if group_size > 1:
-        rows = single_rows(len(examples))
+        rows = single_rows(len(store))
         groups = [list(range(g, g + group_size)) for g in range(0, len(rows), group_size)]
-        return RowSet(examples, rows, groups, stats)
-    lengths = [len(e.input_ids) for e in examples]
-    rows = pack_rows(lengths, data.max_length, seed) if data.packing else single_rows(len(examples))
-    return RowSet(examples, rows, [[r] for r in range(len(rows))], stats)
+        return RowSet(store, rows, groups, stats)
+    lengths = store.lengths.tolist()
+    rows = pack_rows(lengths, data.max_length, seed) if data.packing else single_rows(len(store))
+    return RowSet(store, rows, [[r] for r in range(len(rows))], stats)
+
+
+def _data_files(spec: DatasetSpec, stage: str) -> list[Path]:
+    """The files a dataset is read from (for the cache key; reading reports missing ones itself)."""
+    if spec.name is not None:
+        info = Path(spec.dataset_info or "")
+        if not info.is_file():
+            return []
+        path = resolve_entry(spec.name, str(info), stage, spec.text_column).path
+        return [info, *_files_at(path)]
+    return _files_at(Path(spec.path or ""))
+
+
+def _files_at(path: Path) -> list[Path]:
+    if path.is_dir():
+        return [p for p in path.iterdir() if p.is_file()]
+    return [path] if path.is_file() else []
 
 
 def build_datasets(
-    data: DataSection, stage: str, encoder: Any, seed: int, group_size: int = 1
+    data: DataSection,
+    stage: str,
+    encoder: Any,
+    seed: int,
+    group_size: int = 1,
+    cache: DatasetCache | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> tuple[RowSet, RowSet | None]:
     """Training rows and (optional) evaluation rows; `data.eval_fraction` holds out a seeded share of
-    train."""
+    train. With a `cache`, the encoded examples are read from it (`identity`: what the encoding depends on
+    besides the data section and files), or encoded once into it; rows are laid out afresh either way."""
+
+    def encode() -> Splits:
+        train_records, eval_records = _split_records(data, stage, seed)
+        out: Splits = {"train": _encode(train_records, encoder, data, "training data", group_size)}
+        out["eval"] = (
+            _encode(eval_records, encoder, data, "evaluation data", group_size) if eval_records else None
+        )
+        return out
+
+    if cache is None:
+        splits = encode()
+    else:
+        files = [f for spec in [*data.train, *data.eval] for f in _data_files(spec, stage)]
+        key = {
+            "data": data.model_dump(exclude={"packing"}),  # packing only lays rows out, after the cache
+            "files": file_fingerprint(files),
+            "stage": stage,
+            "seed": seed,
+            "group_size": group_size,
+            **(identity or {}),
+        }
+        splits, _ = cache.load_or_build(key, encode)
+    train = lay_out(*splits["train"], data, seed, group_size)
+    evaluation = lay_out(*splits["eval"], data, seed, group_size) if splits["eval"] is not None else None
+    return train, evaluation
+
+
+def _split_records(data: DataSection, stage: str, seed: int) -> tuple[list[Record], list[Record]]:
     train_records = _read_all(data.train, stage)
     eval_records = _read_all(data.eval, stage) if data.eval else []
     if data.eval_fraction > 0:
@@ -107,8 +159,11 @@ def build_datasets(
             raise DataError(f"data.eval_fraction={data.eval_fraction} leaves no training record")
         eval_records += [r for i, r in enumerate(train_records) if i in held]
         train_records = [r for i, r in enumerate(train_records) if i not in held]
-    train = build_rows(train_records, encoder, data, "training data", seed, group_size)
-    evaluation = (
-        build_rows(eval_records, encoder, data, "evaluation data", seed, group_size) if eval_records else None
-    )
-    return train, evaluation
+    return train_records, eval_records
+
+
+def _encode(
+    records: list[Record], encoder: Any, data: DataSection, what: str, group_size: int
+) -> tuple[ExampleStore, EncodeStats]:
+    examples, stats = encode_all(records, encoder, data.max_length, data.truncation, what, group_size)
+    return ExampleStore.from_examples(examples), stats

@@ -4,6 +4,7 @@ mesh, data, objective, engine, optimizer, schedule, checkpoints, batch source, m
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from rich.console import Console
@@ -19,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardforge.checkpoint.manager import CheckpointManager, signature
 from shardforge.config import Config, dump_config
 from shardforge.data.batch_source import DatasetSource
+from shardforge.data.cache import DatasetCache, code_fingerprint, default_root, file_fingerprint
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.errors import ConfigError
 from shardforge.models.build import build_model, model_source
@@ -118,12 +121,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
 
     objective = objective or build_objective(cfg.method)
     precision = Precision(cfg.train.precision, device)
-    stage = "pt" if objective.reads_text else "sft"  # how the readers present records: text or chat
-    encoder = objective.encoder(tokenizer, cfg.data)
-    train_rows, eval_rows = build_datasets(cfg.data, stage, encoder, cfg.train.seed, objective.group_size)
-    for what, rows in (("train", train_rows), ("eval", eval_rows)):
-        if rows is not None:
-            console.print(f"{what} data: {_describe_rows(rows, cfg)}")
+    train_rows, eval_rows = build_data(cfg, tokenizer, objective, console)
 
     # A pipeline rank builds only its stages' part of the model (pruned on the meta device).
     pp_rank = dims.pp_rank(mesh)
@@ -177,6 +175,75 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         train_rows, eval_rows, model_config, engine, optimizer, scheduler, checkpoints, source, grad_accum,
         global_batch, total, multiple, peak,
     )  # fmt: skip
+
+
+def build_data(
+    cfg: Config, tokenizer: Any, objective: Objective, console: Console, builder: bool | None = None
+) -> tuple[RowSet, RowSet | None]:
+    """Train and eval rows through the dataset cache (local rank 0 builds it, unless `builder` says)."""
+    stage = "pt" if objective.reads_text else "sft"  # how the readers present records: text or chat
+    encoder = objective.encoder(tokenizer, cfg.data)
+    cache = None
+    if cfg.data.cache:
+        root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_root()
+        builder = local_rank_from_env() == 0 if builder is None else builder
+        cache = DatasetCache(root, builder, console.print)
+    identity = _encoding_identity(tokenizer, objective, cfg)
+    rows = build_datasets(cfg.data, stage, encoder, cfg.train.seed, objective.group_size, cache, identity)
+    for what, part in zip(("train", "eval"), rows, strict=True):
+        if part is not None:
+            console.print(f"{what} data: {_describe_rows(part, cfg)}")
+    return rows
+
+
+def prepare_data(cfg: Config, console: Console) -> dict[str, Any]:
+    """Build the dataset cache ahead of a job (`shardforge data prepare`) and report what it holds."""
+    if not cfg.data.cache:
+        raise ConfigError("data.cache=false: there is no dataset cache to prepare (set data.cache=true)")
+    _, tokenizer = model_source(cfg.model)
+    rows = build_data(cfg, tokenizer, build_objective(cfg.method), console, builder=True)
+    report = {}
+    for what, part in zip(("train", "eval"), rows, strict=True):
+        if part is None:
+            continue
+        lengths = part.examples.lengths
+        edges = [0, *(2**k for k in range(4, 17)), 2**62]  # tokens per sequence: 0-16, 16-32, ... 64k+
+        counts, _ = np.histogram(lengths, bins=edges)
+        report[what] = {
+            "records": part.stats.records,
+            "sequences": len(part.examples),
+            "tokens": part.num_tokens,
+            "targets": part.num_targets,
+            "truncated": part.stats.truncated,
+            "dropped_no_target": len(part.stats.dropped_no_target),
+            "rows": len(part.rows),
+            "row_fill": part.num_tokens / (len(part.rows) * cfg.data.max_length),
+            "length_histogram": {
+                f"{lo}-{hi}": int(n) for lo, hi, n in zip(edges, edges[1:], counts, strict=False) if n
+            },
+        }
+    return report
+
+
+def _encoding_identity(tokenizer: Any, objective: Objective, cfg: Config) -> dict:
+    """What encoding depends on besides the data: the tokenizer (its files, size and chat template), the
+    objective (its settings and code) and the encoding code."""
+    folder = Path(getattr(tokenizer, "name_or_path", "") or ".")
+    tokenizer_files = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+    code = [
+        Path(inspect.getfile(cls))
+        for cls in type(objective).__mro__
+        if cls.__module__.startswith("shardforge")
+    ]
+    return {
+        "tokenizer": (
+            file_fingerprint(tokenizer_files),
+            len(tokenizer),
+            getattr(tokenizer, "chat_template", None),
+        ),
+        "objective": (objective.name, objective.group_size, objective.reads_text, cfg.method.model_dump()),
+        "code": code_fingerprint(code),
+    }
 
 
 def _gemm_shapes(model_config: Any, tokens: int, tp: int) -> list[tuple[int, int, int]]:

@@ -275,3 +275,19 @@ def test_export_command_writes_an_hf_folder_from_a_run(tmp_path):
     bad = _cli("export", str(tmp_path / "nothing"), "--to", str(tmp_path / "hf2"))
     assert bad.returncode == 2 and "is not a usable checkpoint: not a folder" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_data_prepare_builds_the_cache_once_and_reports_it(tmp_path):
+    data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(30))
+    cfg = _config(tmp_path, tiny_config(tmp_path, data, data={"eval_fraction": 0.2}))
+    first = _cli("data", "prepare", str(cfg))
+    assert first.returncode == 0, first.stderr
+    assert "tokenizing into the dataset cache" in first.stdout
+    assert "train: records=24, sequences=24" in first.stdout and "eval: records=6" in first.stdout
+    assert "sequence lengths (tokens: count): " in first.stdout
+    again = _cli("data", "prepare", str(cfg))
+    assert again.returncode == 0 and "tokenizing" not in again.stdout  # the cache is there
+    train = _cli("train", str(cfg), "train.steps=1")
+    assert train.returncode == 0 and "tokenizing" not in train.stdout, train.stderr  # and a run maps it
+    off = _cli("data", "prepare", str(cfg), "data.cache=false")
+    assert off.returncode == 2 and "data.cache=false" in off.stderr

@@ -12,6 +12,7 @@ from shardforge.data.examples import EncodeStats, Example, encode_all
 from shardforge.data.formats import Record
 from shardforge.data.loader import RowSet
 from shardforge.data.packing import pack_rows
+from shardforge.data.store import ExampleStore
 from shardforge.errors import DataError
 from shardforge.models import build_preset
 from shardforge.objectives import build_objective
@@ -173,7 +174,8 @@ def test_loader_state_is_the_position_after_the_batches_handed_out():
     """The loader draws one batch ahead on a thread; its state counts only batches handed out, and a loader
     resumed from that state hands out exactly the batches the uninterrupted one does next."""
     examples = [Example(tuple(range(2, 4 + i % 5)), (True,) * (2 + i % 5), f"x:{i}") for i in range(10)]
-    rows = RowSet(examples, [[i] for i in range(10)], [[i] for i in range(10)], EncodeStats())
+    store = ExampleStore.from_examples(examples)
+    rows = RowSet(store, [[i] for i in range(10)], [[i] for i in range(10)], EncodeStats())
 
     def loader(batches: int) -> GlobalBatchLoader:
         return GlobalBatchLoader(DatasetSource(rows, 3, 2, 1, 2, 0, collate, pad_id=0), batches)

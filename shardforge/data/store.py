@@ -1,0 +1,64 @@
+"""Encoded sequences in flat arrays, in memory or memory-mapped from the dataset cache.
+
+Token ids are one uint32 array, target flags one bit-packed array, and each sequence is a slice given by an
+offsets array, so a data set costs about 4 bytes per token (Python tuples cost about 37) and a memory-mapped
+one costs each rank only the pages it reads. Sequences come out as `Example`s one at a time, for the few
+that a micro-batch holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from shardforge.data.examples import Example
+
+ARRAYS = ("tokens", "flags", "offsets", "num_targets")
+
+
+class ExampleStore(Sequence[Example]):
+    """tokens [total] uint32, flags [ceil(total/8)] uint8 (np.packbits of the target flags), offsets [n+1]
+    int64, num_targets [n] int64 (targets of each sequence: flags after its first token)."""
+
+    def __init__(self, tokens: np.ndarray, flags: np.ndarray, offsets: np.ndarray, num_targets: np.ndarray):
+        self.tokens, self.flags, self.offsets, self.num_targets = tokens, flags, offsets, num_targets
+
+    @classmethod
+    def from_examples(cls, examples: Sequence[Example]) -> ExampleStore:
+        lengths = np.fromiter((len(e.input_ids) for e in examples), dtype=np.int64, count=len(examples))
+        offsets = np.zeros(len(examples) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = np.fromiter(
+            (t for e in examples for t in e.input_ids), dtype=np.uint32, count=int(offsets[-1])
+        )
+        trained = np.fromiter((f for e in examples for f in e.trained), dtype=bool, count=int(offsets[-1]))
+        targets = np.fromiter((e.num_targets for e in examples), dtype=np.int64, count=len(examples))
+        return cls(tokens, np.packbits(trained), offsets, targets)
+
+    @classmethod
+    def load(cls, folder: Path) -> ExampleStore:
+        """Memory-map the arrays `save` wrote (read-only: every rank shares the page cache)."""
+        return cls(*(np.load(folder / f"{name}.npy", mmap_mode="r") for name in ARRAYS))
+
+    def save(self, folder: Path) -> list[Path]:
+        paths = []
+        for name in ARRAYS:
+            path = folder / f"{name}.npy"
+            np.save(path, np.asarray(getattr(self, name)))
+            paths.append(path)
+        return paths
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        first_byte, last_byte = start // 8, (end + 7) // 8
+        bits = np.unpackbits(self.flags[first_byte:last_byte])[start - 8 * first_byte :][: end - start]
+        return Example(tuple(self.tokens[start:end].tolist()), tuple(bits.astype(bool).tolist()), f"#{i}")
