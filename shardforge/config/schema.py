@@ -63,6 +63,7 @@ class DataSection(Section):
     eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
     cache: bool = True  # tokenize once into memory-mapped arrays, reused by later runs and every rank
     cache_dir: str | None = None  # None: $XDG_CACHE_HOME/shardforge/datasets (~/.cache/...)
+    workers: int | None = Field(default=None, ge=1)  # encoding processes; None: the cores (shared by a node)
 
 
 class MethodSection(Section):

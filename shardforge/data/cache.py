@@ -34,7 +34,14 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
 WAIT_S = 2 * 3600.0  # how long a rank waits for another to build the cache before giving up
-_CODE = ("data/formats.py", "data/dataset_info.py", "data/templates.py", "data/examples.py", "data/store.py")
+_CODE = (
+    "data/formats.py",
+    "data/dataset_info.py",
+    "data/templates.py",
+    "data/examples.py",
+    "data/encode.py",
+    "data/store.py",
+)
 
 Splits = dict[str, tuple[ExampleStore, EncodeStats] | None]
 

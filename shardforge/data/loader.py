@@ -10,7 +10,8 @@ from typing import Any
 from shardforge.config.schema import DataSection, DatasetSpec
 from shardforge.data.cache import DatasetCache, Splits, file_fingerprint
 from shardforge.data.dataset_info import resolve_entry
-from shardforge.data.examples import EncodeStats, encode_all
+from shardforge.data.encode import encode_all
+from shardforge.data.examples import EncodeStats
 from shardforge.data.formats import Record, default_fields, detect_format, read_records
 from shardforge.data.packing import pack_rows, single_rows
 from shardforge.data.store import ExampleStore
@@ -117,16 +118,20 @@ def build_datasets(
     group_size: int = 1,
     cache: DatasetCache | None = None,
     identity: dict[str, Any] | None = None,
+    workers: int = 1,
 ) -> tuple[RowSet, RowSet | None]:
     """Training rows and (optional) evaluation rows; `data.eval_fraction` holds out a seeded share of
     train. With a `cache`, the encoded examples are read from it (`identity`: what the encoding depends on
-    besides the data section and files), or encoded once into it; rows are laid out afresh either way."""
+    besides the data section and files), or encoded once into it (in `workers` processes); rows are laid
+    out afresh either way."""
 
     def encode() -> Splits:
         train_records, eval_records = _split_records(data, stage, seed)
-        out: Splits = {"train": _encode(train_records, encoder, data, "training data", group_size)}
+        out: Splits = {"train": _encode(train_records, encoder, data, "training data", group_size, workers)}
         out["eval"] = (
-            _encode(eval_records, encoder, data, "evaluation data", group_size) if eval_records else None
+            _encode(eval_records, encoder, data, "evaluation data", group_size, workers)
+            if eval_records
+            else None
         )
         return out
 
@@ -135,7 +140,8 @@ def build_datasets(
     else:
         files = [f for spec in [*data.train, *data.eval] for f in _data_files(spec, stage)]
         key = {
-            "data": data.model_dump(exclude={"packing"}),  # packing only lays rows out, after the cache
+            # packing only lays rows out, after the cache; workers change how fast, not what, is encoded
+            "data": data.model_dump(exclude={"packing", "workers"}),
             "files": file_fingerprint(files),
             "stage": stage,
             "seed": seed,
@@ -163,7 +169,6 @@ def _split_records(data: DataSection, stage: str, seed: int) -> tuple[list[Recor
 
 
 def _encode(
-    records: list[Record], encoder: Any, data: DataSection, what: str, group_size: int
+    records: list[Record], encoder: Any, data: DataSection, what: str, group_size: int, workers: int = 1
 ) -> tuple[ExampleStore, EncodeStats]:
-    examples, stats = encode_all(records, encoder, data.max_length, data.truncation, what, group_size)
-    return ExampleStore.from_examples(examples), stats
+    return encode_all(records, encoder, data.max_length, data.truncation, what, group_size, workers)

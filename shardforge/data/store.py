@@ -38,6 +38,20 @@ class ExampleStore(Sequence[Example]):
         return cls(tokens, np.packbits(trained), offsets, targets)
 
     @classmethod
+    def from_arrays(
+        cls, tokens: list[np.ndarray], flags: list[np.ndarray], lengths: list[int], targets: list[int]
+    ) -> ExampleStore:
+        """From each sequence's token ids and target flags (as encoding produces them)."""
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
+        return cls(
+            np.concatenate(tokens).astype(np.uint32, copy=False),
+            np.packbits(np.concatenate(flags)),
+            offsets,
+            np.asarray(targets, dtype=np.int64),
+        )
+
+    @classmethod
     def load(cls, folder: Path) -> ExampleStore:
         """Memory-map the arrays `save` wrote (read-only: every rank shares the page cache)."""
         return cls(*(np.load(folder / f"{name}.npy", mmap_mode="r") for name in ARRAYS))
@@ -57,7 +71,12 @@ class ExampleStore(Sequence[Example]):
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i: int) -> Example:  # type: ignore[override]
+    def __getitem__(self, i: int | slice) -> Example | list[Example]:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"example {i} of {len(self)}")
+        i %= len(self)
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         first_byte, last_byte = start // 8, (end + 7) // 8
         bits = np.unpackbits(self.flags[first_byte:last_byte])[start - 8 * first_byte :][: end - start]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from shardforge.config.schema import DataSection
@@ -11,13 +12,21 @@ from shardforge.data.templates import encode_text
 from shardforge.objectives.base import CausalLM
 
 
+@dataclass(frozen=True)
+class TextEncoder:
+    """A document -> BOS + tokens + EOS, every token a target. A plain object (not a closure), so encoding
+    worker processes can receive it."""
+
+    tokenizer: Any
+
+    def __call__(self, record: Record) -> list[tuple[list[int], list[bool]]]:
+        ids = encode_text(self.tokenizer, record.text or "")
+        return [(ids, [True] * len(ids))]
+
+
 class PretrainObjective(CausalLM):
     name = "pt"
     reads_text = True
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
-        def encode(record: Record) -> list[tuple[list[int], list[bool]]]:
-            ids = encode_text(tokenizer, record.text or "")
-            return [(ids, [True] * len(ids))]
-
-        return encode
+        return TextEncoder(tokenizer)

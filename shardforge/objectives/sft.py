@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from shardforge.config.schema import DataSection
@@ -11,14 +12,22 @@ from shardforge.data.templates import encode_chat, resolve_template
 from shardforge.objectives.base import CausalLM
 
 
+@dataclass(frozen=True)
+class ChatEncoder:
+    """A conversation -> its tokens and target flags. A plain object (not a closure), so encoding worker
+    processes can receive it."""
+
+    tokenizer: Any
+    template: str
+    train_on_prompt: bool
+
+    def __call__(self, record: Record) -> list[tuple[list[int], list[bool]]]:
+        messages = list(record.messages or ())
+        return [encode_chat(self.tokenizer, self.template, messages, self.train_on_prompt, record.source)]
+
+
 class SFTObjective(CausalLM):
     name = "sft"
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
-        template = resolve_template(tokenizer, data.template)
-
-        def encode(record: Record) -> list[tuple[list[int], list[bool]]]:
-            messages = list(record.messages or ())
-            return [encode_chat(tokenizer, template, messages, data.train_on_prompt, record.source)]
-
-        return encode
+        return ChatEncoder(tokenizer, resolve_template(tokenizer, data.template), data.train_on_prompt)

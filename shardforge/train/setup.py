@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -183,13 +184,16 @@ def build_data(
     """Train and eval rows through the dataset cache (local rank 0 builds it, unless `builder` says)."""
     stage = "pt" if objective.reads_text else "sft"  # how the readers present records: text or chat
     encoder = objective.encoder(tokenizer, cfg.data)
-    cache = None
+    cache, encoders = None, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of this node that encode
     if cfg.data.cache:
         root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_root()
         builder = local_rank_from_env() == 0 if builder is None else builder
-        cache = DatasetCache(root, builder, console.print)
+        cache, encoders = DatasetCache(root, builder, console.print), 1
+    workers = cfg.data.workers or max(1, len(os.sched_getaffinity(0)) // encoders)
     identity = _encoding_identity(tokenizer, objective, cfg)
-    rows = build_datasets(cfg.data, stage, encoder, cfg.train.seed, objective.group_size, cache, identity)
+    rows = build_datasets(
+        cfg.data, stage, encoder, cfg.train.seed, objective.group_size, cache, identity, workers
+    )
     for what, part in zip(("train", "eval"), rows, strict=True):
         if part is not None:
             console.print(f"{what} data: {_describe_rows(part, cfg)}")

@@ -162,3 +162,33 @@ def test_the_store_round_trips_examples(tmp_path):
         assert [kept[i].trained for i in range(9)] == [e.trained for e in examples]  # bit-packed flags
         assert kept.num_targets.tolist() == [e.num_targets for e in examples]
     assert store.tokens.dtype == np.uint32 and store.flags.nbytes == (store.offsets[-1] + 7) // 8
+
+
+@pytest.mark.parametrize("fmt", ["openai", "text"])
+def test_worker_processes_encode_exactly_what_one_process_does(files, tokenizer, fmt, monkeypatch):
+    import shardforge.data.encode as encode
+    from shardforge.data.encode import encode_all
+    from shardforge.data.loader import read_dataset
+
+    stage = "pt" if fmt == "text" else "sft"
+    data = _data(files, fmt)
+    records = read_dataset(data.train[0], stage) * 3
+    encoder = build_objective(stage).encoder(tokenizer, data)
+    one, stats = encode_all(records, encoder, 16, "right", "x", workers=1)
+    monkeypatch.setattr(encode, "RECORDS_PER_WORKER", 10)  # use workers even for this small set
+    monkeypatch.setattr(encode, "CHUNK", 7)
+    pools = []
+
+    class CountedPool(encode.ProcessPoolExecutor):
+        def __init__(self, workers, *args, **kwargs):
+            pools.append(workers)
+            super().__init__(workers, *args, **kwargs)
+
+    monkeypatch.setattr(encode, "ProcessPoolExecutor", CountedPool)
+    two, stats_two = encode_all(records, encoder, 16, "right", "x", workers=2)
+    assert pools == [2]  # two worker processes encoded the chunks
+    for name in ("tokens", "flags", "offsets", "num_targets"):
+        assert np.array_equal(getattr(one, name), getattr(two, name)), name
+    assert stats == stats_two and stats.truncated > 0
+    with pytest.raises(DataError, match=r"tokens > data.max_length=8"):
+        encode_all(records, encoder, 8, "error", "x", workers=2)  # an error comes back as itself

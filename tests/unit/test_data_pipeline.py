@@ -8,7 +8,8 @@ import torch
 from shardforge.config.schema import DataSection
 from shardforge.data.batch_source import DatasetSource, GlobalBatchLoader
 from shardforge.data.batching import IGNORE, GlobalOrder, collate, split_global_batch
-from shardforge.data.examples import EncodeStats, Example, encode_all
+from shardforge.data.encode import encode_all
+from shardforge.data.examples import EncodeStats, Example
 from shardforge.data.formats import Record
 from shardforge.data.loader import RowSet
 from shardforge.data.packing import pack_rows

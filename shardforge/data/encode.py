@@ -1,0 +1,109 @@
+"""Records -> encoded examples in flat arrays, in worker processes for large data sets.
+
+Encoding (chat-template rendering, tokenization) runs record by record in `workers` processes, each given the
+encoder once (an objective's encoder is a plain, picklable object) and chunks of records in order; the parent
+applies truncation, drops groups without targets and counts, in record order, so the result, the counts and
+the first error are the same whatever the number of workers. Sequences travel and are kept as numpy arrays,
+never as Python lists of ints (about 37 bytes per token), so the parent's memory grows by about 5 bytes per
+token while it encodes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+from shardforge.data.examples import Encoder, EncodeStats
+from shardforge.data.formats import Record
+from shardforge.data.store import ExampleStore
+from shardforge.errors import DataError
+
+RECORDS_PER_WORKER = 1000  # below this a worker's start-up (imports, the tokenizer) costs more than it saves
+CHUNK = 256  # records per task: small enough to balance, large enough to amortize the pickling
+
+Encoded = list[tuple[np.ndarray, np.ndarray]]  # a record's sequences: (uint32 ids, bool target flags)
+
+_ENCODER: Encoder | None = None  # a worker's encoder, set once by its initializer
+
+
+def _start_worker(encoder_bytes: bytes) -> None:
+    global _ENCODER
+    _ENCODER = pickle.loads(encoder_bytes)
+
+
+def _as_arrays(sequences: list[tuple[list[int], list[bool]]]) -> Encoded:
+    return [(np.asarray(ids, dtype=np.uint32), np.asarray(trained, dtype=bool)) for ids, trained in sequences]
+
+
+def _encode_chunk(records: list[Record]) -> list[Encoded]:
+    assert _ENCODER is not None
+    return [_as_arrays(_ENCODER(record)) for record in records]
+
+
+def _encoded(records: Sequence[Record], encode: Encoder, workers: int) -> Iterator[Encoded]:
+    """Each record's sequences, in order: in this process, or in `workers` spawned processes."""
+    workers = min(workers, len(records) // RECORDS_PER_WORKER)
+    if workers > 1:
+        try:
+            encoder_bytes = pickle.dumps(encode)
+        except (pickle.PicklingError, AttributeError, TypeError):  # a closure: encode here
+            workers = 1
+    if workers <= 1:
+        for record in records:
+            yield _as_arrays(encode(record))
+        return
+    chunks = [list(records[i : i + CHUNK]) for i in range(0, len(records), CHUNK)]
+    context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads (gloo, torch)
+    with ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(encoder_bytes,)) as pool:
+        for encoded in pool.map(_encode_chunk, chunks):
+            yield from encoded
+
+
+def encode_all(
+    records: Sequence[Record],
+    encode: Encoder,
+    max_length: int,
+    truncation: str,
+    what: str,
+    group_size: int = 1,
+    workers: int = 1,
+) -> tuple[ExampleStore, EncodeStats]:
+    """Tokenize records into groups of `group_size` sequences (consecutive in the result); cut sequences
+    longer than max_length (counted, or an error when truncation=error). A group with a sequence left
+    without any target is dropped whole, so groups never lose a member."""
+    stats = EncodeStats(records=len(records))
+    tokens, flags, lengths, targets = [], [], [], []
+    for record, group in zip(records, _encoded(records, encode, workers), strict=True):
+        if len(group) != group_size:
+            raise DataError(f"{record.source}: encoded into {len(group)} sequences, expected {group_size}")
+        kept = []
+        for ids, trained in group:
+            if len(ids) > max_length:
+                if truncation == "error":
+                    raise DataError(
+                        f"{record.source}: {len(ids)} tokens > data.max_length={max_length} "
+                        f"(raise data.max_length or set data.truncation=right)"
+                    )
+                stats.truncated += 1
+                stats.tokens_cut += len(ids) - max_length
+                ids, trained = ids[:max_length], trained[:max_length]
+            kept.append((ids, trained, int(trained[1:].sum())))
+        if any(count == 0 for _, _, count in kept):
+            stats.dropped_no_target.append(record.source)
+            continue
+        for ids, trained, count in kept:
+            tokens.append(ids)
+            flags.append(trained)
+            lengths.append(len(ids))
+            targets.append(count)
+    if not lengths:
+        first = f" (e.g. {stats.dropped_no_target[0]})" if stats.dropped_no_target else ""
+        raise DataError(
+            f"{what}: no example has a trainable token after formatting and truncation{first}; check the "
+            f"template, data.max_length and data.train_on_prompt"
+        )
+    return ExampleStore.from_arrays(tokens, flags, lengths, targets), stats
