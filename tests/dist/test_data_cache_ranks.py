@@ -16,7 +16,9 @@ def _rank_data(cfg: dict) -> dict:
 
     encoded = []
     original = loader.encode_all
-    loader.encode_all = lambda *args, **kwargs: encoded.append(args[-2]) or original(*args, **kwargs)
+    loader.encode_all = lambda *args, **kwargs: (
+        encoded.append(args[4]) or original(*args, **kwargs)
+    )  # args[4]: what
     config = load_config(None, base=cfg)
     train, evaluation = build_data(
         config, load_tokenizer(config.model), build_objective(config.method), console_for(True)
