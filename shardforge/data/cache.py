@@ -95,7 +95,13 @@ class DatasetCache:
             self.say(f"dataset cache {folder} is not usable ({problem}): rebuilding it")
         self.say(f"tokenizing into the dataset cache {folder} (once: later runs and other ranks map it)")
         splits = build()
-        _write(folder, identity, splits)
+        try:
+            _write(folder, identity, splits)
+        except OSError as exc:
+            raise DataError(
+                f"data.cache_dir {str(self.root)!r}: cannot write the dataset cache ({exc.strerror or exc}); "
+                f"set data.cache_dir to a writable folder, or data.cache=false"
+            ) from None
         return _load(folder), True
 
     def _wait(self, folder: Path) -> Splits:
@@ -163,9 +169,12 @@ def _write(folder: Path, identity: dict[str, Any], splits: Splits) -> None:
     sizes = {p.relative_to(staging).as_posix(): p.stat().st_size for p in files}
     meta = {"format": FORMAT, "identity": identity, "files": sizes}
     (staging / MANIFEST).write_text(json.dumps(meta, indent=1, default=str))
-    if folder.exists():
-        if _check(folder) is None:  # built meanwhile by another node: keep that one
+    if folder.exists() and _check(folder) is not None:
+        shutil.rmtree(folder)  # damaged: replaced
+    try:
+        os.rename(staging, folder)
+    except OSError:
+        if _check(folder) is None:  # built meanwhile by another process or node: keep that one
             shutil.rmtree(staging, ignore_errors=True)
             return
-        shutil.rmtree(folder)
-    os.rename(staging, folder)
+        raise

@@ -192,3 +192,34 @@ def test_worker_processes_encode_exactly_what_one_process_does(files, tokenizer,
     assert stats == stats_two and stats.truncated > 0
     with pytest.raises(DataError, match=r"tokens > data.max_length=8"):
         encode_all(records, encoder, 8, "error", "x", workers=2)  # an error comes back as itself
+
+
+def test_an_unwritable_cache_folder_is_a_clear_error(tmp_path, files, tokenizer):
+    (tmp_path / "a_file").write_text("")
+    cache = DatasetCache(tmp_path / "a_file" / "cache", builder=True, say=lambda _: None)
+    with pytest.raises(DataError, match=r"data.cache_dir '.*a_file/cache': cannot write the dataset cache"):
+        _build(_data(files, "alpaca"), tokenizer, cache)
+
+
+def test_a_cache_built_meanwhile_by_another_process_is_kept(tmp_path, files, tokenizer, monkeypatch):
+    """Two builders of the same key (two jobs, or nodes sharing a filesystem): the second rename finds the
+    first's complete folder and keeps it."""
+    import shardforge.data.cache as cache_module
+
+    data = _data(files, "alpaca")
+    cache = DatasetCache(tmp_path / "cache", builder=True, say=lambda _: None)
+    _build(data, tokenizer, cache)
+    (folder,) = (tmp_path / "cache").iterdir()
+    monkeypatch.setattr(cache_module, "_check", lambda f: "no manifest" if f == folder and not seen else None)
+    seen: list[int] = []
+    original_rename = cache_module.os.rename
+
+    def rename(src, dst):
+        seen.append(1)  # from now on the other builder's folder counts as complete
+        raise OSError("Directory not empty")
+
+    monkeypatch.setattr(cache_module.os, "rename", rename)
+    monkeypatch.setattr(cache_module.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    rows = _build(data, tokenizer, cache)
+    monkeypatch.setattr(cache_module.os, "rename", original_rename)
+    _same(rows[0], _build(data, tokenizer)[0])
