@@ -27,15 +27,12 @@ class ExampleStore(Sequence[Example]):
 
     @classmethod
     def from_examples(cls, examples: Sequence[Example]) -> ExampleStore:
-        lengths = np.fromiter((len(e.input_ids) for e in examples), dtype=np.int64, count=len(examples))
-        offsets = np.zeros(len(examples) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        tokens = np.fromiter(
-            (t for e in examples for t in e.input_ids), dtype=np.uint32, count=int(offsets[-1])
+        return cls.from_arrays(
+            [np.asarray(e.input_ids, dtype=np.uint32) for e in examples],
+            [np.asarray(e.trained, dtype=bool) for e in examples],
+            [len(e.input_ids) for e in examples],
+            [e.num_targets for e in examples],
         )
-        trained = np.fromiter((f for e in examples for f in e.trained), dtype=bool, count=int(offsets[-1]))
-        targets = np.fromiter((e.num_targets for e in examples), dtype=np.int64, count=len(examples))
-        return cls(tokens, np.packbits(trained), offsets, targets)
 
     @classmethod
     def from_arrays(

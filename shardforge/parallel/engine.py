@@ -24,9 +24,8 @@ from shardforge.parallel.data_parallel import gradient_sync
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import loss_context, strip_vocab_padding
 
-Differentiate = Callable[
-    [torch.Tensor], torch.Tensor
-]  # a micro-batch's loss sum -> what backward starts from
+# A micro-batch's loss sum -> what backward starts from (the loop's scaling and the fp16 loss scale).
+Differentiate = Callable[[torch.Tensor], torch.Tensor]
 Autocast = Callable[[], contextlib.AbstractContextManager]
 
 
@@ -101,11 +100,14 @@ def gathered_state(module: nn.Module, keep: bool, device: torch.device) -> Itera
     """(name, full tensor on the host) for each entry of `module`'s state dict, gathered one tensor at a time
     over data and tensor parallel (every rank of the tensor's mesh takes part), so no rank ever holds more
     than one gathered tensor on the device; only ranks that `keep` receive the host copies. A tensor held
-    twice (tied weights) is gathered once."""
-    done: dict[int, torch.Tensor] = {}
-    for key, value in module.state_dict().items():  # the same order on every rank
-        if id(value) in done:
-            yield key, done[id(value)]
+    twice (tied weights) is gathered once, on every rank alike (the gathers are collectives)."""
+    state = module.state_dict()  # alive throughout: the ids of its tensors stay unique
+    done: dict[int, torch.Tensor | None] = {}
+    for key, value in state.items():  # the same order on every rank
+        original = id(value)
+        if original in done:
+            if keep:
+                yield key, done[original]
             continue
         if isinstance(value, DTensor):
             local = value.to_local()
@@ -118,8 +120,8 @@ def gathered_state(module: nn.Module, keep: bool, device: torch.device) -> Itera
                     stride=value.stride(),
                 )
             value = value.full_tensor()
+        done[original] = host = value.detach().cpu() if keep else None
         if keep:
-            done[id(value)] = host = value.detach().cpu()
             yield key, host
 
 

@@ -64,7 +64,7 @@ _CONSOLE_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s",
 
 class MetricsProcessor:
     """Accumulates each step's sums and counts, turns a window of steps into one record, and sends records
-    to the sinks (rank 0), the progress bar and, at the end, the loss plot.
+    to the sinks (rank 0) and, at the end, the loss plot.
 
     The loss sums stay on the device until a record is due (one host sync per log line); the global batch's
     counts are known on the host. MFU divides the FLOPs the steps really needed (the cost model's: body on

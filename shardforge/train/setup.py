@@ -26,7 +26,7 @@ from shardforge.data.cache import DatasetCache, code_fingerprint, default_root, 
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.errors import ConfigError
 from shardforge.models.build import build_model, model_source
-from shardforge.models.spec import spec_for
+from shardforge.models.spec import CostModel, spec_for
 from shardforge.objectives import Objective, build_objective
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.distributed import (
@@ -95,6 +95,7 @@ class Run:
     total_steps: int
     seq_multiple: int  # row widths are padded to a multiple of this (sequence parallel, pipeline schedules)
     peak: tuple[float, str]  # FLOP/s per device and where that figure comes from
+    costs: CostModel  # the family's cost model of this model (parameters, FLOPs)
 
 
 def build_run(config: Config, console: Console, objective: Objective | None = None) -> Run:
@@ -174,7 +175,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     return Run(
         cfg, console, run_dir, device, dims, mesh, plan, is_main, owns, tokenizer, objective, precision,
         train_rows, eval_rows, model_config, engine, optimizer, scheduler, checkpoints, source, grad_accum,
-        global_batch, total, multiple, peak,
+        global_batch, total, multiple, peak, spec_for(model_config.family).costs(model_config),
     )  # fmt: skip
 
 
@@ -271,20 +272,19 @@ def metrics_for(run: Run, start_step: int, warn: Callable[[str], None]) -> Metri
     """The run's metrics processor: JSONL/TensorBoard sinks and the plot on rank 0 only."""
     log = run.config.log
     writer = MetricsWriter(run.run_dir, log.tensorboard, run.console, start_step) if run.is_main else None
-    costs = spec_for(run.model_config.family).costs(run.model_config)
     # The schedule's theoretical idle share, next to the measured step time.
     static = {"pp_bubble": run.plan.bubble_fraction} if run.plan is not None else {}
     plot = run.run_dir / "loss.png" if log.plot else None
     world = run.dims.world_size
     return MetricsProcessor(
-        run.objective, costs.train_flops, run.peak, world, run.device, warn, writer, plot, static
+        run.objective, run.costs.train_flops, run.peak, world, run.device, warn, writer, plot, static
     )
 
 
 def describe_run(run: Run) -> str:
     """The start-up line: model, layout, batch arithmetic and the peak the MFU is measured against."""
     t = run.config.train
-    n_params = spec_for(run.model_config.family).costs(run.model_config).params.total
+    n_params = run.costs.params.total
     peak, source = run.peak
     return (
         f"model: {run.model_config.family}, {n_params / 1e6:.2f}M parameters, {t.precision}; "
