@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,7 @@ def load_config(
 ) -> Config:
     """Build a validated Config from a YAML file (or a dict) plus dotted overrides."""
     source = ""
-    tree: dict = dict(base or {})
+    tree: dict = copy.deepcopy(base or {})  # overrides must not change the caller's nested dicts
     if path is not None:
         source = str(path)
         try:

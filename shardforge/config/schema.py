@@ -64,6 +64,8 @@ class DataSection(Section):
     cache: bool = True  # tokenize once into memory-mapped arrays, reused by later runs and every rank
     cache_dir: str | None = None  # None: $XDG_CACHE_HOME/shardforge/datasets (~/.cache/...)
     workers: int | None = Field(default=None, ge=1)  # encoding processes; None: the cores (shared by a node)
+    streaming: bool = False  # read, tokenize and pack the training files on the fly (too large to cache)
+    stream_window: int = Field(default=4096, ge=1)  # records shuffled and packed together when streaming
 
 
 class MethodSection(Section):
@@ -127,9 +129,8 @@ class ParallelSection(Section):
 
     def _check_pipeline(self) -> None:
         if self.pp == 1:
-            defaults = {
-                k: ParallelSection.model_fields[k].default for k in self.model_fields if k.startswith("pp_")
-            }
+            fields = ParallelSection.model_fields
+            defaults = {k: field.default for k, field in fields.items() if k.startswith("pp_")}
             unused = [k for k, default in defaults.items() if getattr(self, k) != default]
             if unused:
                 raise ValueError(
@@ -221,6 +222,22 @@ class Config(Section):
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
     hardware: HardwareSection = HardwareSection()
+
+    @model_validator(mode="after")
+    def _streaming(self) -> Config:
+        if not self.data.streaming:
+            return self
+        if self.train.epochs is not None:
+            raise ValueError(
+                f"train.epochs={self.train.epochs}: with data.streaming the corpus length is not known "
+                f"ahead; set train.steps instead"
+            )
+        if self.data.eval_fraction > 0:
+            raise ValueError(
+                f"data.eval_fraction={self.data.eval_fraction}: a stream cannot hold out a share of its "
+                f"records; give evaluation files in data.eval instead"
+            )
+        return self
 
     @model_validator(mode="after")
     def _master_weights(self) -> Config:

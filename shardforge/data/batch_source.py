@@ -27,7 +27,8 @@ class GlobalBatch:
 
     micro: list[Batch]
     counts: dict[str, int]
-    position: int  # the source's position once this batch is consumed
+    state: dict  # the source's position once this batch is consumed (JSON-able; "samples": groups so far)
+    epoch: float  # epochs of data consumed (for the logs)
 
 
 class BatchSource(Protocol):
@@ -36,6 +37,8 @@ class BatchSource(Protocol):
     def next_batch(self) -> GlobalBatch: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class DatasetSource:
@@ -59,19 +62,23 @@ class DatasetSource:
         self.rows, self.collate, self.pad_id, self.multiple = rows, collate, pad_id, multiple
         self.split = (micro_batch, grad_accum, dp, dp_rank)
         self.groups_per_step = micro_batch * grad_accum * dp
-        self.order = GlobalOrder(len(rows.groups), seed)
+        self.order = GlobalOrder(rows.num_groups, seed)
 
     def next_batch(self) -> GlobalBatch:
         ids = self.order.take(self.groups_per_step)
-        counts = {key: sum(per_group[i] for i in ids) for key, per_group in self.rows.group_counts().items()}
+        counts = {key: int(per_group[ids].sum()) for key, per_group in self.rows.group_counts().items()}
         micro = [
             self.collate(self.rows.examples, self.rows.rows_of(part), self.pad_id, self.multiple)
             for part in split_global_batch(ids, *self.split)
         ]
-        return GlobalBatch(micro, counts, self.order.position)
+        position = self.order.position
+        return GlobalBatch(micro, counts, {"samples": position}, position / self.rows.num_groups)
 
     def load_state_dict(self, state: dict) -> None:
-        self.order.position = int(state["position"])
+        self.order.position = int(state["samples"])
+
+    def close(self) -> None:
+        pass
 
 
 class GlobalBatchLoader:
@@ -81,7 +88,8 @@ class GlobalBatchLoader:
 
     def __init__(self, source: BatchSource, batches: int) -> None:
         self.source, self.left = source, batches
-        self.position = 0
+        self.state: dict = {"samples": 0}
+        self.epoch = 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardforge-data")
         self._pending: Future | None = None
 
@@ -94,16 +102,17 @@ class GlobalBatchLoader:
         self.left -= 1
         ahead = self.left > 0 and self.source.prefetch
         self._pending = self._pool.submit(self.source.next_batch) if ahead else None
-        self.position = batch.position
+        self.state, self.epoch = batch.state, batch.epoch
         return batch
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return dict(self.state)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position (before the first batch is drawn)."""
         self.source.load_state_dict(state)
-        self.position = int(state["position"])
+        self.state = dict(state)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.source.close()

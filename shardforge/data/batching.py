@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from shardforge.data.examples import Example
@@ -118,27 +119,28 @@ class GlobalOrder:
     def __init__(self, num_groups: int, seed: int) -> None:
         self.num_groups, self.seed = num_groups, seed
         self.position = 0
-        self._epoch, self._perm = -1, torch.arange(0)
+        self._epoch, self._perm = -1, np.arange(0)
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
+    def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm = torch.randperm(self.num_groups, generator=gen)
+            self._perm = torch.randperm(self.num_groups, generator=gen).numpy()
             self._epoch = epoch
         return self._perm
 
-    def take(self, count: int) -> list[int]:
-        out = []
-        while len(out) < count:
+    def take(self, count: int) -> np.ndarray:
+        out, taken = [], 0
+        while taken < count:
             epoch, offset = divmod(self.position, self.num_groups)
-            chunk = self._permutation(epoch)[offset : offset + count - len(out)]
-            out.extend(chunk.tolist())
+            chunk = self._permutation(epoch)[offset : offset + count - taken]
+            out.append(chunk)
+            taken += len(chunk)
             self.position += len(chunk)
-        return out
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 def split_global_batch(
-    ids: list[int], micro_batch: int, grad_accum: int, dp: int, rank: int
-) -> list[list[int]]:
+    ids: Sequence[int] | np.ndarray, micro_batch: int, grad_accum: int, dp: int, rank: int
+) -> list:
     """This rank's micro-batches of a global batch: micro-step j, rank r takes [(j*dp + r)*mb, +mb)."""
     return [ids[(j * dp + rank) * micro_batch : (j * dp + rank + 1) * micro_batch] for j in range(grad_accum)]

@@ -1,11 +1,11 @@
 """Records -> encoded examples in flat arrays, in worker processes for large data sets.
 
-Encoding (chat-template rendering, tokenization) runs record by record in `workers` processes, each given the
-encoder once (an objective's encoder is a plain, picklable object) and chunks of records in order; the parent
-applies truncation, drops groups without targets and counts, in record order, so the result, the counts and
-the first error are the same whatever the number of workers. Sequences travel and are kept as numpy arrays,
-never as Python lists of ints (about 37 bytes per token), so the parent's memory grows by about 5 bytes per
-token while it encodes.
+Encoding (chat-template rendering, then one tokenizer batch call per chunk of records) runs in `workers`
+processes, each given the encoder once (an objective's encoder is a plain, picklable object) and chunks of
+records in order; the parent applies truncation, drops groups without targets and counts, in record order,
+so the result, the counts and the first error are the same whatever the number of workers. Sequences travel
+and are kept as numpy arrays, never as Python lists of ints (about 37 bytes per token), so the parent's
+memory grows by about 5 bytes per token while it encodes.
 """
 
 from __future__ import annotations
@@ -37,13 +37,19 @@ def _start_worker(encoder_bytes: bytes) -> None:
     _ENCODER = pickle.loads(encoder_bytes)
 
 
-def _as_arrays(sequences: list[tuple[list[int], list[bool]]]) -> Encoded:
-    return [(np.asarray(ids, dtype=np.uint32), np.asarray(trained, dtype=bool)) for ids, trained in sequences]
+def _encode_records(encode: Encoder, records: list[Record]) -> list[Encoded]:
+    """Each record's sequences as arrays: in one batch call when the encoder has one."""
+    batch = getattr(encode, "encode_batch", None)
+    groups = batch(records) if batch is not None else [encode(record) for record in records]
+    return [
+        [(np.asarray(ids, dtype=np.uint32), np.asarray(trained, dtype=bool)) for ids, trained in group]
+        for group in groups
+    ]
 
 
 def _encode_chunk(records: list[Record]) -> list[Encoded]:
     assert _ENCODER is not None
-    return [_as_arrays(_ENCODER(record)) for record in records]
+    return _encode_records(_ENCODER, records)
 
 
 def _encoded(records: Sequence[Record], encode: Encoder, workers: int) -> Iterator[Encoded]:
@@ -54,11 +60,11 @@ def _encoded(records: Sequence[Record], encode: Encoder, workers: int) -> Iterat
             encoder_bytes = pickle.dumps(encode)
         except (pickle.PicklingError, AttributeError, TypeError):  # a closure: encode here
             workers = 1
-    if workers <= 1:
-        for record in records:
-            yield _as_arrays(encode(record))
-        return
     chunks = [list(records[i : i + CHUNK]) for i in range(0, len(records), CHUNK)]
+    if workers <= 1:
+        for chunk in chunks:
+            yield from _encode_records(encode, chunk)
+        return
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds threads (gloo, torch)
     with ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(encoder_bytes,)) as pool:
         for encoded in pool.map(_encode_chunk, chunks):

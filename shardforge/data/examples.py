@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from shardforge.data.formats import Record
 
@@ -37,5 +38,6 @@ class EncodeStats:
         return ", ".join(parts)
 
 
-Sequence_ = tuple[list[int], list[bool]]  # token ids and per-token target flags
-Encoder = Callable[[Record], list[Sequence_]]  # a record -> the sequences of its group
+Sequence_ = tuple[Any, Any]  # token ids and per-token target flags (lists or numpy arrays)
+Encoder = Callable[[Record], list[Sequence_]]  # a record -> the sequences of its group; an encoder may also
+# have encode_batch(records) -> [sequences of each record], which encoding prefers (a tokenizer's batch call)

@@ -1,5 +1,6 @@
-"""Dataset readers: JSONL / JSON / Parquet files in alpaca, sharegpt, openai or text form -> normalized
-records.
+"""Dataset readers: JSONL / JSON / Parquet files in alpaca, sharegpt, openai or text form, and plain .txt
+files (a document per line) -> normalized records. JSONL, .txt and Parquet files can also be read from a
+position (`iter_from`), which is how a streamed corpus resumes.
 
 No tokenization here. Every malformed record raises a DataError that starts with the record's source
 ("file:line", "file:row N" or "file:record N (line L)") so the user can open the file at the right place.
@@ -17,7 +18,7 @@ from typing import Any
 
 from shardforge.errors import DataError
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")  # .txt: plain text, one document per non-empty line
 CHAT_FORMATS = ("alpaca", "sharegpt", "openai")
 FORMATS = (*CHAT_FORMATS, "text")
 
@@ -80,8 +81,8 @@ def read_records(
             'format "text" is plain text for pretraining (stage pt)'
         )
     fields = fields or default_fields(fmt)
-    rows = islice(iter_raw(path), max_samples)
-    records = [_record(obj, src, fmt, fields, stage) for src, obj in rows]
+    rows = islice(iter_raw(path, fmt), max_samples)
+    records = [parse_record(obj, src, fmt, fields, stage) for src, obj in rows]
     if not records:
         raise DataError(f"{path} has no records")
     return records
@@ -90,6 +91,8 @@ def read_records(
 def detect_format(path: Path, text_column: str = "text") -> str:
     """Guess the format from the first record's keys, for a dataset configured without `format`."""
     for src, obj in islice(iter_raw(path), 1):
+        if isinstance(obj, str):  # a line of a .txt file
+            return "text"
         if isinstance(obj, dict):
             for fmt, key in (
                 ("alpaca", "instruction"),
@@ -110,35 +113,54 @@ def detect_format(path: Path, text_column: str = "text") -> str:
 # ---------------------------------------------------------------- files -> (source, object) rows
 
 
-def iter_raw(path: Path) -> Iterator[RawRow]:
-    """Yield (source, decoded object) for every record of a file, or of every data file in a folder."""
+def data_files(path: Path, fmt: str | None = None) -> list[Path]:
+    """The data files at a path: the file itself, or a folder's data files in name order (its .txt files
+    only for format text, so notes beside JSON data are not read as records; unset: if nothing else)."""
     if not path.exists():
         raise DataError(f"dataset file not found: {path} (resolved to {path.resolve()})")
-    if path.is_dir():
-        files = sorted(
-            p
-            for p in path.iterdir()
-            if p.is_file()
-            and p.suffix.lower() in SUFFIXES
-            and not p.name.startswith(".")
-            and p.name != "dataset_info.json"
-        )
-        if not files:
-            raise DataError(f"{path}: folder has no data files (supported: {', '.join(SUFFIXES)})")
-        for file in files:
-            yield from _iter_file(file)
-    else:
-        yield from _iter_file(path)
+    if not path.is_dir():
+        return [path]
+    found = sorted(
+        p
+        for p in path.iterdir()
+        if p.is_file()
+        and p.suffix.lower() in SUFFIXES
+        and not p.name.startswith(".")
+        and p.name != "dataset_info.json"
+    )
+    structured = [p for p in found if p.suffix.lower() != ".txt"]
+    files = found if fmt == "text" or (fmt is None and not structured) else structured
+    if not files:
+        raise DataError(f"{path}: folder has no data files (supported: {', '.join(SUFFIXES)})")
+    return files
 
 
-def _iter_file(path: Path) -> Iterator[RawRow]:
+def iter_raw(path: Path, fmt: str | None = None) -> Iterator[RawRow]:
+    """Yield (source, decoded object) for every record of a file, or of every data file in a folder."""
+    for file in data_files(path, fmt):
+        if file.suffix.lower() == ".json":
+            yield from _iter_json(file)
+        else:
+            for src, obj, _ in iter_from(file, (0, 1)):
+                yield src, obj
+
+
+FilePosition = tuple[int, int]  # (byte offset, line number) of a JSONL/.txt record; (row, 0) in Parquet
+
+
+def iter_from(path: Path, start: FilePosition) -> Iterator[tuple[str, Any, FilePosition]]:
+    """(source, decoded object, position of the next record) for the records of a JSONL, .txt or Parquet file
+    from `start` on: a streamed corpus resumes by seeking, without reading what came before."""
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return _iter_jsonl(path)
-    if suffix == ".json":
-        return _iter_json(path)
+    if suffix in (".jsonl", ".txt"):
+        return _iter_lines(path, start, suffix == ".jsonl")
     if suffix == ".parquet":
-        return _iter_parquet(path)
+        return _iter_parquet(path, start[0])
+    if suffix == ".json":
+        raise DataError(
+            f"{path}: a .json array cannot be read from a position (streamed); convert it to .jsonl, one "
+            f"object per line"
+        )
     raise DataError(
         f"{path}: unsupported file type {suffix or '(no extension)'!r}; "
         f"supported: {', '.join(SUFFIXES)} (or a folder of them)"
@@ -152,9 +174,13 @@ def _read_text(path: Path) -> str:
         raise DataError(f"{path}: not UTF-8 text (byte {e.start}); save the file as UTF-8") from None
 
 
-def _iter_jsonl(path: Path) -> Iterator[RawRow]:
+def _iter_lines(path: Path, start: FilePosition, json_lines: bool) -> Iterator[tuple[str, Any, FilePosition]]:
+    """JSONL objects, or .txt lines (documents, without the line break), from a byte offset on."""
+    offset, lineno = start
     with path.open("rb") as fh:  # bytes, so lines split on "\n" only and a bad byte names its line
-        for lineno, raw in enumerate(fh, 1):
+        fh.seek(offset)
+        for raw in fh:
+            offset += len(raw)
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
@@ -162,7 +188,9 @@ def _iter_jsonl(path: Path) -> Iterator[RawRow]:
                     f"{path}:{lineno}:{e.start + 1}: not UTF-8 text; save the file as UTF-8"
                 ) from None
             if line.strip():
-                yield f"{path}:{lineno}", _decode_line(line, path, lineno)
+                obj = _decode_line(line, path, lineno) if json_lines else line.rstrip("\r\n")
+                yield f"{path}:{lineno}", obj, (offset, lineno + 1)
+            lineno += 1
 
 
 def _decode_line(line: str, path: Path, lineno: int) -> Any:
@@ -219,25 +247,35 @@ def _iter_json(path: Path) -> Iterator[RawRow]:
         raise fail(pos, "invalid JSON (extra content after the top-level array)")
 
 
-def _iter_parquet(path: Path) -> Iterator[RawRow]:
+def _iter_parquet(path: Path, start: int = 0) -> Iterator[tuple[str, Any, FilePosition]]:
+    """Rows from row `start` on, reading only the row groups from the one that holds it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        file = pq.ParquetFile(path)
+        sizes = [file.metadata.row_group(i).num_rows for i in range(file.num_row_groups)]
+        first, row = 0, 0
+        while first < len(sizes) and row + sizes[first] <= start:
+            row += sizes[first]
+            first += 1
+        batches = file.iter_batches(batch_size=1024, row_groups=range(first, len(sizes)))
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: cannot read Parquet file ({e})") from None
-    row = 0
     for batch in batches:
         for obj in batch.to_pylist():
-            yield f"{path}:row {row}", obj
+            if row >= start:
+                yield f"{path}:row {row}", obj, (row + 1, 0)
             row += 1
 
 
 # ---------------------------------------------------------------- objects -> records
 
 
-def _record(obj: Any, src: str, fmt: str, f: FieldMap, stage: str) -> Record:
+def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, stage: str) -> Record:
+    """One decoded object (or .txt line) as a record of format `fmt`, for `stage`."""
+    if fmt == "text" and isinstance(obj, str):  # a line of a .txt file
+        return Record(src, None, obj)
     if not isinstance(obj, dict):
         raise DataError(f"{src}: {fmt} record is {_kind(obj)}; expected a JSON object")
     if fmt == "text":

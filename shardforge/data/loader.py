@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from shardforge.config.schema import DataSection, DatasetSpec
 from shardforge.data.cache import DatasetCache, Splits, file_fingerprint
 from shardforge.data.dataset_info import resolve_entry
 from shardforge.data.encode import encode_all
 from shardforge.data.examples import EncodeStats
-from shardforge.data.formats import Record, default_fields, detect_format, read_records
-from shardforge.data.packing import pack_rows, single_rows
+from shardforge.data.formats import FieldMap, Record, default_fields, detect_format, read_records
+from shardforge.data.packing import Rows, pack_rows, single_rows
 from shardforge.data.store import ExampleStore
 from shardforge.errors import DataError
 
@@ -21,35 +24,38 @@ from shardforge.errors import DataError
 @dataclass
 class RowSet:
     """Encoded examples (flat arrays, see data/store.py), how they are laid out in rows (one or several
-    documents per row), and which rows form a group (the unit of sampling: a row alone, or the rows of one
-    record's sequences, kept together)."""
+    documents per row, as index arrays), and the groups: the unit of sampling, `group_size` consecutive rows
+    (a row alone, or the rows of one record's sequences, kept together)."""
 
     examples: ExampleStore
-    rows: list[list[int]]
-    groups: list[list[int]]
+    rows: Rows
     stats: EncodeStats
+    group_size: int = 1
 
-    def group_counts(self) -> dict[str, list[int]]:
+    @property
+    def num_groups(self) -> int:
+        return len(self.rows) // self.group_size
+
+    def group_counts(self) -> dict[str, np.ndarray]:
         """Per group: tokens, targets, sequences, 1 group, and the causal attention pairs its documents need
         (n(n+1)/2 each: the MFU numerator's attention term), so any rank can count a whole global batch
         without communicating."""
         if not hasattr(self, "_group_counts"):
-            lengths, targets = self.examples.lengths.tolist(), self.examples.num_targets.tolist()
+            lengths = np.asarray(self.examples.lengths, dtype=np.int64)
             per_row = {
-                "tokens": [sum(lengths[i] for i in row) for row in self.rows],
-                "targets": [sum(targets[i] for i in row) for row in self.rows],
-                "sequences": [len(row) for row in self.rows],
-                "attention_pairs": [
-                    sum(lengths[i] * (lengths[i] + 1) // 2 for i in row) for row in self.rows
-                ],
+                "tokens": self.rows.sums(lengths),
+                "targets": self.rows.sums(np.asarray(self.examples.num_targets, dtype=np.int64)),
+                "sequences": np.diff(self.rows.offsets),
+                "attention_pairs": self.rows.sums(lengths * (lengths + 1) // 2),
             }
-            self._group_counts = {k: [sum(v[r] for r in g) for g in self.groups] for k, v in per_row.items()}
-            self._group_counts["groups"] = [1] * len(self.groups)
+            self._group_counts = {k: v.reshape(-1, self.group_size).sum(axis=1) for k, v in per_row.items()}
+            self._group_counts["groups"] = np.ones(self.num_groups, dtype=np.int64)
         return self._group_counts
 
-    def rows_of(self, groups: list[int]) -> list[list[int]]:
+    def rows_of(self, groups: Sequence[int] | np.ndarray) -> list[list[int]]:
         """The rows of these groups, in order (a group's rows consecutive)."""
-        return [self.rows[r] for g in groups for r in self.groups[g]]
+        size = self.group_size
+        return [self.rows[int(g) * size + k] for g in groups for k in range(size)]
 
     @property
     def num_targets(self) -> int:
@@ -60,8 +66,9 @@ class RowSet:
         return int(self.examples.offsets[-1])
 
 
-def read_dataset(spec: DatasetSpec, stage: str) -> list[Record]:
-    """Read one configured dataset (a file/folder path, or a named dataset_info.json entry) for `stage`."""
+def resolve_spec(spec: DatasetSpec, stage: str) -> tuple[Path, str, FieldMap]:
+    """Where one configured dataset (a file/folder path, or a named dataset_info.json entry) lives, its
+    format and where its fields are."""
     if spec.name is not None:
         entry = resolve_entry(spec.name, spec.dataset_info or "", stage, spec.text_column)
         if spec.format is not None and spec.format != entry.format:
@@ -69,10 +76,16 @@ def read_dataset(spec: DatasetSpec, stage: str) -> list[Record]:
                 f'dataset "{spec.name}": format {spec.format} conflicts with its dataset_info formatting '
                 f"({entry.format}); drop format or make them agree"
             )
-        return read_records(entry.path, entry.format, stage, entry.fields, spec.max_samples)
+        return entry.path, entry.format, entry.fields
     path = Path(spec.path or "")
     fmt = spec.format or detect_format(path, spec.text_column)
-    return read_records(path, fmt, stage, default_fields(fmt, spec.text_column), spec.max_samples)
+    return path, fmt, default_fields(fmt, spec.text_column)
+
+
+def read_dataset(spec: DatasetSpec, stage: str) -> list[Record]:
+    """Read one configured dataset for `stage`."""
+    path, fmt, fields = resolve_spec(spec, stage)
+    return read_records(path, fmt, stage, fields, spec.max_samples)
 
 
 def _read_all(specs: list[DatasetSpec], stage: str) -> list[Record]:
@@ -84,13 +97,9 @@ def _read_all(specs: list[DatasetSpec], stage: str) -> list[Record]:
 
 def lay_out(store: ExampleStore, stats: EncodeStats, data: DataSection, seed: int, group_size: int) -> RowSet:
     """Rows and groups over encoded examples (cheap: from their lengths alone)."""
-    if group_size > 1:
-        rows = single_rows(len(store))
-        groups = [list(range(g, g + group_size)) for g in range(0, len(rows), group_size)]
-        return RowSet(store, rows, groups, stats)
-    lengths = store.lengths.tolist()
-    rows = pack_rows(lengths, data.max_length, seed) if data.packing else single_rows(len(store))
-    return RowSet(store, rows, [[r] for r in range(len(rows))], stats)
+    if group_size > 1 or not data.packing:  # a group's sequences are never packed
+        return RowSet(store, single_rows(len(store)), stats, group_size)
+    return RowSet(store, pack_rows(store.lengths, data.max_length, seed), stats)
 
 
 def _data_files(spec: DatasetSpec, stage: str) -> list[Path]:

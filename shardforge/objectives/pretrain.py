@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from shardforge.config.schema import DataSection
-from shardforge.data.examples import Encoder
+from shardforge.data.examples import Encoder, Sequence_
 from shardforge.data.formats import Record
-from shardforge.data.templates import encode_text
+from shardforge.data.templates import encode_texts
 from shardforge.objectives.base import CausalLM
 
 
@@ -19,9 +21,12 @@ class TextEncoder:
 
     tokenizer: Any
 
-    def __call__(self, record: Record) -> list[tuple[list[int], list[bool]]]:
-        ids = encode_text(self.tokenizer, record.text or "")
-        return [(ids, [True] * len(ids))]
+    def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
+        documents = encode_texts(self.tokenizer, [r.text or "" for r in records])
+        return [[(ids, np.ones(len(ids), dtype=bool))] for ids in documents]
+
+    def __call__(self, record: Record) -> list[Sequence_]:
+        return self.encode_batch([record])[0]
 
 
 class PretrainObjective(CausalLM):

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardforge.config.schema import DataSection
-from shardforge.data.examples import Encoder
+from shardforge.data.examples import Encoder, Sequence_
 from shardforge.data.formats import Record
-from shardforge.data.templates import encode_chat, resolve_template
+from shardforge.data.templates import encode_chats, resolve_template
 from shardforge.objectives.base import CausalLM
 
 
@@ -21,9 +21,13 @@ class ChatEncoder:
     template: str
     train_on_prompt: bool
 
-    def __call__(self, record: Record) -> list[tuple[list[int], list[bool]]]:
-        messages = list(record.messages or ())
-        return [encode_chat(self.tokenizer, self.template, messages, self.train_on_prompt, record.source)]
+    def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
+        conversations = [(list(r.messages or ()), r.source) for r in records]
+        encoded = encode_chats(self.tokenizer, self.template, conversations, self.train_on_prompt)
+        return [[sequence] for sequence in encoded]
+
+    def __call__(self, record: Record) -> list[Sequence_]:
+        return self.encode_batch([record])[0]
 
 
 class SFTObjective(CausalLM):

@@ -28,8 +28,8 @@ def evaluate(
     """The objective's means over all rows of `rows`: sums over every rank divided by the normalizer counted
     on the host. `dp` is (data-parallel size, this rank's index); `collate_args` (pad id, width multiple)."""
     size, rank = dp
-    groups = len(rows.groups)
-    parts = [list(range(s, min(s + micro_batch, groups))) for s in range(0, groups, micro_batch)]
+    groups = rows.num_groups
+    parts = [range(s, min(s + micro_batch, groups)) for s in range(0, groups, micro_batch)]
     names = objective.metrics
     total = torch.zeros(len(names), device=device)
     engine.model.eval()
@@ -41,5 +41,5 @@ def evaluate(
         sums = engine.eval_sums(batch.to(device))
         total += torch.stack([sums[k].float() for k in names]) * float(mine)
     engine.model.train()
-    means = (engine.dp_sum(total) / sum(rows.group_counts()[objective.normalizer])).tolist()
+    means = (engine.dp_sum(total) / int(rows.group_counts()[objective.normalizer].sum())).tolist()
     return dict(zip(names, means, strict=True))

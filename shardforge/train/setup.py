@@ -4,6 +4,7 @@ mesh, data, objective, engine, optimizer, schedule, checkpoints, batch source, m
 from __future__ import annotations
 
 import datetime
+import hashlib
 import inspect
 import math
 import os
@@ -21,9 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardforge.checkpoint.manager import CheckpointManager, signature
 from shardforge.config import Config, dump_config
-from shardforge.data.batch_source import DatasetSource
+from shardforge.config.schema import DataSection
+from shardforge.data.batch_source import BatchSource, DatasetSource
 from shardforge.data.cache import DatasetCache, code_fingerprint, default_root, file_fingerprint
 from shardforge.data.loader import RowSet, build_datasets
+from shardforge.data.stream import StreamSource, stream_shards
 from shardforge.errors import ConfigError
 from shardforge.models.build import build_model, model_source
 from shardforge.models.spec import CostModel, spec_for
@@ -82,14 +85,14 @@ class Run:
     tokenizer: Any
     objective: Objective
     precision: Precision
-    train_rows: RowSet
+    train_rows: RowSet | None  # None: the training data is streamed
     eval_rows: RowSet | None
     model_config: Any
     engine: Engine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     checkpoints: CheckpointManager
-    source: DatasetSource
+    source: BatchSource
     grad_accum: int
     global_batch: int  # groups per optimizer step (rows, for objectives whose groups are single rows)
     total_steps: int
@@ -133,7 +136,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     engine = parallelize(model, dims, mesh, cfg, plan, objective, precision.autocast, device)
 
     global_batch = cfg.train.micro_batch * grad_accum * dims.dp
-    groups = len(train_rows.groups)
+    groups = train_rows.num_groups if train_rows is not None else math.inf  # a stream does not end
     total = math.ceil(cfg.train.epochs * groups / global_batch) if cfg.train.epochs else cfg.train.steps
     if global_batch > groups:
         console.print(
@@ -144,7 +147,8 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     scheduler = build_scheduler(optimizer, total, cfg.train)
     warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
     vocab_rows = padded_vocab(model_config.vocab_size, dims.tp)
-    sig = signature(model_config, vocab_rows, global_batch, len(train_rows.rows), cfg.train.seed)
+    data_id = len(train_rows.rows) if train_rows is not None else _stream_identity(cfg, objective)
+    sig = signature(model_config, vocab_rows, global_batch, data_id, cfg.train.seed)
     parts = (engine.model, optimizer, scheduler, precision)
     layout = (dims.world_size, dims.describe())
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout, warn)
@@ -153,17 +157,16 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     multiple = dims.tp if cfg.parallel.sequence_parallel else 1
     if plan is not None:
         multiple = math.lcm(multiple, max(1, cfg.data.max_length // 8))
-    source = DatasetSource(
-        train_rows,
-        cfg.train.seed,
-        cfg.train.micro_batch,
-        grad_accum,
-        dims.dp,
-        dims.dp_rank(mesh),
-        objective.collate,
-        tokenizer.pad_token_id,
-        multiple,
-    )
+    split = (cfg.train.micro_batch, grad_accum, dims.dp, dims.dp_rank(mesh))
+    collate = (objective.collate, tokenizer.pad_token_id, multiple)
+    source: BatchSource = (
+        DatasetSource(train_rows, cfg.train.seed, *split, *collate)
+        if train_rows is not None
+        else StreamSource(
+            cfg.data, _reader_stage(objective), objective.encoder(tokenizer, cfg.data), cfg.train.seed, split,
+            *collate,
+        )
+    )  # fmt: skip
     # Only rank 0 logs MFU, so only it probes: the other ranks wait at their first collective meanwhile
     # instead of competing for the cores the probe measures.
     shapes = _gemm_shapes(model_config, cfg.train.micro_batch * cfg.data.max_length, dims.tp)
@@ -179,23 +182,62 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     )  # fmt: skip
 
 
+def _reader_stage(objective: Objective) -> str:
+    return "pt" if objective.reads_text else "sft"  # how the readers present records: text or chat
+
+
+def _stream_identity(cfg: Config, objective: Objective) -> str:
+    """What a streamed run's position depends on (the checkpoint's `rows`): the files, read as they are."""
+    files = [s.path for s in stream_shards(cfg.data.train, _reader_stage(objective))]
+    window = (cfg.data.stream_window, cfg.data.max_length, cfg.data.packing)
+    return "stream " + hashlib.sha256(repr((file_fingerprint(files), window)).encode()).hexdigest()[:16]
+
+
 def build_data(
     cfg: Config, tokenizer: Any, objective: Objective, console: Console, builder: bool | None = None
+) -> tuple[RowSet | None, RowSet | None]:
+    """Train and eval rows through the dataset cache (local rank 0 builds it, unless `builder` says). With
+    data.streaming the training files are streamed (no train rows here) and only the eval files cached."""
+    data, stage = cfg.data, _reader_stage(objective)
+    if data.streaming:
+        if objective.group_size > 1:
+            raise ConfigError(
+                f"data.streaming: objective {objective.name} trains on groups of {objective.group_size} "
+                f"sequences, which a stream does not keep together; set data.streaming=false"
+            )
+        shards = stream_shards(data.train, stage)  # errors in the file list show before any step
+        console.print(
+            f"train data: streamed from {len(shards)} file(s), {data.stream_window} records packed together"
+        )
+        if not data.eval:
+            return None, None
+        only_eval = data.model_copy(update={"train": data.eval, "eval": [], "streaming": False})
+        evaluation, _ = _cached_rows(cfg, only_eval, tokenizer, objective, console, builder, ("eval",))
+        return None, evaluation
+    return _cached_rows(cfg, data, tokenizer, objective, console, builder, ("train", "eval"))
+
+
+def _cached_rows(
+    cfg: Config,
+    data: DataSection,
+    tokenizer: Any,
+    objective: Objective,
+    console: Console,
+    builder: bool | None,
+    names: tuple[str, ...],
 ) -> tuple[RowSet, RowSet | None]:
-    """Train and eval rows through the dataset cache (local rank 0 builds it, unless `builder` says)."""
-    stage = "pt" if objective.reads_text else "sft"  # how the readers present records: text or chat
-    encoder = objective.encoder(tokenizer, cfg.data)
+    """The rows of `data` (its train and eval files, called `names`) through the dataset cache."""
+    encoder = objective.encoder(tokenizer, data)
     cache, encoders = None, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of this node that encode
-    if cfg.data.cache:
-        root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_root()
+    if data.cache:
+        root = Path(data.cache_dir) if data.cache_dir else default_root()
         builder = local_rank_from_env() == 0 if builder is None else builder
         cache, encoders = DatasetCache(root, builder, console.print), 1
-    workers = cfg.data.workers or max(1, len(os.sched_getaffinity(0)) // encoders)
+    workers = data.workers or max(1, len(os.sched_getaffinity(0)) // encoders)
     identity = _encoding_identity(tokenizer, objective, cfg)
-    rows = build_datasets(
-        cfg.data, stage, encoder, cfg.train.seed, objective.group_size, cache, identity, workers
-    )
-    for what, part in zip(("train", "eval"), rows, strict=True):
+    stage, seed = _reader_stage(objective), cfg.train.seed
+    rows = build_datasets(data, stage, encoder, seed, objective.group_size, cache, identity, workers)
+    for what, part in zip(names, rows, strict=False):
         if part is not None:
             console.print(f"{what} data: {_describe_rows(part, cfg)}")
     return rows
@@ -260,8 +302,8 @@ def _gemm_shapes(model_config: Any, tokens: int, tp: int) -> list[tuple[int, int
 def _describe_rows(rows: RowSet, cfg: Config) -> str:
     fill = rows.num_tokens / (len(rows.rows) * cfg.data.max_length)
     mode = f"packed into {len(rows.rows)} rows ({fill:.0%} full)" if cfg.data.packing else "one per row"
-    if len(rows.groups) != len(rows.rows):
-        mode = f"{len(rows.groups)} groups of {len(rows.rows) // len(rows.groups)} rows"
+    if rows.group_size > 1:
+        mode = f"{rows.num_groups} groups of {rows.group_size} rows"
     return (
         f"{rows.stats.summary()}; {len(rows.examples)} examples, {rows.num_tokens} tokens, "
         f"{rows.num_targets} targets, {mode}"

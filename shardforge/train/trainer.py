@@ -55,7 +55,9 @@ class Trainer:
         where = str(self.run_dir / "checkpoints")
         self.guard = NonFiniteGuard(self.config.train.max_bad_steps, self._warn, where)
         state = run.checkpoints.resume(self.console.print)
+        data_state = {"samples": 0}
         if state is not None:
+            data_state = state.get("data") or {"samples": state["samples_seen"]}  # older: the count alone
             self.start_step, self.samples_seen = state["step"], state["samples_seen"]
             self.guard.bad_steps = state["bad_steps"]
             if self.start_step >= self.total_steps:
@@ -64,7 +66,7 @@ class Trainer:
                     f"nothing is left to train (raise train.steps or train.epochs to continue)"
                 )
         self.loader = GlobalBatchLoader(run.source, self.total_steps - self.start_step)
-        self.loader.load_state_dict({"position": self.samples_seen})
+        self.loader.load_state_dict(data_state)
         if run.plan:
             self.console.print(run.plan.describe())
         self.console.print(describe_run(run))
@@ -111,7 +113,7 @@ class Trainer:
         self.step_lr = self.run.scheduler.get_last_lr()[0]  # the rate this step used
         self.run.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.samples_seen = self.loader.state_dict()["position"]
+        self.samples_seen = self.loader.state_dict()["samples"]
         return totals, grad_norm, counts
 
     # ---- evaluation, checkpoints, export -----------------------------------------------------------------
@@ -126,7 +128,11 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> Path:
         """Sharded checkpoint of the whole training state at `step` (collective)."""
-        state = {"samples_seen": self.samples_seen, "bad_steps": self.guard.bad_steps}
+        state = {
+            "samples_seen": self.samples_seen,
+            "data": self.loader.state_dict(),
+            "bad_steps": self.guard.bad_steps,
+        }
         extra = {"config.yaml": (self.run_dir / "config.yaml").read_text()} if self.is_main else None
         folder = self.run.checkpoints.save(step, state, extra, self._phase)
         self.console.print(f"{'writing' if self.run.checkpoints.async_save else 'saved'} checkpoint {folder}")
@@ -203,8 +209,8 @@ class Trainer:
 
     def _step_fields(self, grad_norm: torch.Tensor) -> dict:
         """What the loop adds to a record besides the window's means and rates."""
-        # The epoch from the samples consumed, not the sampler: the loader has already drawn the next batch.
-        epoch = round(self.samples_seen / len(self.run.train_rows.groups), 4)
+        # The epoch of the batches handed out, not the source's: the loader has already drawn the next one.
+        epoch = round(self.loader.epoch, 4)
         fields = {"lr": self.step_lr, "grad_norm": grad_norm.item(), "epoch": epoch}
         if self.guard.bad_steps:
             fields["bad_steps"] = self.guard.bad_steps

@@ -39,7 +39,7 @@ def _run(cfg: dict, stop_after: int | None) -> dict:
 
     def take(self, count):
         ids = original_take(self, count)
-        takes.append(ids)
+        takes.append(ids.tolist())
         return ids
 
     def save(self, step):
@@ -151,7 +151,7 @@ def test_every_sample_of_an_epoch_is_seen_exactly_once(runs, target):
     rows = resumed["rows"]
     assert len(ids) == STEPS * 8 > rows  # the run crosses into the second epoch
     assert sorted(ids[:rows]) == list(range(rows))
-    assert ids == GlobalOrder(rows, 0).take(STEPS * 8)  # the very order of the uninterrupted run
+    assert ids == GlobalOrder(rows, 0).take(STEPS * 8).tolist()  # the very order of the uninterrupted run
 
 
 def test_export_of_the_sharded_checkpoint_matches_the_live_model(runs):

@@ -25,9 +25,9 @@ def _rank_data(cfg: dict) -> dict:
     )
     return {
         "encoded": encoded,
-        "rows": train.rows,
+        "rows": train.rows.tolist(),
         "tokens": [train.examples[i].input_ids for i in range(len(train.examples))],
-        "eval_rows": evaluation.rows,
+        "eval_rows": evaluation.rows.tolist(),
     }
 
 

@@ -69,7 +69,7 @@ def _build(data, tokenizer, cache=None, stage="sft"):
 
 
 def _same(a, b):
-    assert a.rows == b.rows and a.groups == b.groups
+    assert a.rows == b.rows and a.group_size == b.group_size
     assert len(a.examples) == len(b.examples)
     for i in range(len(a.examples)):
         assert a.examples[i].input_ids == b.examples[i].input_ids
@@ -223,3 +223,48 @@ def test_a_cache_built_meanwhile_by_another_process_is_kept(tmp_path, files, tok
     rows = _build(data, tokenizer, cache)
     monkeypatch.setattr(cache_module.os, "rename", original_rename)
     _same(rows[0], _build(data, tokenizer)[0])
+
+
+def _reference_encoding(tokenizer, encoder, record):
+    """The encoding before the tokenizer's batch API, record by record through the transformers call."""
+    from shardforge.data.templates import assistant_spans
+
+    if record.text is not None:
+        ids = tokenizer(record.text, add_special_tokens=False)["input_ids"]
+        ids = [tokenizer.bos_token_id] * (tokenizer.bos_token_id is not None) + ids + [tokenizer.eos_token_id]
+        return ids, [True] * len(ids)
+    messages = list(record.messages)
+    text, spans = assistant_spans(tokenizer, encoder.template, messages, record.source)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if encoder.train_on_prompt:
+        return enc["input_ids"], [True] * len(enc["input_ids"])
+    trained, span_i = [], 0
+    for start, _ in enc["offset_mapping"]:
+        while span_i < len(spans) and start >= spans[span_i][1]:
+            span_i += 1
+        trained.append(span_i < len(spans) and spans[span_i][0] <= start)
+    return enc["input_ids"], trained
+
+
+@pytest.mark.parametrize("train_on_prompt", [False, True])
+@pytest.mark.parametrize("fmt", ["alpaca", "sharegpt", "openai", "text", "info"])
+def test_batch_encoding_equals_record_by_record_encoding(tmp_path, files, tokenizer, fmt, train_on_prompt):
+    """The batch tokenizer call gives the same tokens and targets as the transformers call per record, also
+    on text with accents, CJK and emoji (the targets come from character offsets)."""
+    from shardforge.data.loader import read_dataset
+
+    stage = "pt" if fmt == "text" else "sft"
+    data = _data(files, fmt, train_on_prompt=train_on_prompt)
+    records = read_dataset(data.train[0], stage)
+    unicode = write_jsonl(
+        tmp_path / "unicode.jsonl",
+        [{"instruction": "héllo wörld 世界", "input": "", "output": "ça va 🎉 très bien, 谢谢 " * 3}],
+    )
+    records += read_dataset(DataSection(train=[{"path": str(unicode), "format": "alpaca"}]).train[0], stage)
+    encoder = build_objective(stage).encoder(tokenizer, data)
+    batch = encoder.encode_batch(records)
+    for record, [(ids, trained)] in zip(records, batch, strict=True):
+        want_ids, want_trained = _reference_encoding(tokenizer, encoder, record)
+        assert ids.tolist() == list(want_ids), record.source
+        assert trained.tolist() == list(want_trained), record.source
+    assert any(not all(t) for [(_, t)] in batch) != (train_on_prompt or stage == "pt")

@@ -12,7 +12,7 @@ from shardforge.data.encode import encode_all
 from shardforge.data.examples import EncodeStats, Example
 from shardforge.data.formats import Record
 from shardforge.data.loader import RowSet
-from shardforge.data.packing import pack_rows
+from shardforge.data.packing import pack_rows, single_rows
 from shardforge.data.store import ExampleStore
 from shardforge.errors import DataError
 from shardforge.models import build_preset
@@ -114,7 +114,7 @@ def test_sft_labels_only_assistant_tokens(tokenizer):
         == "The sum is 4.<|im_end|>\n6<|im_end|>\n"
     )
     [(ids2, trained2)] = stage.encoder(tokenizer, _data(train_on_prompt=True))(Record("x:1", messages, None))
-    assert ids2 == ids and all(trained2)
+    assert ids2.tolist() == ids.tolist() and all(trained2)
 
 
 def test_truncation_is_counted_or_an_error(tokenizer):
@@ -139,11 +139,11 @@ def test_no_trainable_tokens_is_an_error(tokenizer):
 
 def test_pack_rows_fills_and_respects_capacity():
     lengths = [7, 3, 5, 1, 9, 2, 4, 4, 8, 6]
-    rows = pack_rows(lengths, 10)
+    rows = pack_rows(lengths, 10).tolist()
     assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in r) <= 10 for r in rows)
     assert len(rows) <= 6  # 49 tokens need at least 5 rows of 10
-    assert pack_rows(lengths, 10) == rows and pack_rows(lengths, 10, seed=1) != rows  # seeded
+    assert pack_rows(lengths, 10).tolist() == rows and pack_rows(lengths, 10, seed=1).tolist() != rows
     # Online best fit in random order, not best-fit decreasing (which fills rows longest first: here
     # 9+1, 8+2, 7+3, 6+4, 5+4, row sizes in decreasing order).
     sizes = [sum(lengths[i] for i in r) for r in rows]
@@ -157,18 +157,52 @@ def test_pack_rows_fills_and_respects_capacity():
         pack_rows([11], 10)
 
 
+def _best_fit_reference(lengths: list[int], capacity: int, seed: int) -> list[list[int]]:
+    """Online best fit written plainly: in the seeded order, each document joins the open row with the least
+    room that still fits it (the newest such row on a tie), else a new row."""
+    import random
+
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    last_touched: list[int] = []
+    for step, doc in enumerate(order):
+        fits = [r for r in range(len(rows)) if room[r] >= lengths[doc]]
+        if fits:
+            row = min(fits, key=lambda r: (room[r], -last_touched[r]))
+        else:
+            row = len(rows)
+            rows.append([])
+            room.append(capacity)
+            last_touched.append(0)
+        rows[row].append(doc)
+        room[row] -= lengths[doc]
+        last_touched[row] = step
+    return [sorted(r) for r in rows]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_pack_rows_is_online_best_fit(seed):
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 64) for _ in range(400)]
+    assert pack_rows(lengths, 64, seed).tolist() == _best_fit_reference(lengths, 64, seed)
+
+
 def test_global_order_is_split_invariant_and_covers_each_epoch():
     order = GlobalOrder(10, seed=5)
-    first_epoch = order.take(10)
+    first_epoch = order.take(10).tolist()
     assert sorted(first_epoch) == list(range(10))
     assert sorted(order.take(10)) == list(range(10))
-    step = GlobalOrder(100, seed=1).take(8)
+    step = GlobalOrder(100, seed=1).take(8).tolist()
     for mb, accum, dp in [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 4, 2)]:
         parts = [split_global_batch(step, mb, accum, dp, r) for r in range(dp)]
         assert sorted(i for rank in parts for micro in rank for i in micro) == sorted(step)
     resumed = GlobalOrder(10, seed=5)
     resumed.position = 7  # what a resumed loader sets (test below)
-    assert resumed.take(6) == (first_epoch + GlobalOrder(10, seed=5).take(20)[10:])[7:13]
+    assert resumed.take(6).tolist() == (first_epoch + GlobalOrder(10, seed=5).take(20).tolist()[10:])[7:13]
 
 
 def test_loader_state_is_the_position_after_the_batches_handed_out():
@@ -176,17 +210,17 @@ def test_loader_state_is_the_position_after_the_batches_handed_out():
     resumed from that state hands out exactly the batches the uninterrupted one does next."""
     examples = [Example(tuple(range(2, 4 + i % 5)), (True,) * (2 + i % 5), f"x:{i}") for i in range(10)]
     store = ExampleStore.from_examples(examples)
-    rows = RowSet(store, [[i] for i in range(10)], [[i] for i in range(10)], EncodeStats())
+    rows = RowSet(store, single_rows(10), EncodeStats())
 
     def loader(batches: int) -> GlobalBatchLoader:
         return GlobalBatchLoader(DatasetSource(rows, 3, 2, 1, 2, 0, collate, pad_id=0), batches)
 
     straight = loader(5)
     seen = [straight.next() for _ in range(5)]
-    assert [b.position for b in seen] == [4, 8, 12, 16, 20]
+    assert [b.state["samples"] for b in seen] == [4, 8, 12, 16, 20]
     first = loader(5)
     first.next(), first.next()
-    assert first.state_dict() == {"position": 8}  # although the third batch is already drawn
+    assert first.state_dict() == {"samples": 8}  # although the third batch is already drawn
     first.close()
     resumed = loader(3)
     resumed.load_state_dict(first.state_dict())
@@ -194,7 +228,7 @@ def test_loader_state_is_the_position_after_the_batches_handed_out():
         got = resumed.next()
         assert torch.equal(got.micro[0].input_ids, expected.micro[0].input_ids)
         assert got.counts == expected.counts  # counts over the whole global batch (both dp ranks)
-    ids = GlobalOrder(10, seed=3).take(4)  # the first global batch: 2 rows x 2 data-parallel ranks
+    ids = GlobalOrder(10, seed=3).take(4).tolist()  # the first global batch: 2 rows x 2 data-parallel ranks
     assert seen[0].counts["targets"] == sum(examples[i].num_targets for i in ids)
     assert seen[0].counts["tokens"] == sum(len(examples[i].input_ids) for i in ids)
     assert seen[0].counts["groups"] == 4
