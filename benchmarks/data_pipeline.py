@@ -150,13 +150,14 @@ def _config(folder: Path, train: dict, stage: str, cache: Path) -> Path:
 
 
 def _show(name: str, r: dict) -> None:
-    what = "tokens streamed" if r["streamed"] else "tokens"
-    print(
-        f"{name:44s} {r['seconds']:7.2f} s  {r['records'] / r['seconds']:8.0f} records/s  "
-        f"peak RSS {r['peak_rss_mib']:6.0f} MiB  +{r['rss_growth_bytes_per_token']:6.1f} B/token "
-        f"({r['tokens'] / 1e6:.1f}M {what})",
-        flush=True,
-    )
+    if r["streamed"]:  # memory is bounded by the windows: growth in MiB, not per token
+        rate = f"{r['tokens'] / 1e6:6.1f}M tokens drawn"
+        growth = f"+{r['rss_growth_bytes_per_token'] * r['tokens'] / 2**20:5.0f} MiB"
+    else:
+        rate = f"{r['records'] / r['seconds']:8.0f} records/s ({r['tokens'] / 1e6:.1f}M tokens)"
+        growth = f"+{r['rss_growth_bytes_per_token']:5.1f} B/token"
+    first, peak = f"{r['seconds']:7.2f} s", f"{r['peak_rss_mib']:6.0f} MiB"
+    print(f"{name:44s} first batch {first}  peak RSS {peak}  {growth}  {rate}", flush=True)
 
 
 def main() -> None:

@@ -60,6 +60,7 @@ class StreamPosition:
 
 
 def stream_shards(specs: list[DatasetSpec], stage: str) -> list[Shard]:
+    """The stream's files in reading order: the entries in turn, a folder's files by name."""
     shards = []
     for i, spec in enumerate(specs):
         path, fmt, fields = resolve_spec(spec, stage)
