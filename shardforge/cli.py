@@ -45,8 +45,8 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     from shardforge.checkpoint.export import export_checkpoint
 
     warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
-    checkpoint, out = export_checkpoint(Path(args.source), Path(args.to), warn)
-    console.print(f"exported {checkpoint} to {out} (Hugging Face format, with the tokenizer)")
+    checkpoint, out, what = export_checkpoint(Path(args.source), Path(args.to), warn, args.merge)
+    console.print(f"exported {checkpoint} to {out}: {what}, with the tokenizer")
     return 0
 
 
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
         "source", help="a checkpoint folder, or a run folder (its newest complete checkpoint)"
     )
     p_export.add_argument("--to", required=True, help="the folder to write")
+    p_export.add_argument(
+        "--merge", action="store_true", help="LoRA: merge the adapters into the base (a plain HF folder)"
+    )
     p_export.set_defaults(func=_cmd_export)
     p_data = sub.add_parser("data", help="data utilities")
     data_sub = p_data.add_subparsers(dest="data_command", required=True)

@@ -20,6 +20,10 @@ _ADVICE = {
     ),
     "rows": "the training data changed (a different number of rows): the saved data position does not apply",
     "seed": "the data order follows train.seed: resume with the saved seed",
+    "finetuning": (
+        "the checkpoint holds what its method trains (adapters, or some layers) over its base model: resume "
+        "with the same method.finetuning and settings over the same model.path"
+    ),
     "optimizer_format": (
         "the optimizer states are stored in another layout (an older shardforge): resume with the version "
         "that wrote it, or export the weights (shardforge export) and start a new run from them"

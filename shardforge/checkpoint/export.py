@@ -1,29 +1,58 @@
-"""Any training checkpoint (any layout, any world size) -> a Hugging Face folder, in one process."""
+"""Any training checkpoint (any layout, any world size) -> a Hugging Face folder (or, for LoRA, a PEFT adapter
+folder, or with `merge` the adapters merged into the base), in one process."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
+from shardforge.adapters.apply import apply_finetuning, is_adapter_key
+from shardforge.adapters.peft_format import merged_state, save_adapter
 from shardforge.checkpoint.store import resolve_checkpoint
 from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state
-from shardforge.config import load_config
+from shardforge.config import Config, load_config
 from shardforge.models import save_model
 from shardforge.models.build import build_model, load_tokenizer
 from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
 
 
-def export_checkpoint(path: Path, to: Path, warn: Callable[[str], None]) -> tuple[Path, Path]:
+def write_model_folder(
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    config: Config,
+    tokenizer: Any,
+    to: Path,
+    merge: bool = False,
+) -> str:
+    """Write a run's full weights (our names, unpadded) as what its method hands back: an HF folder, or for
+    LoRA a PEFT adapter folder (the merged HF folder with `merge`). Returns what was written."""
+    if config.method.finetuning == "lora" and not merge:
+        adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
+        save_adapter(to, model.config.family, adapters, config.method.lora, config.model.path, tokenizer)
+        return "LoRA adapter (PEFT format)"
+    if config.method.finetuning == "lora":
+        state = merged_state(model, state)
+    save_model(model, to, tokenizer=tokenizer, state_dict=state)
+    return "model (HF format, adapters merged)" if config.method.finetuning == "lora" else "model (HF format)"
+
+
+def export_checkpoint(
+    path: Path, to: Path, warn: Callable[[str], None], merge: bool = False
+) -> tuple[Path, Path, str]:
     """Write the weights of a checkpoint (+ the run's tokenizer) as an HF folder; returns (the checkpoint
-    used, the folder written)."""
+    used, the folder written, what it holds). A LoRA or freeze checkpoint holds only what trained: the base
+    is read from the run's model.path."""
     folder = resolve_checkpoint(path, warn)
     config = load_config(folder / "config.yaml")  # the run's resolved config, saved with its checkpoints
     tokenizer = load_tokenizer(config.model)
     model = build_model(config.model, tokenizer, config.train.seed, torch.device("cpu"))
+    apply_finetuning(model, config.method, config.train.seed)  # the checkpoint holds the adapters
     vocab = model.config.vocab_size
     pad_vocab(model, read_trainer_state(folder)["vocab_rows"])  # as saved: padded for the run's TP degree
     load_model_weights(folder, model)
     weights = strip_vocab_padding(model.state_dict(), vocab)
-    return folder, save_model(model, to, tokenizer=tokenizer, state_dict=weights)
+    return folder, to, write_model_folder(model, weights, config, tokenizer, to, merge)

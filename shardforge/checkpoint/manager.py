@@ -27,7 +27,9 @@ from shardforge.config.schema import CheckpointSection
 from shardforge.errors import CheckpointError
 
 
-def signature(model_config: Any, vocab_rows: int, global_batch: int, rows: int, seed: int) -> dict:
+def signature(
+    model_config: Any, vocab_rows: int, global_batch: int, rows: int | str, seed: int, finetuning: Any = None
+) -> dict:
     """What a continuation depends on. The model is its whole config (every field of the family's config
     dataclass except the original config.json it was read from), so a new field is compared without being
     listed here."""
@@ -38,6 +40,7 @@ def signature(model_config: Any, vocab_rows: int, global_batch: int, rows: int, 
         "global_batch": global_batch,
         "rows": rows,
         "seed": seed,
+        "finetuning": finetuning,  # None: full; else the method, its settings and the base it trains over
         "optimizer_format": OPTIMIZER_FORMAT,
     }
 

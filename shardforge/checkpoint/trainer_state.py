@@ -16,7 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
 
 from shardforge.checkpoint.optim_state import load_optimizer_state, optimizer_state
 from shardforge.checkpoint.store import TRAINER_STATE, commit, staging_dir, step_name
@@ -61,6 +66,37 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _frozen(model: nn.Module) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")  # name segments wrappers add (DCP drops them)
+
+
+def _model_state(model: nn.Module) -> dict[str, Any]:
+    """What a checkpoint holds of the model: every weight, or only the trained ones when some are frozen
+    (LoRA, freeze tuning): the frozen base is read again from model.path on resume and on export. A tied
+    weight is frozen under both its names."""
+    state = get_model_state_dict(model)
+    if not _frozen(model):
+        return state
+    frozen = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            name = name.removeprefix("module.") if isinstance(model, DistributedDataParallel) else name
+            for segment in _WRAPPERS:
+                name = name.replace(segment, "")
+            frozen.add(name)
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
+def trained_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain (unsharded) model's state dict, less the frozen weights (as `_model_state` keeps it)."""
+    trained = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    state = model.state_dict()
+    return {k: v for k, v in state.items() if k in trained} if _frozen(model) else state
+
+
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -102,7 +138,7 @@ class Checkpointer:
             staging.mkdir(parents=True)
         _barrier()
         _require_shared(staging)
-        both = {"model": get_model_state_dict(model), "optim": optimizer_state(model, optimizer)}
+        both = {"model": _model_state(model), "optim": optimizer_state(model, optimizer)}
         torch.save(_rng_state(), staging / f"rng-rank{rank}.pt")
         if rank == 0:
             for name, text in (extra_files or {}).items():
@@ -139,9 +175,10 @@ def read_trainer_state(folder: Path) -> dict:
 def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Load model and optimizer (resharded onto this run's layout) and this rank's RNG state when the world
     size is unchanged; returns the loop's saved state."""
-    both = {"model": get_model_state_dict(model), "optim": optimizer_state(model, optimizer)}
+    both = {"model": _model_state(model), "optim": optimizer_state(model, optimizer)}
     _dcp(dcp.load, both, checkpoint_id=folder)
-    set_model_state_dict(model, both["model"])
+    # Without the frozen weights the state is partial by design: the rest came from model.path.
+    set_model_state_dict(model, both["model"], options=StateDictOptions(strict=not _frozen(model)))
     load_optimizer_state(model, optimizer, both["optim"])
     state = read_trainer_state(folder)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -156,6 +193,6 @@ def load_checkpoint(folder: Path, model: nn.Module, optimizer: torch.optim.Optim
 
 def load_model_weights(folder: Path, model: nn.Module) -> None:
     """Only the weights, into a plain (unsharded) model in one process: for export."""
-    state = {"model": model.state_dict()}
+    state = {"model": trained_state(model)}
     _dcp(dcp.load, state, checkpoint_id=folder)  # export runs in one process: no group
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=not _frozen(model))

@@ -18,6 +18,8 @@ class ModelSection(Section):
     preset: str | None = None
     tokenizer: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    adapter: str | None = None  # a PEFT LoRA folder to start from (method.finetuning=lora)
+    quantize: Literal["none", "nf4"] = "none"  # nf4: QLoRA, the frozen base's block linears in 4 bits
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -68,9 +70,53 @@ class DataSection(Section):
     stream_window: int = Field(default=4096, ge=1)  # records shuffled and packed together when streaming
 
 
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSection(Section):
+    """LoRA as PEFT defines it: W x + (alpha / rank) B A x (alpha / sqrt(rank) with rslora), A
+    kaiming-uniform, B zero; DoRA adds a magnitude per output row over the row norms of W + BA (detached)."""
+
+    rank: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16.0, gt=0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    targets: Literal["all"] | list[str] = "all"  # every linear of attention and MLP, or HF module names
+    dora: bool = False
+    rslora: bool = False
+
+    @model_validator(mode="after")
+    def _known_targets(self) -> LoraSection:
+        if self.targets == "all":
+            return self
+        if not self.targets:
+            raise ValueError("method.lora.targets is empty; give module names or all")
+        unknown = [t for t in self.targets if t not in LINEAR_TARGETS]
+        if unknown:
+            raise ValueError(
+                f"method.lora.targets: unknown module {', '.join(map(repr, unknown))}; valid: all, or "
+                f"some of {', '.join(LINEAR_TARGETS)}"
+            )
+        return self
+
+
+class FreezeSection(Section):
+    """Freeze tuning: the last N decoder layers train (negative: the first N), plus named modules."""
+
+    trainable_layers: int = 2
+    extra_modules: list[Literal["embed_tokens", "norm", "lm_head"]] = []
+
+    @model_validator(mode="after")
+    def _some_layers(self) -> FreezeSection:
+        if self.trainable_layers == 0 and not self.extra_modules:
+            raise ValueError("method.freeze: trainable_layers=0 and no extra_modules leaves nothing to train")
+        return self
+
+
 class MethodSection(Section):
     stage: Literal["pt", "sft"] = "sft"
-    finetuning: Literal["full"] = "full"
+    finetuning: Literal["full", "freeze", "lora"] = "full"
+    lora: LoraSection = LoraSection()
+    freeze: FreezeSection = FreezeSection()
 
 
 # Pipeline schedules by how many stages each rank runs, and which split backward (zero bubble).
@@ -222,6 +268,25 @@ class Config(Section):
     checkpoint: CheckpointSection = CheckpointSection()
     log: LogSection = LogSection()
     hardware: HardwareSection = HardwareSection()
+
+    @model_validator(mode="after")
+    def _adapter_needs_lora(self) -> Config:
+        if self.model.quantize == "nf4" and self.method.finetuning != "lora":
+            raise ValueError(
+                f"model.quantize=nf4 freezes the base in 4 bits, so only adapters can train: set "
+                f"method.finetuning=lora (it is {self.method.finetuning})"
+            )
+        if self.model.quantize == "nf4" and self.parallel.tp > 1:
+            raise ValueError(
+                f"model.quantize=nf4 with parallel.tp={self.parallel.tp}: NF4 weights are not split by "
+                f"tensor parallel here; use data parallel (zero_stage=3 shards them) or pipeline parallel"
+            )
+        if self.model.adapter is not None and self.method.finetuning != "lora":
+            raise ValueError(
+                f"model.adapter={self.model.adapter!r} starts from a LoRA adapter: set "
+                f"method.finetuning=lora (it is {self.method.finetuning})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _streaming(self) -> Config:

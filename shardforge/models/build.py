@@ -15,6 +15,7 @@ from shardforge.errors import ModelError
 from shardforge.models import build_preset, load_model
 from shardforge.models.io import Prune, read_config_json, weight_files
 from shardforge.models.presets import preset_config
+from shardforge.models.quantize import quantize_model
 from shardforge.models.spec import spec_for
 
 # What AutoTokenizer builds a tokenizer from; without any of them it quietly makes an empty one.
@@ -78,12 +79,15 @@ def build_model(
 ) -> nn.Module:
     """The model of a run, built directly on `device`; `prune` (a pipeline split) drops what this rank does
     not hold before any memory is allocated."""
-    dtype = _DTYPES[model.dtype]
+    dtype, nf4 = _DTYPES[model.dtype], model.quantize == "nf4"
     if model.preset is not None:
-        return build_preset(
+        net = build_preset(
             model.preset, vocab_size=len(tokenizer), dtype=dtype, seed=seed, device=device, prune=prune
         )
-    net = load_model(model.path, dtype=dtype, device=device, prune=prune)
+        if nf4:
+            quantize_model(net)
+        return net
+    net = load_model(model.path, dtype=dtype, device=device, prune=prune, quantize=nf4)
     if len(tokenizer) > net.config.vocab_size:
         raise ModelError(
             f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {net.config.vocab_size}"

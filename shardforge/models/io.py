@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from shardforge.errors import ModelError
+from shardforge.models.quantize import QUANTIZED, set_nf4
 from shardforge.models.spec import ModelSpec, spec_for
 
 SINGLE_FILE = "model.safetensors"
@@ -79,21 +80,34 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     prune: Prune | None = None,
+    quantize: bool = False,
 ) -> nn.Module:
     """Read an HF folder (config.json + safetensors, single or sharded) into our model implementation
-    (only the weights the `prune`d model keeps are read)."""
+    (only the weights the `prune`d model keeps are read). `quantize`: the block linears in NF4, each
+    quantized as it is read (models/quantize.py)."""
     folder = Path(path)
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"))
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
     model = build_empty(spec, cfg, device, prune, dtype)
-    load_hf_weights(model, spec, weight_files(folder), dtype, partial=prune is not None)
+    if quantize:  # no full-precision memory for what is read in NF4: placeholders until then
+        for key, param in list(model.named_parameters()):
+            if QUANTIZED.match(key):
+                module_name, _, name = key.rpartition(".")
+                meta_param = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+                setattr(model.get_submodule(module_name), name, meta_param)
+    load_hf_weights(model, spec, weight_files(folder), dtype, partial=prune is not None, quantize=quantize)
     return model
 
 
 @torch.no_grad()
 def load_hf_weights(
-    model: nn.Module, spec: ModelSpec, files: list[Path], dtype: torch.dtype, partial: bool = False
+    model: nn.Module,
+    spec: ModelSpec,
+    files: list[Path],
+    dtype: torch.dtype,
+    partial: bool = False,
+    quantize: bool = False,
 ) -> None:
     """Copy safetensors weights into the model's parameters, checking that every parameter is filled
     exactly once. A `partial` model (a pipeline stage) skips the weights of the other stages."""
@@ -130,8 +144,11 @@ def load_hf_weights(
                         f"{file.name}: weight {hf_key!r} has shape {tuple(tensor.shape)}, "
                         f"config.json implies {tuple(targets[0].shape)}"
                     )
-                for target in targets:
-                    target.copy_(tensor.to(dtype))
+                if quantize and QUANTIZED.match(key):
+                    set_nf4(model, key, tensor.to(dtype))
+                else:
+                    for target in targets:
+                        target.copy_(tensor.to(dtype))
                 missing.discard(key)
     if missing:
         names = ", ".join(sorted(spec.key_to_hf(k) for k in missing)[:8])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from fnmatch import fnmatch
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from shardforge.config.schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.models.spec import spec_for
 from shardforge.parallel.dims import ParallelDims
+from shardforge.sharding.lora_styles import ADAPTER, for_adapter
 
 _VOCAB_KEYS = ("embed_tokens.weight", "lm_head.weight")
 
@@ -39,13 +41,43 @@ def apply_tensor_parallel(
     pad_vocab(model, padded)
     # A pipeline stage holds part of the model: the plan's entries for modules it lacks do not apply.
     plan = {key: style for key, style in plan.items() if getattr(model, key.split(".")[0]) is not None}
-    parallelize_module(model, mesh["tp"], plan)
+    trained = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
+    parallelize_module(model, mesh["tp"], _with_adapters(model, plan))
     model.tie_weights()  # the head's style re-wraps a tied weight: share the embedding's DTensor again
+    for name, param in model.named_parameters():  # torch's SequenceParallel re-creates norms trainable
+        param.requires_grad_(trained[name])
     if padded != cfg.vocab_size and model.lm_head is not None:
         model.lm_head.register_forward_hook(_mask_padded_logits(cfg.vocab_size))
     if parallel.sequence_parallel:
         model.register_forward_pre_hook(_require_even_split(dims.tp), with_kwargs=True)
     return model
+
+
+def _with_adapters(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan, with each linear that carries a LoRA adapter named on its own and given the adapter-aware
+    version of its style (the adapter split as its base is)."""
+    adapted = {}
+    for name, module in model.named_modules():
+        if hasattr(module, ADAPTER):
+            key = next((k for k in plan if _matches(k, name)), None)
+            if key is not None:
+                adapted[name] = for_adapter(plan[key])
+    if not adapted:
+        return plan
+    rest = {}
+    for key, style in plan.items():  # the pattern's other modules, by name (a pattern would take them all)
+        names = [n for n, _ in model.named_modules() if _matches(key, n)]
+        if any(n in adapted for n in names):
+            rest.update({n: style for n in names if n not in adapted})
+        else:
+            rest[key] = style
+    return rest | adapted
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """parallelize_module's matching: segment by segment, `*` and globs within a segment."""
+    parts, names = pattern.split("."), name.split(".")
+    return len(parts) == len(names) and all(fnmatch(n, p) for p, n in zip(parts, names, strict=True))
 
 
 def check_tensor_parallel(model_config: Any, parallel: ParallelSection) -> dict[str, Any]:
@@ -89,7 +121,7 @@ def pad_vocab(model: nn.Module, rows: int) -> None:
     for module in present[:1] if tied else present:
         weight = module.weight.detach()
         extra = weight.new_zeros(rows - vocab, weight.shape[1])
-        module.weight = nn.Parameter(torch.cat([weight, extra]))
+        module.weight = nn.Parameter(torch.cat([weight, extra]), requires_grad=module.weight.requires_grad)
     if model.embed_tokens is not None:
         model.embed_tokens.num_embeddings = rows
     if model.lm_head is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import inspect
+import json
 import math
 import os
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from rich.console import Console
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardforge.adapters.apply import apply_finetuning
 from shardforge.checkpoint.manager import CheckpointManager, signature
 from shardforge.config import Config, dump_config
 from shardforge.config.schema import DataSection
@@ -133,6 +135,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     prune = partial(split_for_pipeline, plan=plan, stages=plan.stages_of(pp_rank)) if plan else None
     model = build_model(cfg.model, tokenizer, cfg.train.seed, device, prune)
     model_config = model.config
+    apply_finetuning(model, cfg.method, cfg.train.seed, cfg.model.adapter)  # what trains, before any layout
     engine = parallelize(model, dims, mesh, cfg, plan, objective, precision.autocast, device)
 
     global_batch = cfg.train.micro_batch * grad_accum * dims.dp
@@ -148,7 +151,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
     vocab_rows = padded_vocab(model_config.vocab_size, dims.tp)
     data_id = len(train_rows.rows) if train_rows is not None else _stream_identity(cfg, objective)
-    sig = signature(model_config, vocab_rows, global_batch, data_id, cfg.train.seed)
+    sig = signature(model_config, vocab_rows, global_batch, data_id, cfg.train.seed, _finetuning(cfg))
     parts = (engine.model, optimizer, scheduler, precision)
     layout = (dims.world_size, dims.describe())
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout, warn)
@@ -180,6 +183,19 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         train_rows, eval_rows, model_config, engine, optimizer, scheduler, checkpoints, source, grad_accum,
         global_batch, total, multiple, peak, spec_for(model_config.family).costs(model_config),
     )  # fmt: skip
+
+
+def _finetuning(cfg: Config) -> dict | None:
+    """What a parameter-efficient run's checkpoint depends on besides itself: the method's settings and the
+    base it does not hold (re-read from model.path on resume). None for full fine-tuning."""
+    method = cfg.method
+    if method.finetuning == "full":
+        return None
+    settings = method.lora if method.finetuning == "lora" else method.freeze
+    weights = sorted(Path(cfg.model.path).glob("*.safetensors")) if cfg.model.path else []
+    base = file_fingerprint(weights) if weights else f"preset {cfg.model.preset}"
+    identity = {"method": method.finetuning, "settings": settings.model_dump(), "base": base}
+    return json.loads(json.dumps(identity))  # as the checkpoint stores it (lists, not tuples)
 
 
 def _reader_stage(objective: Objective) -> str:

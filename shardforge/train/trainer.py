@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 
+from shardforge.checkpoint.export import write_model_folder
 from shardforge.config import Config
 from shardforge.data.batch_source import GlobalBatchLoader
-from shardforge.models import save_model
 from shardforge.objectives import Objective
 from shardforge.parallel.distributed import shutdown
 from shardforge.parallel.memory import memory_report
@@ -220,12 +220,13 @@ class Trainer:
         return fields
 
     def _save_final(self) -> Path:
-        """Gather full weights (a collective) and write the HF folder from rank 0."""
-        state = self.full_state_dict() if dist.is_initialized() else None
+        """Gather full weights (a collective) and write, from rank 0, the HF folder (or for LoRA the PEFT
+        adapter folder, which peft loads over the base model)."""
+        state = self.full_state_dict()
         final = self.run_dir / "final"
         if self.is_main:
-            save_model(self.engine.inner, final, tokenizer=self.run.tokenizer, state_dict=state)
-            self.console.print(f"saved the final model (HF format) to {final}")
+            what = write_model_folder(self.engine.inner, state, self.config, self.run.tokenizer, final)
+            self.console.print(f"saved the final {what} to {final}")
         if dist.is_initialized():
             dist.barrier()
         return final

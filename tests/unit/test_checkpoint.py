@@ -148,7 +148,7 @@ def test_export_of_a_checkpoint_reloads_in_transformers(tmp_path, data):
     cfg = _config(tmp_path / "a", data, every=3, save_final=True)
     trainer = Trainer(load_config(None, base=cfg))
     trainer.train()
-    _, out = export_checkpoint(tmp_path / "a" / "run", tmp_path / "exported", print)  # a run: its newest
+    _, out, _ = export_checkpoint(tmp_path / "a" / "run", tmp_path / "exported", print)  # a run: its newest
     ids = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         live = trainer.model(ids)

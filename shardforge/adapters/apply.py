@@ -1,0 +1,64 @@
+"""`method.finetuning` applied to a built model, in place, before any parallel layout: which parameters train.
+
+full: all of them. freeze: the last N decoder layers (negative N: the first N) and the named extra modules.
+lora: every targeted linear of the decoder blocks becomes a `LoRALinear`; only the adapters train. Names are
+the model's own (`layers.<i>....`), so a pipeline rank, which holds some layers only, transforms exactly its
+part of what the whole model would get.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from shardforge.adapters.lora import LoRALinear
+from shardforge.config.schema import LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
+
+
+def apply_finetuning(model: nn.Module, method: MethodSection, seed: int, adapter: str | None = None) -> None:
+    """`adapter`: a PEFT LoRA folder whose tensors replace the fresh adapters (to continue training it)."""
+    if method.finetuning == "freeze":
+        freeze(model, method.freeze)
+    elif method.finetuning == "lora":
+        add_lora(model, method.lora, seed)
+        if adapter is not None:
+            from shardforge.adapters.peft_format import load_adapter
+
+            load_adapter(model, Path(adapter), method.lora)
+
+
+def freeze(model: nn.Module, section: FreezeSection) -> None:
+    total = model.config.num_layers
+    n = section.trainable_layers
+    trainable = set(range(total - n, total) if n >= 0 else range(-n))
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        in_layer = parts[0] == "layers" and int(parts[1]) in trainable
+        param.requires_grad_(in_layer or parts[0] in section.extra_modules)
+
+
+def add_lora(model: nn.Module, section: LoraSection, seed: int) -> list[str]:
+    """Wrap the targeted linears; returns their names. Base weights (and everything else) are frozen."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    targets = LINEAR_TARGETS if section.targets == "all" else tuple(section.targets)
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        parent_name, _, leaf = name.rpartition(".")
+        if not name.startswith("layers.") or leaf not in targets or type(module) is not nn.Linear:
+            continue
+        lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)
+        lora.reset_adapter(name, seed)
+        setattr(model.get_submodule(parent_name), leaf, lora)
+        wrapped.append(name)
+    return wrapped
+
+
+def lora_state(state: dict) -> dict:
+    """The adapter tensors of a full state dict (our names)."""
+    return {k: v for k, v in state.items() if ".lora_" in k}
+
+
+def is_adapter_key(key: str) -> bool:
+    return ".lora_" in key

@@ -1,0 +1,91 @@
+"""A linear layer with a LoRA (or DoRA) adapter, as PEFT defines them.
+
+`LoRALinear` is an `nn.Linear` (so tensor-parallel styles and FSDP2 take it as one) that keeps the base
+`weight` and `bias` under their own names, frozen, and adds `lora_A` [rank, in], `lora_B` [out, rank] and,
+for DoRA, `lora_magnitude` [out]:
+
+    LoRA:  y = W x + b + s B A drop(x),                 s = alpha / rank  (alpha / sqrt(rank): rsLoRA)
+    DoRA:  y = W x + b + (m / n - 1) W drop(x) + (m / n) s B A drop(x),   n = ||W + s B A|| per row, detached
+
+DoRA's row norm is a constant for the gradient, as its paper (section 4.3) and PEFT do; m starts at ||W|| per
+row, so a fresh adapter changes nothing. Under tensor parallel the same expressions run on DTensors whose
+placements follow the base (see `parallel/tensor_parallel.py`), so the norm of a row split over ranks is
+reduced by DTensor itself.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardforge.models.quantize import dequantized
+
+
+class LoRALinear(nn.Linear):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, dora: bool, rslora: bool):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # the same Parameters: loaded weights stay
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.rank, self.alpha, self.rslora = rank, alpha, rslora
+        self.scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        factory = {"device": base.weight.device, "dtype": torch.float32}  # adapters train in fp32
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **factory))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **factory))
+        self.lora_magnitude = nn.Parameter(torch.empty(self.out_features, **factory)) if dora else None
+
+    def reset_adapter(self, name: str, seed: int) -> None:
+        """A from kaiming-uniform (as nn.Linear and PEFT), B zero, m = ||W|| per row. Seeded by the module's
+        name, so every layout (and every pipeline rank, which builds only its own layers) draws the same A."""
+        generator = torch.Generator(device="cpu").manual_seed(seed + zlib.crc32(name.encode()))
+        bound = 1 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) on a [rank, in] matrix
+        values = torch.rand(self.lora_A.shape, generator=generator) * 2 * bound - bound
+        with torch.no_grad():
+            self.lora_A.copy_(values)
+            self.lora_B.zero_()
+            if self.lora_magnitude is not None:
+                self.lora_magnitude.copy_(dequantized(self.weight).float().norm(dim=1))
+
+    def delta_weight(self) -> torch.Tensor:
+        """s B A, in fp32: what LoRA adds to W."""
+        return self.scale * (self.lora_B @ self.lora_A)
+
+    def merged_weight(self) -> torch.Tensor:
+        """The plain linear weight this layer computes (fp32)."""
+        return merge_weight(self.weight, self.lora_A, self.lora_B, self.lora_magnitude, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        dropped = self.dropout(x)
+        low = F.linear(F.linear(dropped.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scale
+        if self.lora_magnitude is None:
+            return out + low.to(out.dtype)
+        with torch.no_grad():
+            norm = (dequantized(self.weight).float() + self.delta_weight()).norm(dim=1)
+        factor = self.lora_magnitude / norm
+        if isinstance(self.dropout, nn.Identity):  # W x without the bias, from the base output
+            plain = (out if self.bias is None else out - self.bias).float()
+        else:
+            plain = F.linear(dropped, self.weight).float()
+        return out + ((factor - 1) * plain + factor * low).to(out.dtype)
+
+    def extra_repr(self) -> str:
+        kind = "DoRA" if self.lora_magnitude is not None else "LoRA"
+        return f"{super().extra_repr()}, {kind} rank={self.rank}, scale={self.scale:g}"
+
+
+def merge_weight(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """W + s B A, and for DoRA scaled per row to the magnitude (fp32)."""
+    merged = dequantized(weight).float() + scale * (b.float() @ a.float())
+    if magnitude is None:
+        return merged
+    return (magnitude.float() / merged.norm(dim=1)).unsqueeze(1) * merged

@@ -1,0 +1,187 @@
+"""LoRA, DoRA and rsLoRA as PEFT defines them: the layer against the published formulas, PEFT adapter folders
+that peft loads over the transformers base with every key matched and the same logits (llama, qwen2, qwen3
+shapes), merged weights that compute what the adapted model does, and freeze tuning's trainable set."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardforge import load_model
+from shardforge.adapters.apply import add_lora, freeze
+from shardforge.adapters.lora import LoRALinear
+from shardforge.adapters.peft_format import merged_state, read_adapter, save_adapter
+from shardforge.config import load_config
+from shardforge.config.schema import FreezeSection, LoraSection
+from shardforge.errors import ConfigError
+from shardforge.models.io import hf_state_dict
+
+BASE = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2)
+SHAPES = {
+    "llama": dict(num_attention_heads=6, num_key_value_heads=3, head_dim=8),
+    "qwen2": dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),  # q/k/v biases
+    "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),  # q/k norms
+}
+VARIANTS = {"lora": {}, "dora": {"dora": True}, "rslora": {"rslora": True, "alpha": 4.0}}
+
+
+def _hf_folder(tmp_path, family: str):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, **BASE, **SHAPES[family])
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    folder = tmp_path / f"hf_{family}"
+    hf.save_pretrained(folder)
+    return folder
+
+
+def _trained_adapters(model: torch.nn.Module) -> None:
+    """Adapters as training leaves them: B no longer zero, magnitudes moved."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_B.copy_(torch.randn(module.lora_B.shape, generator=gen) * 0.2)
+                if module.lora_magnitude is not None:
+                    module.lora_magnitude.mul_(1 + 0.1 * torch.randn(module.out_features, generator=gen))
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_layer_computes_the_published_formulas():
+    torch.manual_seed(0)
+    base = torch.nn.Linear(12, 10, bias=True)
+    x = torch.randn(3, 5, 12)
+    for dora, rslora in [(False, False), (True, False), (False, True)]:
+        layer = LoRALinear(base, rank=4, alpha=8.0, dropout=0.0, dora=dora, rslora=rslora)
+        layer.reset_adapter("layers.0.attn.q_proj", seed=0)
+        w, b = base.weight.detach(), base.bias.detach()
+        scale = 8.0 / math.sqrt(4) if rslora else 8.0 / 4
+        assert layer.scale == scale
+        assert torch.allclose(layer(x), x @ w.T + b)  # B = 0: a fresh adapter changes nothing
+        assert layer.lora_A.abs().max() <= 1 / math.sqrt(12) and layer.lora_A.std() > 0.1  # kaiming-uniform
+        with torch.no_grad():
+            layer.lora_B.normal_()
+            if dora:
+                layer.lora_magnitude.mul_(1.5)
+        a, bb = layer.lora_A.detach(), layer.lora_B.detach()
+        delta = scale * bb @ a
+        if not dora:
+            want = x @ (w + delta).T + b
+        else:  # DoRA (Liu et al. 2024, eq. 5): m (W + dW) / ||W + dW||_row, then the bias
+            m = layer.lora_magnitude.detach()
+            want = x @ ((m / (w + delta).norm(dim=1)).unsqueeze(1) * (w + delta)).T + b
+        out = layer(x)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x @ layer.merged_weight().T + b, want, rtol=1e-5, atol=1e-5)
+        out.square().sum().backward()
+        assert base.weight.grad is None and layer.lora_A.grad is not None
+        if dora:  # the norm is a constant for the gradient: d out / d m = (W + dW) x / ||W + dW||
+            norm = (w + delta).norm(dim=1)
+            expected = (2 * out * ((x @ (w + delta).T) / norm)).sum(dim=(0, 1))
+            torch.testing.assert_close(layer.lora_magnitude.grad, expected, rtol=1e-4, atol=1e-4)
+        base.weight.requires_grad_(True)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("family", sorted(SHAPES))
+def test_peft_loads_our_adapter_with_every_key_and_the_same_logits(tmp_path, family, variant):
+    from peft import PeftModel, get_peft_model_state_dict
+
+    folder = _hf_folder(tmp_path, family)
+    ours = load_model(folder).eval()
+    section = LoraSection(rank=4, **VARIANTS[variant])
+    wrapped = add_lora(ours, section, seed=0)
+    assert len(wrapped) == 2 * 7  # every linear of attention and MLP in both layers
+    _trained_adapters(ours)
+    state = ours.state_dict()
+    adapters = {k: v for k, v in state.items() if ".lora_" in k}
+    out = save_adapter(tmp_path / "adapter", ours.config.family, adapters, section, str(folder))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM" and config["r"] == 4
+    assert config["use_dora"] == section.dora and config["use_rslora"] == section.rslora
+    assert config["base_model_name_or_path"] == str(folder)
+    base = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+    peft_model = PeftModel.from_pretrained(base, out).eval()
+    # peft loads non-strictly: what it holds (under the names it saves) must be exactly our tensors
+    held = get_peft_model_state_dict(peft_model)
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    assert set(held) == set(saved) and len(saved) == len(adapters)
+    assert all(torch.equal(held[k], saved[k]) for k in saved)
+    with torch.no_grad():
+        want = ours(_ids())
+        got = peft_model(_ids()).logits
+        assert (got - want).abs().max().item() < 1e-4
+        merged = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        plain = hf_state_dict(ours, merged_state(ours, state))
+        merged.load_state_dict(plain, strict=False)  # a tied head is written once, as the embedding
+        assert (merged(_ids()).logits - want).abs().max().item() < 1e-4
+    _, back = read_adapter(out, ours.config.family)
+    assert set(back) == set(adapters) and all(torch.equal(back[k], adapters[k]) for k in back)
+
+
+def test_lora_targets_and_freeze_choose_what_trains(tmp_path):
+    folder = _hf_folder(tmp_path, "llama")
+    model = load_model(folder)
+    add_lora(model, LoraSection(targets=["q_proj", "v_proj"]), seed=0)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable == sorted(
+        f"layers.{i}.attn.{m}.lora_{ab}" for i in (0, 1) for m in ("q_proj", "v_proj") for ab in "AB"
+    )
+    model = load_model(folder)
+    freeze(model, FreezeSection(trainable_layers=1, extra_modules=["norm"]))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    last = {n for n, _ in model.named_parameters() if n.startswith("layers.1.")}
+    assert trainable == last | {"norm.weight"}
+    freeze(model, FreezeSection(trainable_layers=-1))
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, _ in model.named_parameters() if n.startswith("layers.0.")
+    }
+
+
+def test_bad_lora_settings_are_one_line_errors(tmp_path):
+    base = {"model": {"preset": "tiny-llama", "tokenizer": "t"}, "data": {"train": [{"path": "x.jsonl"}]}}
+    with pytest.raises(ConfigError, match=r"method.lora.rank.*greater than or equal to 1"):
+        load_config(None, ["method.finetuning=lora", "method.lora.rank=0"], base=base)
+    with pytest.raises(ConfigError, match=r"unknown module 'qkv'; valid: all, or some of q_proj, k_proj"):
+        load_config(None, ["method.finetuning=lora", "method.lora.targets=[q_proj,qkv]"], base=base)
+
+
+def test_training_starts_from_an_existing_adapter_and_a_mismatch_is_named(tmp_path):
+    from shardforge.adapters.apply import apply_finetuning
+    from shardforge.config.schema import MethodSection
+    from shardforge.errors import ModelError
+
+    folder = _hf_folder(tmp_path, "qwen3")
+    trained = load_model(folder).eval()
+    section = LoraSection(rank=4, dora=True)
+    add_lora(trained, section, seed=0)
+    _trained_adapters(trained)
+    adapters = {k: v for k, v in trained.state_dict().items() if ".lora_" in k}
+    out = save_adapter(tmp_path / "adapter", "qwen3", adapters, section, str(folder))
+    resumed = load_model(folder).eval()
+    apply_finetuning(resumed, MethodSection(finetuning="lora", lora=section), seed=1, adapter=str(out))
+    with torch.no_grad():
+        assert torch.equal(resumed(_ids()), trained(_ids()))
+    other = load_model(folder)
+    settings = r"r=4 in the adapter but 8 in method.lora; use_dora=True .* but False"
+    with pytest.raises(ModelError, match=settings):
+        apply_finetuning(other, MethodSection(finetuning="lora"), seed=0, adapter=str(out))
+    targets = r"its target modules \(down_proj, .*\) differ from method.lora.targets"
+    with pytest.raises(ModelError, match=targets):
+        few = LoraSection(rank=4, dora=True, targets=["q_proj"])
+        apply_finetuning(load_model(folder), MethodSection(finetuning="lora", lora=few), 0, str(out))
+    smaller = tmp_path / "smaller"
+    cfg = AutoConfig.for_model("qwen3", **{**BASE, "hidden_size": 32}, **SHAPES["qwen3"])
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(smaller)
+    with pytest.raises(ModelError, match=r"the adapter was trained over another base"):
+        apply_finetuning(load_model(smaller), MethodSection(finetuning="lora", lora=section), 0, str(out))
+    base = {"model": {"preset": "tiny-llama", "tokenizer": "t", "adapter": str(out)}}
+    with pytest.raises(ConfigError, match=r"model.adapter=.* set method.finetuning=lora \(it is full\)"):
+        load_config(None, base={**base, "data": {"train": [{"path": "x.jsonl"}]}})
