@@ -6,6 +6,7 @@ alternately, each in a fresh process, several times (repetition r uses seed r on
 medians as JSON and a markdown table:
 
     python benchmarks/vs_hf_trainer.py --repeats 3
+    python benchmarks/vs_hf_trainer.py --repeats 3 --method lora     # transformers + peft vs our LoRA
 
 Both sides: the same model folder and tokens (same chat template, response-only labels), one epoch over the
 same records, about the same samples per optimizer step, AdamW (fused kernel on both) with the same
@@ -115,11 +116,9 @@ def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
     out = []
     for record in read_dataset(DatasetSpec(path=str(folder / f"{split}.jsonl"), format="alpaca"), "sft"):
         [(ids, trained)] = encoder(record)
+        ids, trained = ids.tolist(), trained.tolist()
         out.append((ids, [t if m else -100 for t, m in zip(ids, trained, strict=True)]))
     return out
-
-
-# TODO(LoRA): add a `--method lora` variant (peft on the HF side, shardforge's LoRA) once shardforge has LoRA.
 
 
 # ---- side A: transformers Trainer ------------------------------------------------------------------------
@@ -135,6 +134,13 @@ def run_hf(folder: Path, args: argparse.Namespace) -> dict:
         for ids, labels in encode(folder, "train")
     ]
     model = AutoModelForCausalLM.from_pretrained(folder / "model", attn_implementation="sdpa")
+    if args.method == "lora":  # peft's LoRA on every linear of the blocks (LLaMA-Factory's lora_target: all)
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules="all-linear"
+        )
+        model = get_peft_model(model, lora)
     on_cuda = args.device == "cuda"
     seen: list[tuple[int, int]] = []  # (real tokens, target tokens) per batch, in order
     pad = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
@@ -232,6 +238,10 @@ def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
             },
             "log": {"tensorboard": False, "plot": False, "progress": False},
             "hardware": {"threads": args.threads},
+            "method": {
+                "finetuning": args.method,
+                "lora": {"rank": args.rank, "alpha": 2 * args.rank, "targets": "all"},
+            },
         },
     )
     trainer = Trainer(cfg)
@@ -241,7 +251,7 @@ def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
 
     def timed_step():
         loss, norm, counts = untimed_step()
-        step_counts.append((counts.tokens, counts.targets))
+        step_counts.append((counts["tokens"], counts["targets"]))
         if len(step_counts) == 1:
             marks["after_first"] = time.perf_counter()
         return loss, norm, counts
@@ -277,13 +287,20 @@ def _report(
 
 
 # ---- one evaluator for both ------------------------------------------------------------------------------
-def held_out_loss(folder: Path, final: Path) -> float:
-    """Mean next-token loss over response tokens of the held-out set, one document at a time."""
+def held_out_loss(folder: Path, final: Path, method: str) -> float:
+    """Mean next-token loss over response tokens of the held-out set, one document at a time (for LoRA: the
+    adapter folder, loaded by peft over the base, merged)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    if method == "lora":
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(folder / "model")
+        model = PeftModel.from_pretrained(base, final).merge_and_unload().eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(final).eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for ids, labels in encode(folder, "eval"):
@@ -304,6 +321,8 @@ def main() -> None:
         "--batch", type=int, default=8, help="HF samples per step (shardforge: same on average)"
     )
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--method", default="full", choices=["full", "lora"], help="lora: peft vs ours")
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="shardforge with train.compile=true")
@@ -343,7 +362,7 @@ def main() -> None:
                 if line is None:
                     raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
                 result = json.loads(line[7:])
-                result["held_out_loss"] = held_out_loss(job, Path(result["final"]))
+                result["held_out_loss"] = held_out_loss(job, Path(result["final"]), args.method)
                 runs[side].append(result)
                 print(
                     f"[{rep + 1}/{args.repeats}] {side}: {result['target_tokens_per_s']:.0f} target tok/s, "
@@ -387,7 +406,8 @@ def main() -> None:
 
 def _forward(args: argparse.Namespace) -> list[str]:
     """The options a child process needs to run one side exactly as asked."""
-    out = ["--preset", args.preset, "--batch", str(args.batch), "--lr", str(args.lr)]
+    out = ["--preset", args.preset, "--batch", str(args.batch), "--lr", str(args.lr), "--method", args.method]
+    out += ["--rank", str(args.rank)]
     out += ["--threads", str(args.threads), "--device", args.device, "--precision", args.precision]
     out += ["--sf-override", *args.sf_override] if args.sf_override else []
     return out + (["--compile"] if args.compile else [])

@@ -80,9 +80,13 @@ class CostModel:
         body = tokens * (self.embed_flops + sum(self.layer_flops))
         return body + attention_pairs * sum(self.pair_flops) + scored * self.head_flops
 
-    def train_flops(self, tokens: int, scored: int, attention_pairs: int) -> float:
-        """Forward + backward: backward computes input and weight gradients, twice the forward."""
-        return 3 * self.forward_flops(tokens, scored, attention_pairs)
+    def train_flops(self, tokens: int, scored: int, attention_pairs: int, trained: float = 1.0) -> float:
+        """Forward + backward: backward computes input and weight gradients, twice the forward. With a share
+        `trained` < 1 of the weights training (LoRA, freeze), the weight gradients of the rest are not
+        computed: the matmuls cost (2 + trained) forwards, attention (no weights) still three."""
+        pairs = attention_pairs * sum(self.pair_flops)
+        matmuls = self.forward_flops(tokens, scored, attention_pairs) - pairs
+        return (2 + trained) * matmuls + 3 * pairs
 
     def pipeline(self, seq_len: int) -> PipelineCosts:
         """Forward FLOPs per token of each piece a pipeline split places, rows of `seq_len` tokens with causal

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardforge.models.quantize import dequantized, is_nf4
 from shardforge.parallel.data_parallel import gradient_sync
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import loss_context, strip_vocab_padding
@@ -111,6 +112,11 @@ def gathered_state(module: nn.Module, keep: bool, device: torch.device) -> Itera
             continue
         if isinstance(value, DTensor):
             local = value.to_local()
+            if is_nf4(local):  # a 4-bit shard (whole scale blocks): gathered as the weight it computes
+                local = dequantized(local)  # with; torchao's NF4 full_tensor failed one gloo run in four
+                value = DTensor.from_local(
+                    local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride()
+                )
             if local.device != device:  # offloaded shards: collectives run on the compute device
                 value = DTensor.from_local(
                     local.to(device),

@@ -101,6 +101,7 @@ class Run:
     seq_multiple: int  # row widths are padded to a multiple of this (sequence parallel, pipeline schedules)
     peak: tuple[float, str]  # FLOP/s per device and where that figure comes from
     costs: CostModel  # the family's cost model of this model (parameters, FLOPs)
+    trained: float = 1.0  # the share of the parameters that train (LoRA adapters, unfrozen layers)
 
 
 def build_run(config: Config, console: Console, objective: Objective | None = None) -> Run:
@@ -136,6 +137,8 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     model = build_model(cfg.model, tokenizer, cfg.train.seed, device, prune)
     model_config = model.config
     apply_finetuning(model, cfg.method, cfg.train.seed, cfg.model.adapter)  # what trains, before any layout
+    sizes = {id(p): (p.numel(), p.requires_grad) for p in model.parameters()}
+    trained = sum(n for n, grad in sizes.values() if grad) / sum(n for n, _ in sizes.values())
     engine = parallelize(model, dims, mesh, cfg, plan, objective, precision.autocast, device)
 
     global_batch = cfg.train.micro_batch * grad_accum * dims.dp
@@ -181,7 +184,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     return Run(
         cfg, console, run_dir, device, dims, mesh, plan, is_main, owns, tokenizer, objective, precision,
         train_rows, eval_rows, model_config, engine, optimizer, scheduler, checkpoints, source, grad_accum,
-        global_batch, total, multiple, peak, spec_for(model_config.family).costs(model_config),
+        global_batch, total, multiple, peak, spec_for(model_config.family).costs(model_config), trained,
     )  # fmt: skip
 
 
@@ -334,9 +337,8 @@ def metrics_for(run: Run, start_step: int, warn: Callable[[str], None]) -> Metri
     static = {"pp_bubble": run.plan.bubble_fraction} if run.plan is not None else {}
     plot = run.run_dir / "loss.png" if log.plot else None
     world = run.dims.world_size
-    return MetricsProcessor(
-        run.objective, run.costs.train_flops, run.peak, world, run.device, warn, writer, plot, static
-    )
+    flops = partial(run.costs.train_flops, trained=run.trained)  # frozen weights need no weight gradients
+    return MetricsProcessor(run.objective, flops, run.peak, world, run.device, warn, writer, plot, static)
 
 
 def describe_run(run: Run) -> str:
@@ -344,8 +346,10 @@ def describe_run(run: Run) -> str:
     t = run.config.train
     n_params = run.costs.params.total
     peak, source = run.peak
+    method = run.config.method.finetuning
+    training = f" ({method}: {run.trained:.2%} of them train)" if run.trained < 1 else ""
     return (
-        f"model: {run.model_config.family}, {n_params / 1e6:.2f}M parameters, {t.precision}; "
+        f"model: {run.model_config.family}, {n_params / 1e6:.2f}M parameters{training}, {t.precision}; "
         f"layout: {run.dims.describe()}; {run.total_steps} steps of {run.global_batch} rows "
         f"({t.micro_batch} per rank x {run.grad_accum} accumulation x {run.dims.dp} data-parallel); "
         f"peak {peak / 1e9:.1f} GFLOP/s per device on {run.device} ({source})"

@@ -150,3 +150,24 @@ def test_activation_bytes_under_tensor_and_sequence_parallel():
     none, tp_none = costs.activation_bytes("none", 2), costs.activation_bytes("none", 2, tp=2)
     assert tp_none.per_token < none.per_token  # attention and MLP internals are split over heads/channels
     assert costs.activation_bytes("none", 2, tp=2, sequence_parallel=True).per_token < tp_none.per_token
+
+
+def test_frozen_weights_are_charged_no_weight_gradients():
+    """LoRA over a frozen base: backward computes input gradients through every layer but weight gradients
+    only for the adapters. The model charges (2 + trained share) forwards for the matmuls; it leaves out the
+    adapters' own matmuls, so it may undercount them (here by under 10%), never overcount."""
+    from shardforge.adapters.apply import add_lora
+    from shardforge.config.schema import LoraSection
+
+    torch.manual_seed(0)
+    model = build_preset("llama-10m", vocab_size=1024)
+    costs = _costs(model.config)
+    add_lora(model, LoraSection(rank=8), seed=0)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    share = trained / sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, 1024, (2, 64))
+    mask = torch.ones(2, 64, dtype=torch.bool)
+    counted = _train_flops_counted(model, ids, mask, math_sdpa=False)
+    predicted = costs.train_flops(128, 128, attention_pairs=0, trained=share)
+    assert 0.9 * counted < predicted <= counted
+    assert costs.train_flops(128, 128, 0) > 1.4 * predicted  # full fine-tuning's 3x would overcount by half

@@ -185,3 +185,22 @@ def test_training_starts_from_an_existing_adapter_and_a_mismatch_is_named(tmp_pa
     base = {"model": {"preset": "tiny-llama", "tokenizer": "t", "adapter": str(out)}}
     with pytest.raises(ConfigError, match=r"model.adapter=.* set method.finetuning=lora \(it is full\)"):
         load_config(None, base={**base, "data": {"train": [{"path": "x.jsonl"}]}})
+
+
+def test_freeze_training_changes_only_the_chosen_parameters(tmp_path):
+    from shardforge.train.trainer import Trainer
+    from tests.conftest import alpaca_records, tiny_config, write_jsonl
+    from tests.dist._training import tiny_model_folder
+
+    base = tiny_model_folder(tmp_path / "base", 1024, seed=1, num_layers=3, num_kv_heads=2, family="llama")
+    data = write_jsonl(tmp_path / "train.jsonl", alpaca_records(24, seed=2))
+    freeze_section = {"trainable_layers": 1, "extra_modules": ["norm"]}
+    cfg = tiny_config(tmp_path, data, method={"finetuning": "freeze", "freeze": freeze_section})
+    cfg["model"] = base
+    trainer = Trainer(load_config(None, base=cfg))
+    trainer.train()
+    before, after = load_model(base["path"]).state_dict(), trainer.full_state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    chosen = {k for k in before if k.startswith("layers.2.")} | {"norm.weight"}
+    assert changed == chosen  # every chosen tensor moved, every other one is bit-identical
+    assert trainer.memory["frozen_param_bytes"] > trainer.memory["trained_param_bytes"] > 0
