@@ -53,12 +53,3 @@ def add_lora(model: nn.Module, section: LoraSection, seed: int) -> list[str]:
         setattr(model.get_submodule(parent_name), leaf, lora)
         wrapped.append(name)
     return wrapped
-
-
-def lora_state(state: dict) -> dict:
-    """The adapter tensors of a full state dict (our names)."""
-    return {k: v for k, v in state.items() if ".lora_" in k}
-
-
-def is_adapter_key(key: str) -> bool:
-    return ".lora_" in key

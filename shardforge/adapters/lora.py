@@ -89,3 +89,8 @@ def merge_weight(
     if magnitude is None:
         return merged
     return (magnitude.float() / merged.norm(dim=1)).unsqueeze(1) * merged
+
+
+def is_adapter_key(key: str) -> bool:
+    """Is this state-dict key (our names) a LoRA adapter tensor?"""
+    return ".lora_" in key

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from shardforge.adapters.lora import LoRALinear, merge_weight
+from shardforge.adapters.lora import LoRALinear, is_adapter_key, merge_weight
 from shardforge.config.schema import LoraSection
 from shardforge.errors import ModelError
 from shardforge.models.quantize import dequantized
@@ -102,7 +102,7 @@ def read_adapter(folder: Path, family: str) -> tuple[dict, dict[str, torch.Tenso
 def merged_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A plain model's full state (our names, no adapter tensors): every LoRA layer's weight merged
     (W + s B A, DoRA-scaled per row) in the base weight's dtype."""
-    out = {k: dequantized(v) for k, v in state.items() if ".lora_" not in k}  # QLoRA: never the 4 bits
+    out = {k: dequantized(v) for k, v in state.items() if not is_adapter_key(k)}  # QLoRA: never the 4 bits
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
             weight = state[f"{name}.weight"]
@@ -126,7 +126,7 @@ def load_adapter(model: torch.nn.Module, folder: Path, lora: LoraSection) -> Non
         raise ModelError(
             f"model.adapter {folder}: {'; '.join(differ)} (set method.lora to match the adapter)"
         )
-    ours = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    ours = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
     held = {k.split(".")[1] for k in ours}
     theirs = {k: v for k, v in tensors.items() if k.split(".")[1] in held}
     missing, unexpected = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardforge.adapters.apply import apply_finetuning, is_adapter_key
+from shardforge.adapters.apply import apply_finetuning
+from shardforge.adapters.lora import is_adapter_key
 from shardforge.adapters.peft_format import merged_state, save_adapter
 from shardforge.checkpoint.store import resolve_checkpoint
 from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state

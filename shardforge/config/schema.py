@@ -270,7 +270,7 @@ class Config(Section):
     hardware: HardwareSection = HardwareSection()
 
     @model_validator(mode="after")
-    def _adapter_needs_lora(self) -> Config:
+    def _peft_settings(self) -> Config:
         if self.model.quantize == "nf4" and self.method.finetuning != "lora":
             raise ValueError(
                 f"model.quantize=nf4 freezes the base in 4 bits, so only adapters can train: set "
