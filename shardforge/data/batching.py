@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from shardforge.data.examples import Example
+from shardforge.data.store import ExampleStore
 from shardforge.models.attention import DocLayout, doc_layout
 
 IGNORE = -100
@@ -61,13 +62,14 @@ class Batch:
 def collate(
     examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1
 ) -> Batch:
-    """Build a micro-batch from rows (lists of example indices), padded to the longest row (rounded up to a
-    `multiple`: sequence parallel splits the sequence evenly over TP ranks).
+    """Build a micro-batch from rows (lists of example indices; documents are read as numpy arrays), padded to
+    the longest row (rounded up to a `multiple`: sequence parallel splits the sequence evenly over TP ranks).
 
     Targets never cross a document boundary, positions restart at each document, and `doc_ids` keeps attention
     inside each document, so a packed row computes exactly what its documents would compute one by one.
     """
-    width = max(sum(len(examples[i].input_ids) for i in row) for row in rows)
+    documents = [[_document(examples, i) for i in row] for row in rows]
+    width = max(sum(len(doc) for doc, _ in row) for row in documents)
     width = -(-width // multiple) * multiple
     n = len(rows)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -76,25 +78,33 @@ def collate(
     docs = torch.full((n, width), -1, dtype=torch.long)
     num_tokens = num_targets = 0
     multi_doc = any(len(row) > 1 for row in rows)
-    for r, row in enumerate(rows):
+    for r, row in enumerate(documents):
         col = 0
-        for d, idx in enumerate(row):
-            ex = examples[idx]
-            length = len(ex.input_ids)
-            tokens = torch.tensor(ex.input_ids, dtype=torch.long)
+        for d, (doc, trained) in enumerate(row):
+            length = len(doc)
+            tokens = torch.from_numpy(doc)
             ids[r, col : col + length] = tokens
-            shifted = torch.where(torch.tensor(ex.trained[1:], dtype=torch.bool), tokens[1:], IGNORE)
+            shifted = torch.where(torch.from_numpy(trained[1:]), tokens[1:], IGNORE)
             targets[r, col : col + length - 1] = shifted
             positions[r, col : col + length] = torch.arange(length)
             docs[r, col : col + length] = d
             col += length
             num_tokens += length
-            num_targets += ex.num_targets
+            num_targets += int(trained[1:].sum())
     if not multi_doc:
         return Batch(ids, targets, positions, None, num_tokens, num_targets)
-    lengths = [[len(examples[i].input_ids) for i in row] for row in rows]
+    lengths = [[len(doc) for doc, _ in row] for row in documents]
     layout = doc_layout(lengths, width) if use_per_document(lengths, width) else None
     return Batch(ids, targets, positions, docs, num_tokens, num_targets, layout)
+
+
+def _document(examples: Sequence[Example], i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Document i's token ids (int64) and target flags: sliced straight from an ExampleStore's flat arrays,
+    or from an Example."""
+    if isinstance(examples, ExampleStore):
+        return examples.arrays(i)
+    example = examples[i]
+    return np.asarray(example.input_ids, dtype=np.int64), np.asarray(example.trained, dtype=bool)
 
 
 def use_per_document(lengths: list[list[int]], width: int) -> bool:

@@ -68,13 +68,18 @@ class ExampleStore(Sequence[Example]):
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def __getitem__(self, i: int | slice) -> Example | list[Example]:  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def arrays(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence i's token ids (int64) and target flags (bool), sliced from the flat arrays."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"example {i} of {len(self)}")
         i %= len(self)
         start, end = int(self.offsets[i]), int(self.offsets[i + 1])
         first_byte, last_byte = start // 8, (end + 7) // 8
         bits = np.unpackbits(self.flags[first_byte:last_byte])[start - 8 * first_byte :][: end - start]
-        return Example(tuple(self.tokens[start:end].tolist()), tuple(bits.astype(bool).tolist()), f"#{i}")
+        return self.tokens[start:end].astype(np.int64), bits.astype(bool)
+
+    def __getitem__(self, i: int | slice) -> Example | list[Example]:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        ids, flags = self.arrays(i)
+        return Example(tuple(ids.tolist()), tuple(flags.tolist()), f"#{i % len(self)}")

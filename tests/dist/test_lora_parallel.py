@@ -1,7 +1,7 @@
-"""LoRA and DoRA on every layout: 2 ranks (DDP, ZeRO-3, TP2 with sequence parallel, PP2) and 4 ranks (FSDP2 x
-TP2) reproduce one process (loss and gradient norm per step, eval loss, final adapter and base weights), over
-an HF base whose vocabulary TP must pad, and QLoRA's NF4 base sharded by FSDP2 on 2 ranks reproduces QLoRA in
-one process; the base stays bit-identical, and checkpoints hold only adapters."""
+"""LoRA and DoRA on every layout: 2 ranks (DDP, ZeRO-1/2/3, TP2 with sequence parallel, PP2) and 4 ranks
+(FSDP2 x TP2, HSDP 2x2, PP2 x TP2) reproduce one process (loss and gradient norm per step, eval loss, final
+adapter and base weights), over an HF base whose vocabulary TP must pad, and QLoRA's NF4 base sharded by FSDP2
+on 2 ranks reproduces QLoRA in one process; the base stays bit-identical; checkpoints hold only adapters."""
 
 from __future__ import annotations
 
@@ -69,16 +69,20 @@ def runs(tmp_path_factory):
     jobs.append(("zero3_bf16base", _cfg(tmp, "zero3_bf16base", data, bf16, {}, 2, zero_stage=3)))
     two = run_ranks(train_runs, 2, [cfg for _, cfg in jobs])[0]
     four_jobs = [
-        _cfg(tmp, f"fsdp_tp_{v}", data, model, lora, 2, zero_stage=3, tp=2) for v, lora in variants.items()
+        (f"fsdp_tp_{v}", _cfg(tmp, f"fsdp_tp_{v}", data, model, lora, 2, zero_stage=3, tp=2))
+        for v, lora in variants.items()
     ]
-    four = run_ranks(train_runs, 4, four_jobs)[0]
+    hsdp = {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3}  # 4 data-parallel ranks: 1 row a micro-batch
+    four_jobs.append(("hsdp_lora", _cfg(tmp, "hsdp_lora", data, model, {}, 1, **hsdp)))
+    four_jobs.append(("pp_tp_lora", _cfg(tmp, "pp_tp_lora", data, model, {}, 4, pp=2, tp=2)))
+    four = run_ranks(train_runs, 4, [cfg for _, cfg in four_jobs])[0]
     # The 2-rank ZeRO-3 DoRA checkpoint (adapters only) resumed in one process: nothing is left to train, and
     # the resharded adapters are the ones saved.
     shutil.copytree(tmp / "zero3_dora", tmp / "dora_to1")
     resumed = train_runs([_cfg(tmp, "dora_to1", data, model, variants["dora"])])[0]
     out = {"refs": refs, "model": model, "tmp": tmp, "dora_to1": resumed}
     out.update({name: run for (name, _), run in zip(jobs, two, strict=True)})
-    out.update({f"fsdp_tp_{v}": run for v, run in zip(variants, four, strict=True)})
+    out.update({name: run for (name, _), run in zip(four_jobs, four, strict=True)})
     return out
 
 
@@ -86,7 +90,7 @@ def runs(tmp_path_factory):
     "name",
     [
         *("ddp_lora", "zero1_lora", "zero2_lora", "zero3_lora", "tp2_lora", "pp2_lora"),
-        *("zero3_dora", "tp2_dora", "fsdp_tp_lora", "fsdp_tp_dora", "zero3_qlora"),
+        *("zero3_dora", "tp2_dora", "fsdp_tp_lora", "fsdp_tp_dora", "hsdp_lora", "pp_tp_lora", "zero3_qlora"),
     ],
 )
 def test_every_layout_trains_the_adapters_as_one_process(runs, name):
