@@ -81,7 +81,7 @@ for _ in range(more if train is None else 0):
     tokens += batch.counts["tokens"]
 if train is not None:
     tokens, records = train.num_tokens, train.stats.records
-source.close() if hasattr(source, "close") else None
+source.close()
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"seconds": seconds, "tokens": tokens, "records": records, "peak_rss_mib": rss / 2**20,
                   "rss_growth_bytes_per_token": (rss - before) / tokens, "streamed": train is None}))

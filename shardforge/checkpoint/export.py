@@ -23,14 +23,16 @@ from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
 
 def write_model_folder(
     model: nn.Module,
-    state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | None,
     config: Config,
     tokenizer: Any,
     to: Path,
     merge: bool = False,
 ) -> str:
     """Write a run's full weights (our names, unpadded) as what its method hands back: an HF folder, or for
-    LoRA a PEFT adapter folder (the merged HF folder with `merge`). Returns what was written."""
+    LoRA a PEFT adapter folder (the merged HF folder with `merge`). `state` None: the model's own weights.
+    Returns what was written."""
+    state = model.state_dict() if state is None and config.method.finetuning == "lora" else state
     if config.method.finetuning == "lora" and not merge:
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
         save_adapter(to, model.config.family, adapters, config.method.lora, config.model.path, tokenizer)

@@ -15,6 +15,7 @@ price is that every rank reads and tokenizes the whole stream, on a thread besid
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -28,6 +29,7 @@ import torch
 from shardforge.config.schema import DataSection, DatasetSpec
 from shardforge.data.batch_source import Collate, GlobalBatch
 from shardforge.data.batching import split_global_batch
+from shardforge.data.cache import file_fingerprint
 from shardforge.data.encode import encode_all
 from shardforge.data.examples import Encoder
 from shardforge.data.formats import FieldMap, Record, data_files, iter_from, parse_record
@@ -218,6 +220,13 @@ class StreamSource:
             local.append(list(range(len(examples), len(examples) + len(docs))))
             examples += [rowset.examples[d] for d in docs]
         return self.collate(examples, local, self.pad_id, self.multiple)
+
+    def identity(self) -> str:
+        """What the stream's position depends on (a checkpoint's `rows`): its files as they are, and how
+        windows are cut and packed."""
+        window = (self.data.stream_window, self.data.max_length, self.data.packing)
+        files = file_fingerprint([shard.path for shard in self.shards])
+        return "stream " + hashlib.sha256(repr((files, window)).encode()).hexdigest()[:16]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -4,7 +4,6 @@ mesh, data, objective, engine, optimizer, schedule, checkpoints, batch source, m
 from __future__ import annotations
 
 import datetime
-import hashlib
 import inspect
 import json
 import math
@@ -153,11 +152,6 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     scheduler = build_scheduler(optimizer, total, cfg.train)
     warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
     vocab_rows = padded_vocab(model_config.vocab_size, dims.tp)
-    data_id = len(train_rows.rows) if train_rows is not None else _stream_identity(cfg, objective)
-    sig = signature(model_config, vocab_rows, global_batch, data_id, cfg.train.seed, _finetuning(cfg))
-    parts = (engine.model, optimizer, scheduler, precision)
-    layout = (dims.world_size, dims.describe())
-    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout, warn)
     # Sequence parallel splits every row's tokens evenly over the TP ranks. A pipeline builds a schedule
     # per micro-batch shape: widths rounded to 1/8 of max_length keep the number of shapes small.
     multiple = dims.tp if cfg.parallel.sequence_parallel else 1
@@ -173,6 +167,11 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
             *collate,
         )
     )  # fmt: skip
+    data_id = len(train_rows.rows) if train_rows is not None else source.identity()
+    sig = signature(model_config, vocab_rows, global_batch, data_id, cfg.train.seed, _finetuning(cfg))
+    parts = (engine.model, optimizer, scheduler, precision)
+    layout = (dims.world_size, dims.describe())
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout, warn)
     # Only rank 0 logs MFU, so only it probes: the other ranks wait at their first collective meanwhile
     # instead of competing for the cores the probe measures.
     shapes = _gemm_shapes(model_config, cfg.train.micro_batch * cfg.data.max_length, dims.tp)
@@ -203,13 +202,6 @@ def _finetuning(cfg: Config) -> dict | None:
 
 def _reader_stage(objective: Objective) -> str:
     return "pt" if objective.reads_text else "sft"  # how the readers present records: text or chat
-
-
-def _stream_identity(cfg: Config, objective: Objective) -> str:
-    """What a streamed run's position depends on (the checkpoint's `rows`): the files, read as they are."""
-    files = [s.path for s in stream_shards(cfg.data.train, _reader_stage(objective))]
-    window = (cfg.data.stream_window, cfg.data.max_length, cfg.data.packing)
-    return "stream " + hashlib.sha256(repr((file_fingerprint(files), window)).encode()).hexdigest()[:16]
 
 
 def build_data(
