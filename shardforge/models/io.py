@@ -96,7 +96,9 @@ def load_model(
                 module_name, _, name = key.rpartition(".")
                 meta_param = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
                 setattr(model.get_submodule(module_name), name, meta_param)
-    load_hf_weights(model, spec, weight_files(folder), dtype, partial=prune is not None, quantize=quantize)
+    load_hf_weights(
+        model, spec, weight_files(folder), dtype, partial=prune is not None, quantize=quantize, device=device
+    )
     return model
 
 
@@ -108,9 +110,11 @@ def load_hf_weights(
     dtype: torch.dtype,
     partial: bool = False,
     quantize: bool = False,
+    device: str | torch.device = "cpu",
 ) -> None:
     """Copy safetensors weights into the model's parameters, checking that every parameter is filled
-    exactly once. A `partial` model (a pipeline stage) skips the weights of the other stages."""
+    exactly once. A `partial` model (a pipeline stage) skips the weights of the other stages; with
+    `quantize`, the block linears' meta placeholders become NF4 weights on `device`."""
     params = dict(model.named_parameters())
     if getattr(model, "untied_copy", False):  # a stage's copy of the tied embedding is filled from it
         params.pop("lm_head.weight")
@@ -145,7 +149,7 @@ def load_hf_weights(
                         f"config.json implies {tuple(targets[0].shape)}"
                     )
                 if quantize and QUANTIZED.match(key):
-                    set_nf4(model, key, tensor.to(dtype))
+                    set_nf4(model, key, tensor.to(device=device, dtype=dtype))
                 else:
                     for target in targets:
                         target.copy_(tensor.to(dtype))

@@ -1,7 +1,8 @@
 """LoRA and DoRA on every layout: 2 ranks (DDP, ZeRO-1/2/3, TP2 with sequence parallel, PP2) and 4 ranks
 (FSDP2 x TP2, HSDP 2x2, PP2 x TP2) reproduce one process (loss and gradient norm per step, eval loss, final
 adapter and base weights), over an HF base whose vocabulary TP must pad, and QLoRA's NF4 base sharded by FSDP2
-on 2 ranks reproduces QLoRA in one process; the base stays bit-identical; checkpoints hold only adapters."""
+on 2 ranks or split in 2 pipeline stages reproduces QLoRA in one process; the base stays bit-identical;
+checkpoints hold only adapters."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def runs(tmp_path_factory):
 
     jobs = [job(name, "lora") for name in LAYOUTS_2] + [job(name, "dora") for name in ("zero3", "tp2")]
     jobs.append(("zero3_qlora", _cfg(tmp, "zero3_qlora", data, nf4, {}, 2, zero_stage=3)))
+    jobs.append(("pp2_qlora", _cfg(tmp, "pp2_qlora", data, nf4, {}, 4, pp=2)))
     jobs.append(("zero3_bf16base", _cfg(tmp, "zero3_bf16base", data, bf16, {}, 2, zero_stage=3)))
     two = run_ranks(train_runs, 2, [cfg for _, cfg in jobs])[0]
     four_jobs = [
@@ -90,7 +92,8 @@ def runs(tmp_path_factory):
     "name",
     [
         *("ddp_lora", "zero1_lora", "zero2_lora", "zero3_lora", "tp2_lora", "pp2_lora"),
-        *("zero3_dora", "tp2_dora", "fsdp_tp_lora", "fsdp_tp_dora", "hsdp_lora", "pp_tp_lora", "zero3_qlora"),
+        *("zero3_dora", "tp2_dora", "fsdp_tp_lora", "fsdp_tp_dora", "hsdp_lora", "pp_tp_lora"),
+        *("zero3_qlora", "pp2_qlora"),
     ],
 )
 def test_every_layout_trains_the_adapters_as_one_process(runs, name):

@@ -14,7 +14,7 @@ from shardforge.adapters.peft_format import merged_state
 from shardforge.config import load_config
 from shardforge.config.schema import LoraSection
 from shardforge.errors import ConfigError
-from shardforge.models.quantize import QUANTIZED, is_nf4
+from shardforge.models.quantize import NF4_LEVELS, QUANTIZED, is_nf4, nf4
 from shardforge.parallel.memory import memory_report
 from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
@@ -44,6 +44,42 @@ def test_the_nf4_base_is_a_quarter_of_bf16_and_only_the_block_linears(base):
         a, b = full(ids).float(), quantized(ids).float()
         assert (a - b).norm() < 0.2 * a.norm()
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
+
+
+def _codes(tensor: torch.Tensor) -> torch.Tensor:
+    packed = tensor.quantized_data
+    return torch.stack([packed >> 4, packed & 15], dim=-1).flatten()
+
+
+@pytest.mark.parametrize("shape", [(256, 64), (96, 192), (1024, 2816)])
+def test_our_nf4_quantizer_writes_what_torchaos_to_nf4_writes(shape):
+    """The chunked midpoint search gives torchao's codes, scales, factors and levels, bit for bit, on fp32
+    (torchao's own arithmetic is exact there). An all-zero block dequantizes to zeros (torchao's 0/0 picks
+    level -1 there, times a scale that double quantization leaves near but not at zero)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))) * 0.02
+    weight[0, :64] = 0.0
+    ours = nf4(weight)
+    theirs = to_nf4(weight, 64, ours.scaler_block_size)
+    assert torch.equal(ours.quantized_data[32:], theirs.quantized_data[32:])  # past the zero block
+    for name in ("quantized_scalers", "quantization_factor", "scaler_mean", "nf4"):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert torch.equal(ours.get_original_weight()[0, :64], torch.zeros(64))
+    assert (ours.shape, ours.dtype, ours.requires_grad) == (weight.shape, weight.dtype, False)
+
+
+def test_each_bf16_value_takes_its_nearest_nf4_level():
+    """On bf16 our search runs in fp32 (torchao's in bf16, so it differs on ~0.2% of values, near midpoints):
+    every code is a level nearest to the value over its block's scale."""
+    weight = (torch.randn(128, 256, generator=torch.Generator().manual_seed(1)) * 0.02).bfloat16()
+    blocks = weight.view(-1, 64).float()
+    scaled = (blocks / blocks.abs().amax(dim=1, keepdim=True)).flatten()
+    levels = NF4_LEVELS.bfloat16().float()
+    distance = (scaled[:, None] - levels).abs()
+    chosen = distance.gather(1, _codes(nf4(weight)).long()[:, None]).squeeze(1)
+    assert torch.all(chosen <= distance.min(dim=1).values + 1e-7)
 
 
 def test_the_merged_export_of_qlora_is_the_live_model_in_the_base_dtype(base):
