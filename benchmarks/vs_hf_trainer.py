@@ -7,6 +7,13 @@ medians as JSON and a markdown table:
 
     python benchmarks/vs_hf_trainer.py --repeats 3
     python benchmarks/vs_hf_trainer.py --repeats 3 --method lora     # transformers + peft vs our LoRA
+    python benchmarks/vs_hf_trainer.py --real MODEL_FOLDER --data alpaca_en_demo.json --records 64
+
+`--real` runs a real pretrained model (an HF folder with its tokenizer and chat template) on the first
+--records records of an alpaca-format file, the next --eval-records held out: benchmarks/README.md says how to
+get SmolLM2-135M-Instruct and LLaMA-Factory's alpaca_en_demo.json. Besides tokens/s, each side's whole
+process is timed (start-up, loading, training and saving, as a user waits for it), and shardforge's MFU is
+its own steady-state figure (the cost model's FLOPs over the measured peak).
 
 Both sides: the same model folder and tokens (same chat template, response-only labels), one epoch over the
 same records, about the same samples per optimizer step, AdamW (fused kernel on both) with the same
@@ -31,7 +38,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "examples" / "data" / "tokenizer"
+TOKENIZER = REPO / "examples" / "data" / "tokenizer"  # the toy job's
 _WORD_TEXT = """
 time people year way day man thing woman life child world school state family student group country
 problem hand part place case week company system program question work government number night point
@@ -88,8 +95,19 @@ def build_job(folder: Path, args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
+    from shardforge.data.formats import iter_raw
     from shardforge.models import build_preset, save_model
 
+    if args.real:  # a real model and records: the first --records train, the next --eval-records are held out
+        (folder / "model").symlink_to(Path(args.real).resolve())
+        records = [obj for _, obj in iter_raw(Path(args.data))]  # the records as they are written
+        if len(records) < args.records + args.eval_records:
+            raise SystemExit(f"{args.data} has {len(records)} records; asked for {args.records} + eval")
+        splits = {"train": records[: args.records], "eval": records[args.records :][: args.eval_records]}
+        for name, rows in splits.items():
+            with open(folder / f"{name}.jsonl", "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        return _shapes(folder, args)
     for name, n, seed in (("train", args.records, 0), ("eval", args.eval_records, 1)):
         with open(folder / f"{name}.jsonl", "w") as f:
             for r in make_records(n, seed):
@@ -99,7 +117,21 @@ def build_job(folder: Path, args: argparse.Namespace) -> dict:
     save_model(
         build_preset(args.preset, vocab_size=len(tokenizer), seed=0), folder / "model", tokenizer=tokenizer
     )
-    return {"folder": str(folder)}
+    return _shapes(folder, args)
+
+
+def _shapes(folder: Path, args: argparse.Namespace) -> dict:
+    """shardforge's rows: as long as the longest record (512 at least), and about as many documents per
+    optimizer step as HF's batch (rows x max_length ~ batch x mean length). Worked out here, once, so that
+    neither side's process pays for the other's tokenization."""
+    lengths = [len(ids) for ids, _ in encode(folder, "train")]
+    max_length = max(512, max(lengths))
+    job = {
+        "max_length": max_length,
+        "micro_batch": max(1, round(args.batch * statistics.mean(lengths) / max_length)),
+    }
+    (folder / "job.json").write_text(json.dumps(job))
+    return job
 
 
 def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
@@ -110,7 +142,7 @@ def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
     from shardforge.data.loader import read_dataset
     from shardforge.objectives import build_objective
 
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
     data = DataSection(train=[{"path": str(folder / f"{split}.jsonl"), "format": "alpaca"}], max_length=4096)
     encoder = build_objective("sft").encoder(tokenizer, data)
     out = []
@@ -128,7 +160,7 @@ def run_hf(folder: Path, args: argparse.Namespace) -> dict:
     from transformers.data.data_collator import DataCollatorForSeq2Seq
 
     torch.set_num_threads(args.threads)
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
     rows = [
         {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
         for ids, labels in encode(folder, "train")
@@ -203,10 +235,7 @@ def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
     from shardforge.train.trainer import Trainer
 
     torch.set_num_threads(args.threads)
-    lengths = [len(ids) for ids, _ in encode(folder, "train")]
-    max_length = max(512, max(lengths))
-    # About the same documents per optimizer step as HF's batch: rows x max_length ~ batch x mean length.
-    micro_batch = max(1, round(args.batch * statistics.mean(lengths) / max_length))
+    job = json.loads((folder / "job.json").read_text())
     overrides = [
         f"train.compile={str(args.compile).lower()}",
         f"train.seed={args.seed}",
@@ -222,19 +251,20 @@ def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
             "model": {"path": str(folder / "model")},
             "data": {
                 "train": [{"path": str(folder / "train.jsonl"), "format": "alpaca"}],
-                "max_length": max_length,
+                "max_length": job["max_length"],
+                "cache": False,  # every run tokenizes, as HF's does
             },
             "train": {
                 "epochs": 1,
                 "steps": None,
-                "micro_batch": micro_batch,
+                "micro_batch": job["micro_batch"],
                 "lr": args.lr,
                 "schedule": "cosine",
                 "min_lr_ratio": 0.0,
                 "warmup_ratio": 0.05,
                 "clip": 1.0,
                 "betas": [0.9, 0.95],
-                "log_every": 10_000,
+                "log_every": 1,  # each step's MFU (a host sync per step: nothing on CPU)
             },
             "log": {"tensorboard": False, "plot": False, "progress": False},
             "hardware": {"threads": args.threads},
@@ -245,6 +275,8 @@ def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
         },
     )
     trainer = Trainer(cfg)
+    mfu: list[float] = []
+    trainer.add_hook("log", lambda _t, _step, record: mfu.append(record["mfu"]))
     step_counts: list[tuple[int, int]] = []
     marks: dict[str, float] = {}
     untimed_step = trainer.train_step
@@ -260,7 +292,7 @@ def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     trainer.train()
     end = time.perf_counter()
-    return _report(
+    report = _report(
         "shardforge",
         folder / "sf_out" / "final",
         end - start,
@@ -268,6 +300,7 @@ def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
         step_counts[1:],
         trainer.total_steps,
     )
+    return report | {"mfu": statistics.median(mfu[1:] or mfu)}  # steady state: after step 1
 
 
 def _report(
@@ -315,6 +348,8 @@ def held_out_loss(folder: Path, final: Path, method: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama-10m")
+    parser.add_argument("--real", default=None, help="a real HF model folder instead of the toy model")
+    parser.add_argument("--data", default=None, help="with --real: an alpaca-format .json/.jsonl file")
     parser.add_argument("--records", type=int, default=1200)
     parser.add_argument("--eval-records", type=int, default=200)
     parser.add_argument(
@@ -334,6 +369,8 @@ def main() -> None:
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write the JSON results here")
     args = parser.parse_args()
+    if bool(args.real) != bool(args.data):
+        parser.error("--real and --data go together: a model folder and its records")
     sys.path.insert(0, str(REPO))
     if args.side:  # a child process: run one side, print its JSON
         result = (run_hf if args.side == "hf" else run_shardforge)(Path(args.job), args)
@@ -357,11 +394,13 @@ def main() -> None:
                     str(rep),
                     *_forward(args),
                 ]
+                started = time.perf_counter()
                 proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+                process_s = time.perf_counter() - started
                 line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
                 if line is None:
                     raise SystemExit(f"{side} failed:\n{proc.stderr[-3000:]}")
-                result = json.loads(line[7:])
+                result = json.loads(line[7:]) | {"process_s": process_s}
                 result["held_out_loss"] = held_out_loss(job, Path(result["final"]), args.method)
                 runs[side].append(result)
                 print(
@@ -369,32 +408,24 @@ def main() -> None:
                     f"held-out loss {result['held_out_loss']:.4f}",
                     flush=True,
                 )
+    keys = ("process_s", "wall_s", "timed_s", "tokens_per_s", "target_tokens_per_s", "held_out_loss")
+    keys += ("peak_rss_mib", "steps", "mfu")
     summary = {
-        side: {
-            key: statistics.median(r[key] for r in rs)
-            for key in (
-                "wall_s",
-                "timed_s",
-                "tokens_per_s",
-                "target_tokens_per_s",
-                "held_out_loss",
-                "peak_rss_mib",
-                "steps",
-            )
-        }
+        side: {key: statistics.median(r[key] for r in rs) for key in keys if key in rs[0]}
         for side, rs in runs.items()
     }
-    summary["speedup_target_tokens"] = (
-        summary["shardforge"]["target_tokens_per_s"] / summary["hf"]["target_tokens_per_s"]
-    )
+    hf, sf = summary["hf"], summary["shardforge"]
+    summary["speedup_target_tokens"] = sf["target_tokens_per_s"] / hf["target_tokens_per_s"]
+    summary["speedup_process"] = hf["process_s"] / sf["process_s"]
     result = {"args": vars(args), "median": summary, "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(summary, indent=2))
-    hf, sf = summary["hf"], summary["shardforge"]
     print("\n| | HF Trainer | shardforge | ratio |\n|---|---|---|---|")
+    whole = summary["speedup_process"]
+    print(f"| whole process (s) | {hf['process_s']:.4g} | {sf['process_s']:.4g} | {whole:.2f}x faster |")
     for key, label in (
-        ("wall_s", "wall time (s)"),
+        ("wall_s", "training wall time (s)"),
         ("tokens_per_s", "tokens/s (all real tokens)"),
         ("target_tokens_per_s", "target tokens/s"),
         ("held_out_loss", "held-out loss"),
@@ -402,11 +433,13 @@ def main() -> None:
         ("steps", "optimizer steps"),
     ):
         print(f"| {label} | {hf[key]:.4g} | {sf[key]:.4g} | {sf[key] / hf[key]:.2f} |")
+    print(f"| MFU, steady state | | {sf['mfu']:.3f} | |")
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
     """The options a child process needs to run one side exactly as asked."""
     out = ["--preset", args.preset, "--batch", str(args.batch), "--lr", str(args.lr), "--method", args.method]
+    out += ["--real", args.real, "--data", args.data] if args.real else []
     out += ["--rank", str(args.rank)]
     out += ["--threads", str(args.threads), "--device", args.device, "--precision", args.precision]
     out += ["--sf-override", *args.sf_override] if args.sf_override else []

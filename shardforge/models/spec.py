@@ -47,11 +47,11 @@ class ActivationBytes:
     (padding included), scored ones those the LM head projects."""
 
     per_token: float  # the blocks, the embedding output, RoPE tables, the final norm
-    per_scored: float  # the LM head's input
-    loss_per_scored: float  # the loss's fp32 log-probabilities: after the model's forward, but kept too
+    per_scored: float  # the fused LM head and log-probabilities (models/head.py), per scored position
+    fixed: float = 0.0  # whatever the batch: the fused head's weight gradient, made in the forward
 
-    def total(self, tokens: int, scored: int, loss: bool = True) -> float:
-        return tokens * self.per_token + scored * (self.per_scored + (self.loss_per_scored if loss else 0.0))
+    def total(self, tokens: int, scored: int) -> float:
+        return tokens * self.per_token + scored * self.per_scored + self.fixed
 
 
 def causal_pairs(lengths: Iterable[int]) -> int:

@@ -7,7 +7,8 @@ objective's `normalizer` counted over the whole global batch (target tokens, seq
 per-token SFT loss and a per-pair preference loss share one loop and one global-batch semantics: the update
 never depends on how the global batch is split over ranks and micro-steps.
 
-`loss` receives the model's output (logits of the scored positions) and the micro-batch (or, under pipeline
+`loss` receives the model's output (the log-probabilities of the scored positions' targets, from the fused
+head: no full-vocabulary logits) and the micro-batch (or, under pipeline
 parallel, the last stage's chunk of it: a Batch rebuilt from its per-row tensors), so it can form per-token
 or per-sequence quantities alike.
 """
@@ -18,9 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Literal, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from shardforge.config.schema import DataSection, MethodSection
 from shardforge.data.batching import IGNORE, Batch, collate
@@ -56,26 +55,17 @@ class Objective(Protocol):
         ...
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over the scored positions: logits [n, vocab], targets [n]."""
-    loss = F.cross_entropy(logits.float(), targets, reduction="sum")
-    # Under tensor parallel the logits are vocabulary shards and `loss_parallel` returns a replicated DTensor.
-    return loss.to_local() if isinstance(loss, DTensor) else loss
-
-
-def sequence_logprob_sums(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+def sequence_logprob_sums(logprobs: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Summed log-probability of each row's target tokens, [rows]: what per-sequence objectives (preference
-    pairs, rewards of completions) compare. `logits` are those of the scored positions, in row order."""
-    scored = batch.targets != IGNORE
-    logprobs = -F.cross_entropy(logits.float(), batch.targets[scored], reduction="none")
-    rows = scored.nonzero()[:, 0]
+    pairs, rewards of completions) compare. `logprobs` are those of the scored positions, in row order."""
+    rows = (batch.targets != IGNORE).nonzero()[:, 0]
     return torch.zeros(batch.targets.shape[0], device=logprobs.device).index_add(0, rows, logprobs)
 
 
 class CausalLM:
     """Next-token prediction: cross-entropy summed over target tokens, divided by the global batch's target
-    count. The LM head runs only on target positions: prompts and padding never pay for the vocabulary
-    projection."""
+    count. The LM head runs only on target positions, fused with the log-probabilities: prompts and padding
+    never pay for the vocabulary projection, and no full-vocabulary logits are held."""
 
     name = "causal_lm"
     normalizer: Normalizer = "targets"
@@ -87,23 +77,27 @@ class CausalLM:
     def __init__(self, method: MethodSection | None = None) -> None:
         self.method = method or MethodSection()  # where an objective's hyper-parameters come from
 
-    @staticmethod
-    def model_inputs(batch: Batch) -> dict[str, Any]:
+    summed = True  # the loss is a plain sum of the token log-probs (the fused head's fast gradient)
+
+    def model_inputs(self, batch: Batch) -> dict[str, Any]:
+        scored = batch.targets != IGNORE
         return {
             "position_ids": batch.position_ids,
             "doc_ids": batch.doc_ids,
             "doc_layout": batch.doc_layout,
-            "output_mask": batch.targets != IGNORE,
+            "output_mask": scored,
+            "targets": batch.targets[scored],
+            "summed": self.summed,
         }
 
     @staticmethod
     def loss(output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        return {"loss": token_loss_sum(output, batch.targets[batch.targets != IGNORE])}
+        return {"loss": -output.sum()}
 
 
 def causal_lm_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Logits [targets, vocab] of the target positions only."""
-    return model(batch.input_ids, **CausalLM.model_inputs(batch))
+    """Log-probabilities [targets] of the target positions' next tokens."""
+    return model(batch.input_ids, **CausalLM().model_inputs(batch))
 
 
 def causal_lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:

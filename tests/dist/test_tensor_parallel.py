@@ -217,8 +217,8 @@ def _activation_bytes(batch) -> dict[str, dict]:
             model = build_preset("tiny-llama", vocab_size=1024, seed=1)
             apply_tensor_parallel(model, dims, mesh, parallel)
             apply_activation_checkpointing(model, mode)
-            report = activation_report(model, partial(causal_lm_forward, model, batch))
-            with loss_context(dims):
+            with loss_context(dims):  # the forward ends in the vocabulary-parallel log-probabilities
+                report = activation_report(model, partial(causal_lm_forward, model, batch))
                 loss = causal_lm_loss_sum(model, batch)
                 loss.backward()
             grads = [p.grad.to_local() for p in model.parameters()]

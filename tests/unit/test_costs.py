@@ -131,20 +131,23 @@ def test_activation_bytes_match_the_measured_report(preset, length, rows, dtype)
         )
         measured = activation_report(model, functools.partial(causal_lm_forward, model, batch)).total_bytes
         estimate = _costs(model.config).activation_bytes(mode, dtype.itemsize)
-        # The report measures the model's forward: the loss's fp32 log-probabilities come after it.
-        assert estimate.total(tokens, scored, loss=False) == pytest.approx(measured, rel=0.01), mode
-        assert estimate.total(tokens, scored) == estimate.total(tokens, scored, loss=False) + scored * 4 * 200
+        # The forward ends in the fused head's log-probabilities: no logits, the weight's gradient made there
+        assert estimate.total(tokens, scored) == pytest.approx(measured, rel=0.01), mode
+        assert estimate.fixed == 4 * 200 * model.config.hidden_size
 
 
 def test_activation_bytes_under_tensor_and_sequence_parallel():
-    costs = _costs(preset_config("llama-10m", vocab_size=1024))
+    cfg = preset_config("llama-10m", vocab_size=1024)
+    costs, h = _costs(cfg), cfg.hidden_size
     for mode in MODES:
         one = costs.activation_bytes(mode, 2)
         tp = costs.activation_bytes(mode, 2, tp=2)
         sp = costs.activation_bytes(mode, 2, tp=2, sequence_parallel=True)
         assert costs.activation_bytes(mode, 2, tp=1, sequence_parallel=True) == one  # nothing to split
-        assert sp.per_token < one.per_token and tp.per_scored == one.per_scored
-        assert tp.loss_per_scored == one.loss_per_scored / 2  # vocabulary-parallel loss
+        assert sp.per_token < one.per_token
+        # the fused head under tp=1; the log-softmax of half the vocabulary's logits under TP2
+        assert one.per_scored == 2 * 2 * h + 8 and one.fixed == 4 * 1024 * h
+        assert tp.per_scored == 2 * h + 8 + 4 * 1024 / 2 and tp.fixed == 0
         if mode == "full":  # only the block inputs: the residual stream, split by SP alone
             assert tp.per_token == one.per_token and sp.per_token < tp.per_token
     none, tp_none = costs.activation_bytes("none", 2), costs.activation_bytes("none", 2, tp=2)

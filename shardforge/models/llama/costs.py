@@ -79,11 +79,11 @@ def activation_bytes(
     output_mask = 1  # bool, kept by the head's indexing
     # The embedding output is the first block's input, counted there.
     per_token = cfg.num_layers * layer + rope + final + output_mask
-    return ActivationBytes(
-        per_token=per_token,
-        per_scored=b * h,
-        loss_per_scored=FP32 * vocab / tp,  # log-softmax of the (vocabulary-parallel) logits
-    )
+    if tp == 1:  # the fused head keeps its input and its input's gradient (a row per scored position), the
+        # targets (int64); its fp32 weight gradient is made in the forward (counted when the head trains)
+        return ActivationBytes(per_token, per_scored=2 * b * h + 8, fixed=FP32 * vocab * h)
+    # a vocabulary-sharded head: its input, the targets and the log-softmax of its logit shards
+    return ActivationBytes(per_token, per_scored=b * h + 8 + FP32 * vocab / tp)
 
 
 def costs(cfg: DecoderConfig) -> CostModel:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardforge.models.attention import DocLayout, attention_per_document, sdpa
+from shardforge.models.head import target_logprobs
 from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
 
@@ -306,11 +307,16 @@ class Decoder(nn.Module):
         output_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         return_hidden: bool = False,
+        targets: torch.Tensor | None = None,
+        summed: bool = False,
     ) -> torch.Tensor:
         """`x`: token ids [b, s], or the residual stream [b, s, hidden] where there is no embedding (a later
         pipeline stage). Returns logits; the stream after the blocks where there is no head (an earlier
-        stage); or with `return_hidden` the final normed hidden states (for reward and value heads).
-        With `cache`, this forward's keys and values are added to it and attention covers all it holds."""
+        stage); with `return_hidden` the final normed hidden states (for reward and value heads); or with
+        `targets` (one per position `output_mask` keeps) their log-probabilities [n], computed a chunk at a
+        time without the batch's full logits (models/head.py; `summed`: the caller sums them, as a token
+        loss does). With `cache`, this forward's keys and values are added to it and attention covers all
+        it holds."""
         if position_ids is None:
             start = cache.filled if cache is not None else 0
             b, s = x.shape[:2]
@@ -323,4 +329,6 @@ class Decoder(nn.Module):
             cache.filled += position_ids.shape[1]
         if self.lm_head is None:
             return h
+        if targets is not None:
+            return target_logprobs(self.lm_head, self.final_hidden(h, output_mask), targets, summed)
         return self.final_hidden(h, output_mask) if return_hidden else self.head(h, output_mask)

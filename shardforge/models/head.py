@@ -1,0 +1,109 @@
+"""The LM head fused with the log-probability of each scored position's target, a chunk of positions at a
+time, so that full-vocabulary fp32 logits never exist for the batch: at most `chunk` rows of them do.
+
+Training: the gradient of log p(target) with respect to the logits, onehot - softmax, is known in the forward
+pass, so each chunk's contribution to the hidden states' gradient is computed there and scaled by its
+position's incoming gradient in backward. The weight's gradient is a sum over positions; it is computed in
+the forward pass too when the caller says the incoming gradient will be the same for every position (a summed
+token loss: SFT, pretraining), which backward checks, and recomputed chunk by chunk from the logits otherwise
+(per-sequence losses: DPO, rewards). Either way: the same values as `log_softmax(h @ W.T)[targets]`, and no
+[positions, vocab] tensor besides one chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+CHUNK_BYTES = 32 << 20  # fp32 logits held at a time: a chunk of positions x the vocabulary
+_MIN_CHUNK = 64  # positions: fewer make the head's matmuls too thin to run at speed
+
+
+def chunk_rows(vocab: int) -> int:
+    return max(_MIN_CHUNK, CHUNK_BYTES // (4 * vocab))
+
+
+def target_logprobs(
+    head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, summed: bool = False
+) -> torch.Tensor:
+    """log softmax(head(hidden))[i, targets[i]] for hidden [n, h] and targets [n], in fp32, [n]. `summed`:
+    the caller sums these with one coefficient (a token loss), so the weight's gradient is computed in the
+    forward pass (3 matmuls instead of 4; still exact if the promise is broken). A vocabulary-sharded head
+    (tensor parallel) runs as it is and takes torch's `loss_parallel` cross-entropy of its logit shards."""
+    if isinstance(head.weight, DTensor):
+        out = -F.cross_entropy(head(hidden).float(), targets, reduction="none")
+        return out.to_local() if isinstance(out, DTensor) else out
+    return _TargetLogprobs.apply(hidden, head.weight, targets, summed)
+
+
+def _chunks(n: int, vocab: int) -> list[slice]:
+    size = chunk_rows(vocab)
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _neg_grad_logits(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One chunk: its log-probs and softmax - onehot (the gradient of -log p with respect to its logits),
+    the latter in the matmuls' dtype, made in place over the chunk's fp32 logits."""
+    logits = (h @ weight.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    rows = torch.arange(t.shape[0], device=t.device)
+    logprobs = logits[rows, t] - lse
+    probs = logits.sub_(lse[:, None]).exp_()
+    probs[rows, t] -= 1.0
+    return logprobs, probs.to(h.dtype) if h.dtype != torch.float32 else probs
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, uniform_grad):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        device = hidden.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None  # -d(log p_i)/d(h_i), row by row
+        grad_w = None
+        if need_w and uniform_grad:  # -sum_i d(log p_i)/dW, in fp32 for a low-precision weight
+            grad_w = torch.zeros_like(weight, dtype=torch.float32)
+        for part in _chunks(hidden.shape[0], weight.shape[0]):
+            h = hidden[part]
+            if not (need_h or need_w):
+                logits = (h @ weight.t()).float()
+                out[part] = logits.gather(1, targets[part, None]).squeeze(1) - torch.logsumexp(logits, -1)
+                continue
+            out[part], g = _neg_grad_logits(h, weight, targets[part])
+            if grad_h is not None:
+                grad_h[part] = g @ weight.to(g.dtype)
+            if grad_w is not None:
+                _accumulate(grad_w, g.t(), h)
+        ctx.uniform = grad_w is not None
+        ctx.save_for_backward(hidden, weight, targets, grad_h, grad_w)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets, grad_h, grad_w = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = (grad_h * -grad_out[:, None].to(grad_h.dtype)) if need_h else None
+        if not need_w:
+            return dh, None, None, None
+        if ctx.uniform and bool((grad_out == grad_out[0]).all()):
+            # out of place: backward can run twice (the pipeline's split input / weight passes)
+            return dh, (grad_w * -grad_out[0]).to(weight.dtype), None, None
+        device, enabled, dtype = ctx.autocast
+        dw = torch.zeros_like(weight, dtype=torch.float32)
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            for part in _chunks(hidden.shape[0], weight.shape[0]):
+                _, g = _neg_grad_logits(hidden[part], weight, targets[part])
+                g.mul_(-grad_out[part, None].to(g.dtype))
+                _accumulate(dw, g.t(), hidden[part])
+        return dh, dw.to(weight.dtype), None, None
+
+
+def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """total += a @ b, in place when the matmul runs in total's dtype (fp32), else through one product."""
+    if a.dtype == total.dtype and b.dtype == total.dtype:
+        total.addmm_(a, b)
+    else:
+        total.add_(a @ b.to(a.dtype))
