@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-CHUNK_BYTES = 32 << 20  # fp32 logits held at a time: a chunk of positions x the vocabulary
+# fp32 logits held at a time (a chunk of positions x the vocabulary): under glibc's largest mmap threshold
+# (32 MiB), so that the chunks reuse heap memory instead of faulting fresh pages in each time
+CHUNK_BYTES = 16 << 20
 _MIN_CHUNK = 64  # positions: fewer make the head's matmuls too thin to run at speed
 
 
@@ -35,7 +37,17 @@ def target_logprobs(
     if isinstance(head.weight, DTensor):
         out = -F.cross_entropy(head(hidden).float(), targets, reduction="none")
         return out.to_local() if isinstance(out, DTensor) else out
+    if not torch.is_grad_enabled():  # evaluation: one matmul a chunk (a Function would still make gradients)
+        return _logprobs(hidden, head.weight, targets)
     return _TargetLogprobs.apply(hidden, head.weight, targets, summed)
+
+
+def _logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    for part in _chunks(hidden.shape[0], weight.shape[0]):
+        logits = (hidden[part] @ weight.t()).float()
+        out[part] = logits.gather(1, targets[part, None]).squeeze(1) - torch.logsumexp(logits, -1)
+    return out
 
 
 def _chunks(n: int, vocab: int) -> list[slice]:
@@ -68,29 +80,28 @@ class _TargetLogprobs(torch.autograd.Function):
             grad_w = torch.zeros_like(weight, dtype=torch.float32)
         for part in _chunks(hidden.shape[0], weight.shape[0]):
             h = hidden[part]
-            if not (need_h or need_w):
-                logits = (h @ weight.t()).float()
-                out[part] = logits.gather(1, targets[part, None]).squeeze(1) - torch.logsumexp(logits, -1)
-                continue
             out[part], g = _neg_grad_logits(h, weight, targets[part])
             if grad_h is not None:
                 grad_h[part] = g @ weight.to(g.dtype)
             if grad_w is not None:
                 _accumulate(grad_w, g.t(), h)
-        ctx.uniform = grad_w is not None
-        ctx.save_for_backward(hidden, weight, targets, grad_h, grad_w)
+        ctx.grad_w = grad_w  # on ctx, not saved: backward scales it in place and hands it out once
+        ctx.save_for_backward(hidden, weight, targets, grad_h)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets, grad_h, grad_w = ctx.saved_tensors
+        hidden, weight, targets, grad_h = ctx.saved_tensors
+        # The weight's gradient is handed out once, scaled in place: autograd can then keep it as the .grad
+        # (a copy of a fresh vocabulary-sized tensor costs as much as the product). If backward runs again
+        # (torch's pipeline schedules run it for the inputs, then for the weights), it is recomputed.
+        grad_w, ctx.grad_w = ctx.grad_w, None
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dh = (grad_h * -grad_out[:, None].to(grad_h.dtype)) if need_h else None
         if not need_w:
             return dh, None, None, None
-        if ctx.uniform and bool((grad_out == grad_out[0]).all()):
-            # out of place: backward can run twice (the pipeline's split input / weight passes)
-            return dh, (grad_w * -grad_out[0]).to(weight.dtype), None, None
+        if grad_w is not None and bool((grad_out == grad_out[0]).all()):
+            return dh, grad_w.mul_(-grad_out[0]).to(weight.dtype), None, None
         device, enabled, dtype = ctx.autocast
         dw = torch.zeros_like(weight, dtype=torch.float32)
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):

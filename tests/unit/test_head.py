@@ -66,13 +66,13 @@ def test_a_frozen_head_and_evaluation():
     ref = _grads(_reference, hidden, linear, targets, coefficients)
     assert fused[2] is None and ref[2] is None
     torch.testing.assert_close(fused[1], ref[1], rtol=1e-5, atol=1e-6)
+    linear.weight.requires_grad_(True)
     with torch.no_grad():
-        torch.testing.assert_close(
-            target_logprobs(linear, hidden, targets),
-            _reference(linear, hidden, targets),
-            rtol=1e-6,
-            atol=1e-6,
-        )
+        expected = _reference(linear, hidden, targets)
+        with _Largest() as mode:  # evaluation of a trained head: no gradient work
+            got = target_logprobs(linear, hidden, targets)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert mode.matmuls == 5  # one a chunk
 
 
 def test_bf16_matches_the_whole_log_softmax_in_bf16():
@@ -90,10 +90,11 @@ def test_bf16_matches_the_whole_log_softmax_in_bf16():
 class _Largest(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.largest = 0
+        self.largest, self.matmuls = 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.matmuls += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm_.default)
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
