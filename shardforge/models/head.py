@@ -45,9 +45,15 @@ def target_logprobs(
 def _logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     for part in _chunks(hidden.shape[0], weight.shape[0]):
-        logits = (hidden[part] @ weight.t()).float()
-        out[part] = logits.gather(1, targets[part, None]).squeeze(1) - torch.logsumexp(logits, -1)
+        out[part] = _chunk_logprobs(hidden[part], weight, targets[part])[0]
     return out
+
+
+def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One chunk's target log-probs, fp32 logits and their logsumexp."""
+    logits = (h @ weight.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits.gather(1, t[:, None]).squeeze(1) - lse, logits, lse
 
 
 def _chunks(n: int, vocab: int) -> list[slice]:
@@ -58,10 +64,8 @@ def _chunks(n: int, vocab: int) -> list[slice]:
 def _neg_grad_logits(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """One chunk: its log-probs and softmax - onehot (the gradient of -log p with respect to its logits),
     the latter in the matmuls' dtype, made in place over the chunk's fp32 logits."""
-    logits = (h @ weight.t()).float()
-    lse = torch.logsumexp(logits, dim=-1)
+    logprobs, logits, lse = _chunk_logprobs(h, weight, t)
     rows = torch.arange(t.shape[0], device=t.device)
-    logprobs = logits[rows, t] - lse
     probs = logits.sub_(lse[:, None]).exp_()
     probs[rows, t] -= 1.0
     return logprobs, probs.to(h.dtype) if h.dtype != torch.float32 else probs
@@ -69,14 +73,14 @@ def _neg_grad_logits(h: torch.Tensor, weight: torch.Tensor, t: torch.Tensor) -> 
 
 class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, uniform_grad):
+    def forward(ctx, hidden, weight, targets, summed):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         device = hidden.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None  # -d(log p_i)/d(h_i), row by row
         grad_w = None
-        if need_w and uniform_grad:  # -sum_i d(log p_i)/dW, in fp32 for a low-precision weight
+        if need_w and summed:  # -sum_i d(log p_i)/dW, in fp32 for a low-precision weight
             grad_w = torch.zeros_like(weight, dtype=torch.float32)
         for part in _chunks(hidden.shape[0], weight.shape[0]):
             h = hidden[part]

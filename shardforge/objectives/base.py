@@ -8,9 +8,8 @@ per-token SFT loss and a per-pair preference loss share one loop and one global-
 never depends on how the global batch is split over ranks and micro-steps.
 
 `loss` receives the model's output (the log-probabilities of the scored positions' targets, from the fused
-head: no full-vocabulary logits) and the micro-batch (or, under pipeline
-parallel, the last stage's chunk of it: a Batch rebuilt from its per-row tensors), so it can form per-token
-or per-sequence quantities alike.
+head: no full-vocabulary logits) and the micro-batch (or, under pipeline parallel, the last stage's chunk of
+it: a Batch rebuilt from its per-row tensors), so it can form per-token or per-sequence quantities alike.
 """
 
 from __future__ import annotations
@@ -73,11 +72,10 @@ class CausalLM:
     metrics = ("loss",)
     reads_text = False
     collate = staticmethod(collate)
+    summed = True  # the loss is a plain sum of the token log-probs (the fused head's fast gradient)
 
     def __init__(self, method: MethodSection | None = None) -> None:
         self.method = method or MethodSection()  # where an objective's hyper-parameters come from
-
-    summed = True  # the loss is a plain sum of the token log-probs (the fused head's fast gradient)
 
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
         scored = batch.targets != IGNORE
