@@ -229,12 +229,10 @@ def run_hf(folder: Path, args: argparse.Namespace) -> dict:
 
 # ---- side B: shardforge ----------------------------------------------------------------------------------
 def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
-    import torch
-
+    # shardforge before torch, as in the CLI: the package sets the allocator switches (threads: the config)
     from shardforge.config import load_config
     from shardforge.train.trainer import Trainer
 
-    torch.set_num_threads(args.threads)
     job = json.loads((folder / "job.json").read_text())
     overrides = [
         f"train.compile={str(args.compile).lower()}",
@@ -365,6 +363,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--sf-override", nargs="*", default=[], help="extra shardforge overrides (say so)")
+    parser.add_argument(
+        "--only", choices=["hf", "shardforge"], help="run one side (for A/B runs of a change; no ratios)"
+    )
     parser.add_argument("--side", choices=["hf", "shardforge"], help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write the JSON results here")
@@ -382,7 +383,8 @@ def main() -> None:
         build_job(job, args)
         runs: dict[str, list[dict]] = {"hf": [], "shardforge": []}
         for rep in range(args.repeats):
-            for side in ("hf", "shardforge") if rep % 2 == 0 else ("shardforge", "hf"):
+            order = ("hf", "shardforge") if rep % 2 == 0 else ("shardforge", "hf")
+            for side in [s for s in order if args.only in (None, s)]:
                 cmd = [
                     sys.executable,
                     __file__,
@@ -413,7 +415,11 @@ def main() -> None:
     summary = {
         side: {key: statistics.median(r[key] for r in rs) for key in keys if key in rs[0]}
         for side, rs in runs.items()
+        if rs
     }
+    if args.only:
+        print(json.dumps(summary[args.only], indent=2))
+        return
     hf, sf = summary["hf"], summary["shardforge"]
     summary["speedup_target_tokens"] = sf["target_tokens_per_s"] / hf["target_tokens_per_s"]
     summary["speedup_process"] = hf["process_s"] / sf["process_s"]

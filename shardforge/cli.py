@@ -102,6 +102,104 @@ def _cmd_env(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _engine_for(args: argparse.Namespace, console: Console):
+    """Load what the command names and build an engine over it (the inference commands share this)."""
+    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.load import load_for_inference
+
+    warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
+    with console.status(f"loading {args.model}"):
+        loaded = load_for_inference(args.model, args.adapter, args.dtype, args.device, warn)
+    config = EngineConfig(
+        block_size=args.block_size,
+        kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)),
+        max_running=args.max_running,
+        max_step_tokens=args.max_step_tokens,
+    )
+    return loaded, Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)
+
+
+def _sampling(args: argparse.Namespace):
+    from shardforge.infer.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    ).check()
+
+
+def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
+    import time
+    from pathlib import Path
+
+    from shardforge.infer.offline import generate_file
+
+    params = _sampling(args)  # bad flags fail before the model loads
+    _, engine = _engine_for(args, console)
+    started = time.perf_counter()
+    with console.status("generating") as status:
+        counts = generate_file(
+            engine,
+            Path(args.prompts),
+            Path(args.out),
+            params,
+            lambda d, t: status.update(f"generated {d}/{t}"),
+        )
+    seconds = time.perf_counter() - started
+    console.print(
+        f"wrote {counts['prompts']} results to {args.out}: {counts['tokens']} tokens in {seconds:.1f} s "
+        f"({counts['tokens'] / seconds:.1f} tokens/s)"
+    )
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
+    from shardforge.infer.offline import chat_loop
+
+    params = _sampling(args)
+    _, engine = _engine_for(args, console)
+    chat_loop(engine, params)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from shardforge.errors import ConfigError
+    from shardforge.infer.runner import EngineRunner
+    from shardforge.infer.server import serve
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        raise ConfigError(f"--host {args.host} listens beyond this machine: give it an --api-key")
+    loaded, engine = _engine_for(args, console)
+    name = args.served_name or loaded.name
+    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)")
+    serve(loaded, EngineRunner(engine, args.max_waiting), args.host, args.port, name, args.api_key)
+    return 0
+
+
+def _inference_flags(p: argparse.ArgumentParser, sampling: bool = True) -> None:
+    p.add_argument("model", help="an HF model folder, a PEFT adapter folder, a run folder or a checkpoint")
+    p.add_argument("--adapter", help="a PEFT LoRA adapter folder to merge into the model")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--block-size", type=_at_least(1), default=16, help="KV cache block size (tokens)")
+    p.add_argument("--kv-memory-gb", type=float, default=1.0, help="memory for the KV cache")
+    p.add_argument("--max-running", type=_at_least(1), default=64, help="sequences decoded together")
+    p.add_argument("--max-step-tokens", type=_at_least(1), default=512, help="tokens computed per step")
+    if sampling:
+        p.add_argument("--max-tokens", type=_at_least(1), default=None, help="new tokens at most")
+        p.add_argument("--temperature", type=float, default=None, help="0: greedy")
+        p.add_argument("--top-k", type=int, default=None)
+        p.add_argument("--top-p", type=float, default=None)
+        p.add_argument("--min-p", type=float, default=None)
+        p.add_argument("--repetition-penalty", type=float, default=None)
+        p.add_argument("--seed", type=int, default=None)
+
+
 def _has_backend(name: str) -> bool:
     import torch.distributed as dist
 
@@ -161,6 +259,22 @@ def build_parser() -> argparse.ArgumentParser:
     p_prepare.add_argument("config", help="path to the YAML config")
     p_prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=2048")
     p_prepare.set_defaults(func=_cmd_data_prepare)
+    p_generate = sub.add_parser("generate", help="batch generation from a JSONL file of prompts")
+    _inference_flags(p_generate)
+    p_generate.add_argument("--prompts", required=True, help="JSONL: prompt, messages or prompt_ids per line")
+    p_generate.add_argument("--out", required=True, help="JSONL results, one line per prompt")
+    p_generate.set_defaults(func=_cmd_generate)
+    p_chat = sub.add_parser("chat", help="chat with a model in the terminal (streams its replies)")
+    _inference_flags(p_chat)
+    p_chat.set_defaults(func=_cmd_chat)
+    p_serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    _inference_flags(p_serve, sampling=False)
+    p_serve.add_argument("--host", default="127.0.0.1", help="a non-loopback host needs --api-key")
+    p_serve.add_argument("--port", type=_at_least(0), default=8000)
+    p_serve.add_argument("--api-key", default=None, help="clients must send it as a Bearer token")
+    p_serve.add_argument("--served-name", default=None, help="the model name clients ask for")
+    p_serve.add_argument("--max-waiting", type=_at_least(1), default=256, help="queue length before 429")
+    p_serve.set_defaults(func=_cmd_serve)
     p_env = sub.add_parser("env", help="versions, threads, devices and measured matmul peak")
     p_env.set_defaults(func=_cmd_env)
     return parser

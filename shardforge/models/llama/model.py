@@ -5,6 +5,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -52,12 +53,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = ctx.sliding if sliding else ctx.full
         if ctx.cache is not None:
-            k, v = ctx.cache.write(self.layer, k, v)
-        if ctx.layout is not None:
+            out = ctx.cache.attend(self.layer, q, k, v, mask)
+        elif ctx.layout is not None:
             out = attention_per_document(q, k, v, ctx.layout, ctx.window if sliding else None)
         else:
-            out = sdpa(q, k, v, ctx.sliding if sliding else ctx.full)
+            out = sdpa(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -109,8 +111,11 @@ class KVCache:
     keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> keys
     values: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this forward's k, v [b, kv_heads, s, d] after the filled slots; return all filled so far."""
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Store this forward's k, v [b, kv_heads, s, d] after the filled slots, then attend over all the
+        filled ones."""
         b, heads, s, d = k.shape
         if layer not in self.keys:
             self.keys[layer] = k.new_zeros(b, heads, self.max_len, d)
@@ -118,7 +123,47 @@ class KVCache:
         end = self.filled + s
         self.keys[layer][:, :, self.filled : end] = k
         self.values[layer][:, :, self.filled : end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        return sdpa(q, self.keys[layer][:, :, :end], self.values[layer][:, :, :end], mask)
+
+    def context(self, cfg: DecoderConfig, position_ids: torch.Tensor) -> AttentionContext:
+        """The s queries of this forward come after `filled` cached keys, so the masks [b, 1, s, filled + s]
+        are explicit (SDPA's `is_causal` aligns the query block with the first keys, which is wrong here)."""
+        b, s = position_ids.shape
+        start, end = self.filled, self.filled + s
+        if end > self.max_len:
+            raise ValueError(f"the KV cache holds {self.max_len} positions: {start} filled, {s} more given")
+        if self.positions is None:
+            self.positions = position_ids.new_zeros(b, self.max_len)
+        self.positions[:, start:end] = position_ids
+        slots = torch.arange(end, device=position_ids.device)
+        mine = slots[None, :] == slots[start:, None]
+        allowed = (slots[None, :] <= slots[start:, None])[None]  # [1, s, end]: earlier slots
+        if self.key_mask is not None:
+            allowed = allowed & self.key_mask[:, None, :end]
+        allowed = (allowed | mine)[:, None]  # a padding query sees itself: no empty softmax row (NaN)
+        if cfg.sliding_window is None:
+            return AttentionContext(full=allowed, sliding=allowed, cache=self)
+        distance = position_ids[:, :, None] - self.positions[:, None, :end]  # absolute positions, per row
+        return AttentionContext(
+            full=allowed, sliding=allowed & (distance < cfg.sliding_window)[:, None], cache=self
+        )
+
+    def advance(self, n: int) -> None:
+        self.filled += n
+
+
+class Cache(Protocol):
+    """What a forward with a cache calls: `context` once (the masks), `attend` per layer (store this
+    forward's keys and values, attend over what the cache holds), `advance` at the end. `KVCache` is the
+    contiguous one of `generate`; infer/paged.py has the paged one of the engine."""
+
+    def context(self, cfg: DecoderConfig, position_ids: torch.Tensor) -> AttentionContext: ...
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor: ...
+
+    def advance(self, n: int) -> None: ...
 
 
 @dataclass
@@ -131,7 +176,7 @@ class AttentionContext:
     sliding: torch.Tensor | None = None
     layout: DocLayout | None = None
     window: int | None = None
-    cache: KVCache | None = None
+    cache: Cache | None = None
 
 
 def attention_context(
@@ -139,12 +184,12 @@ def attention_context(
     position_ids: torch.Tensor,
     doc_ids: torch.Tensor | None,
     layout: DocLayout | None,
-    cache: KVCache | None = None,
+    cache: Cache | None = None,
 ) -> AttentionContext:
     if cache is not None:
         if doc_ids is not None or layout is not None:
             raise ValueError("a KV cache holds one sequence per row: packed rows (doc_ids) cannot use it")
-        return _cached_context(cfg, position_ids, cache)
+        return cache.context(cfg, position_ids)
     if layout is not None:
         return AttentionContext(layout=layout, window=cfg.sliding_window)
     seq, device = position_ids.shape[1], position_ids.device
@@ -160,30 +205,6 @@ def attention_context(
         return AttentionContext(full=full, sliding=full)
     window = (pos[:, None] - pos[None, :]) < cfg.sliding_window
     return AttentionContext(full=full, sliding=full & window[None, None])
-
-
-def _cached_context(cfg: DecoderConfig, position_ids: torch.Tensor, cache: KVCache) -> AttentionContext:
-    """The s queries of this forward come after `filled` cached keys, so the masks [b, 1, s, filled + s]
-    are explicit (SDPA's `is_causal` aligns the query block with the first keys, which is wrong here)."""
-    b, s = position_ids.shape
-    start, end = cache.filled, cache.filled + s
-    if end > cache.max_len:
-        raise ValueError(f"the KV cache holds {cache.max_len} positions: {start} filled, {s} more given")
-    if cache.positions is None:
-        cache.positions = position_ids.new_zeros(b, cache.max_len)
-    cache.positions[:, start:end] = position_ids
-    slots = torch.arange(end, device=position_ids.device)
-    mine = slots[None, :] == slots[start:, None]
-    allowed = (slots[None, :] <= slots[start:, None])[None]  # [1, s, end]: earlier slots
-    if cache.key_mask is not None:
-        allowed = allowed & cache.key_mask[:, None, :end]
-    allowed = (allowed | mine)[:, None]  # a padding query sees itself: no empty softmax row (NaN)
-    if cfg.sliding_window is None:
-        return AttentionContext(full=allowed, sliding=allowed, cache=cache)
-    distance = position_ids[:, :, None] - cache.positions[:, None, :end]  # absolute positions, per row
-    return AttentionContext(
-        full=allowed, sliding=allowed & (distance < cfg.sliding_window)[:, None], cache=cache
-    )
 
 
 class Decoder(nn.Module):
@@ -282,7 +303,7 @@ class Decoder(nn.Module):
         dtype: torch.dtype,
         doc_ids: torch.Tensor | None = None,
         doc_layout: DocLayout | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """What every block takes besides the stream: RoPE cos/sin and how tokens may attend (computed from
         the token positions [b, s], not the stream, which sequence parallel splits)."""
@@ -305,7 +326,7 @@ class Decoder(nn.Module):
         doc_ids: torch.Tensor | None = None,
         doc_layout: DocLayout | None = None,
         output_mask: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: Cache | None = None,
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,
         summed: bool = False,
@@ -326,7 +347,7 @@ class Decoder(nn.Module):
         for layer in self.blocks():
             h = layer(h, cos, sin, ctx)
         if cache is not None:
-            cache.filled += position_ids.shape[1]
+            cache.advance(position_ids.shape[1])
         if self.lm_head is None:
             return h
         if targets is not None:

@@ -1,0 +1,249 @@
+"""The generation engine: requests in, token (and text) pieces out, one continuous-batching step at a time,
+over a paged KV cache and the training model's own forward.
+
+    engine = Engine(model, tokenizer, EngineConfig(), GenerationDefaults.from_folder(folder))
+    engine.add("r1", prompt_ids, SamplingParams(max_tokens=32, temperature=0))
+    while engine.has_work():
+        for update in engine.step(): ...
+
+`generate()` does that loop for a list of prompts. The engine is not thread-safe: one thread drives it
+(server.py's loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardforge.errors import ShardforgeError
+from shardforge.infer.blocks import BlockManager
+from shardforge.infer.paged import Chunk, PagedKV, PagedStep
+from shardforge.infer.sampling import GenerationDefaults, Sampler, SamplingParams, choose, processed_logits
+from shardforge.infer.sampling import top_logprobs as model_logprobs
+from shardforge.infer.scheduler import Scheduler, Sequence
+from shardforge.infer.text import TextStream
+
+
+class RequestError(ShardforgeError):
+    """A request the engine cannot take (too long for the context or the cache, a duplicate id)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: from kv_memory_bytes
+    kv_memory_bytes: int = 1 << 30
+    max_step_tokens: int = 512  # prefill chunks and decodes together, per step
+    max_running: int = 64
+    prefix_cache: bool = True
+
+
+@dataclass
+class Update:
+    """What one step added to one completion."""
+
+    request_id: str
+    index: int
+    tokens: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    params: SamplingParams
+    first: Sequence
+    waiting_children: int  # the n - 1 other completions, admitted once the prompt is cached
+    streams: dict[int, TextStream | None] = field(default_factory=dict)
+    live: set[int] = field(default_factory=set)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        defaults: GenerationDefaults | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        self.defaults = defaults or GenerationDefaults(
+            eos_token_ids=(tokenizer.eos_token_id,) if getattr(tokenizer, "eos_token_id", None) else ()
+        )
+        cfg = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        per_block = PagedKV.bytes_per_block(cfg, config.block_size, self.dtype)
+        num_blocks = config.num_blocks or max(1, config.kv_memory_bytes // per_block)
+        self.kv = PagedKV(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_step_tokens, config.max_running, config.prefix_cache
+        )
+        self.context = cfg.max_position
+        self.requests: dict[str, _Request] = {}
+        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> SamplingParams:
+        """Queue a request; returns its parameters as filled from the model's defaults."""
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        if not prompt:
+            raise RequestError("the prompt has no tokens")
+        params = self.defaults.fill(params.check())
+        room = self.context - len(prompt)
+        if room < 1:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; the model's context is {self.context} (it leaves no "
+                f"room for a new token)"
+            )
+        max_tokens = min(params.max_tokens or room, room)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} and the prompt's {len(prompt)} tokens exceed the model's "
+                f"context of {self.context} tokens (at most {room} new tokens fit)"
+            )
+        capacity = self.blocks.num_blocks * self.config.block_size
+        if len(prompt) + max_tokens > capacity:
+            raise RequestError(
+                f"the prompt's {len(prompt)} tokens and {max_tokens} new ones exceed the KV cache's "
+                f"{capacity} slots; give the engine more blocks or ask for fewer tokens"
+            )
+        params = replace(params, max_tokens=max_tokens)
+        first = self._sequence(request_id, 0, prompt, params)
+        request = _Request(request_id, params, first, params.n - 1)
+        self.requests[request_id] = request
+        self._start(request, first)
+        self.stats["prompt_tokens"] += len(prompt)
+        return params
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (a client went away): its blocks are released now."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.request_id == request_id:
+                self.scheduler.remove(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[Update]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        paged = PagedStep(self.kv, [Chunk(s.blocks, s.computed, n) for s, n in plan], self.device)
+        ids = [t for s, n in plan for t in s.tokens[s.computed : s.computed + n]]
+        last = torch.zeros(len(ids), dtype=torch.bool)
+        ends = []
+        offset = 0
+        for seq, n in plan:
+            offset += n
+            if seq.computed + n == len(seq.tokens):  # its last token: the next one is sampled
+                last[offset - 1] = True
+                ends.append(seq)
+        tokens = torch.tensor(ids, device=self.device)[None]
+        logits = self.model(tokens, paged.positions, output_mask=last[None].to(self.device), cache=paged)
+        for seq, n in plan:
+            self.scheduler.computed(seq, n)
+        self.stats["steps"] += 1
+        updates = []
+        rows = logits.float().cpu() if len(ends) else logits
+        for row, seq in zip(rows, ends, strict=True):
+            updates.append(self._advance(seq, row))
+        return updates
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> Update:
+        request = self.requests[seq.request_id]
+        params = seq.sampler.params
+        if seq.index == 0 and request.waiting_children and seq.computed >= seq.prompt_len:
+            self._spawn_children(request, seq.tokens[: seq.prompt_len])
+        made = len(seq.output)
+        stops = () if params.ignore_eos else self.defaults.eos_token_ids
+        stop_ids = (*stops, *params.stop_token_ids)
+        suppress = stop_ids if made < params.min_tokens else ()
+        token = choose(processed_logits(logits, seq.sampler, seq.tokens, suppress), seq.sampler)
+        seq.tokens.append(token)
+        seq.sampler.observe(token)
+        self.stats["generated_tokens"] += 1
+        logprobs = [model_logprobs(logits, token, params.logprobs)] if params.logprobs is not None else []
+        stream = request.streams[seq.index]
+        finish = "stop" if token in stop_ids else None
+        if stream is not None:
+            stream.update(seq.output[:-1] if finish else seq.output)  # a stop token has no text
+            finish = "stop" if stream.stopped is not None else finish
+        if finish is None and len(seq.output) >= seq.max_tokens:
+            finish = "length"
+        text = stream.delta(final=finish is not None) if stream is not None else ""
+        if finish is not None:
+            self._finish(request, seq, finish)
+        return Update(seq.request_id, seq.index, [token], text, finish, logprobs)
+
+    # ---- bookkeeping -------------------------------------------------------------------------------------
+    def _sequence(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Sequence:
+        return Sequence(
+            request_id, index, list(prompt), len(prompt), Sampler.create(params, index), params.max_tokens
+        )
+
+    def _start(self, request: _Request, seq: Sequence, first: bool = False) -> None:
+        wants_text = self.tokenizer is not None
+        request.streams[seq.index] = (
+            TextStream(self.tokenizer, request.params.stop, request.params.include_stop_in_output)
+            if wants_text
+            else None
+        )
+        request.live.add(seq.index)
+        self.scheduler.add(seq, first=first)
+
+    def _spawn_children(self, request: _Request, prompt: list[int]) -> None:
+        """The other n - 1 completions, queued first: their prompt blocks come from the prefix cache."""
+        for index in range(request.params.n - 1, 0, -1):
+            self._start(
+                request, self._sequence(request.request_id, index, prompt, request.params), first=True
+            )
+        request.waiting_children = 0
+
+    def _finish(self, request: _Request, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        request.live.discard(seq.index)
+        if not request.live and not request.waiting_children:
+            del self.requests[request.request_id]
+
+    # ---- offline -----------------------------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[Completion]]:
+        """Every prompt's completions (n per prompt), run together by continuous batching."""
+        many = params if isinstance(params, list) else [params] * len(prompts)
+        results: dict[str, dict[int, Completion]] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, many, strict=True)):
+            self.add(f"gen-{i}", prompt, p)
+            results[f"gen-{i}"] = {}
+        while self.has_work():
+            for u in self.step():
+                done = results[u.request_id].setdefault(u.index, Completion([], "", ""))
+                done.tokens += u.tokens
+                done.text += u.text
+                done.logprobs += u.logprobs
+                if u.finish_reason:
+                    done.finish_reason = u.finish_reason
+        return [[results[f"gen-{i}"][k] for k in sorted(results[f"gen-{i}"])] for i in range(len(prompts))]

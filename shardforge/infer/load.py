@@ -1,0 +1,151 @@
+"""What the engine serves, from whatever a user points at: an HF model folder, a PEFT LoRA adapter folder (on
+its base), a training run (its `final/`, else its latest checkpoint), or one checkpoint of any layout. LoRA
+is merged into the base weights, so inference runs plain linears."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardforge.errors import ModelError
+from shardforge.infer.sampling import GenerationDefaults
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    tokenizer: Any
+    defaults: GenerationDefaults
+    name: str  # what the server calls it by default
+    folder: Path  # where its tokenizer and generation config came from
+
+
+def load_for_inference(
+    source: str | Path,
+    adapter: str | Path | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    warn: Callable[[str], None] = lambda _m: None,
+) -> Loaded:
+    path = Path(source)
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if not path.exists():
+        raise ModelError(f"{source}: no such model folder, adapter folder, run or checkpoint")
+    torch_dtype, target = DTYPES[dtype], torch.device(device)
+    if (path / "final").is_dir():  # a run: what it handed back
+        return load_for_inference(path / "final", adapter, dtype, device, warn)
+    if (path / "adapter_config.json").is_file():
+        if adapter is not None:
+            raise ModelError(f"{source} is an adapter folder; --adapter goes with a base model folder")
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base or not Path(base).is_dir():
+            raise ModelError(
+                f"{path}: the adapter's base_model_name_or_path {base!r} is not a local folder; pass the "
+                f"base model folder, with the adapter as --adapter {path}"
+            )
+        return load_for_inference(base, path, dtype, device, warn)
+    if (path / "config.json").is_file():
+        return _hf_folder(path, adapter, torch_dtype, target)
+    return _checkpoint(path, adapter, torch_dtype, target, warn)
+
+
+def _hf_folder(folder: Path, adapter: Path | None, dtype: torch.dtype, device: torch.device) -> Loaded:
+    from shardforge.models import load_model
+
+    model = load_model(folder, dtype=dtype, device=device)
+    if adapter is not None:
+        _merge_adapter(model, Path(adapter))
+    tokenizer_folder = Path(adapter) if adapter is not None and _has_tokenizer(Path(adapter)) else folder
+    name = Path(adapter).name if adapter is not None else folder.name
+    return _finish(model, tokenizer_folder, folder, name)
+
+
+def _checkpoint(
+    path: Path, adapter: Path | None, dtype: torch.dtype, device: torch.device, warn: Callable[[str], None]
+) -> Loaded:
+    from shardforge.adapters.apply import apply_finetuning
+    from shardforge.checkpoint.store import resolve_checkpoint
+    from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state
+    from shardforge.config import load_config
+    from shardforge.models.build import build_model
+    from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
+
+    if adapter is not None:
+        raise ModelError("--adapter goes with an HF model folder, not with a training checkpoint")
+    folder = resolve_checkpoint(path, warn)  # names what is missing when this is no checkpoint either
+    config = load_config(folder / "config.yaml")
+    from shardforge.models.build import load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    model = build_model(config.model, tokenizer, config.train.seed, torch.device("cpu"))
+    apply_finetuning(model, config.method, config.train.seed)
+    vocab = model.config.vocab_size
+    pad_vocab(model, read_trainer_state(folder)["vocab_rows"])
+    load_model_weights(folder, model)
+    model.load_state_dict(strip_vocab_padding(model.state_dict(), vocab), strict=False, assign=True)
+    _merge_lora_modules(model)
+    model = model.to(device=device, dtype=dtype)
+    source = Path(config.model.tokenizer or config.model.path or folder)
+    return Loaded(model.eval(), tokenizer, _defaults(source, tokenizer), folder.parent.parent.name, source)
+
+
+def _merge_adapter(model: nn.Module, folder: Path) -> None:
+    from shardforge.adapters.apply import add_lora
+    from shardforge.adapters.peft_format import load_adapter, read_adapter
+    from shardforge.config.schema import LoraSection
+
+    config, _ = read_adapter(folder, model.config.family)
+    section = LoraSection(
+        rank=config["r"],
+        alpha=config["lora_alpha"],
+        targets=sorted(set(config.get("target_modules") or [])),
+        dora=bool(config.get("use_dora", False)),
+        rslora=bool(config.get("use_rslora", False)),
+    )
+    add_lora(model, section, seed=0)
+    load_adapter(model, folder, section)
+    _merge_lora_modules(model)
+
+
+def _merge_lora_modules(model: nn.Module) -> None:
+    """Each LoRA linear becomes a plain one holding W + s B A (DoRA-scaled)."""
+    from shardforge.adapters.lora import LoRALinear
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoRALinear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            with torch.no_grad():
+                plain.weight = nn.Parameter(module.merged_weight().detach(), requires_grad=False)
+                if module.bias is not None:
+                    plain.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, plain)
+    for param in model.parameters():
+        param.requires_grad_(False)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+
+
+def _finish(model: nn.Module, tokenizer_folder: Path, folder: Path, name: str) -> Loaded:
+    from shardforge.config.schema import ModelSection
+    from shardforge.models.build import load_tokenizer
+
+    tokenizer = load_tokenizer(ModelSection(path=str(folder), tokenizer=str(tokenizer_folder)))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return Loaded(model.eval(), tokenizer, _defaults(folder, tokenizer), name, folder)
+
+
+def _defaults(folder: Path, tokenizer: Any) -> GenerationDefaults:
+    return GenerationDefaults.from_folder(folder, getattr(tokenizer, "eos_token_id", None))

@@ -1,0 +1,176 @@
+"""What a request asks the sampler for, and the sampler: penalties, temperature, top-k, top-p and min-p in
+transformers' order, then a draw from each request's own generator, so that a seeded request's tokens do not
+depend on what else is in the batch."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import torch
+
+from shardforge.errors import ShardforgeError
+
+
+class SamplingError(ShardforgeError):
+    """A request's sampling parameters are out of range: names the parameter and what is valid."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """None means unset: the model's generation_config.json gives the value, else the neutral one.
+    `temperature` 0 means greedy (as in the OpenAI API and vLLM)."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_k: int | None = None  # 0 or -1: all tokens
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None  # transformers' (CTRL's): over the prompt and the output
+    presence_penalty: float = 0.0  # OpenAI's: over the output
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the k most likely
+    include_stop_in_output: bool = False
+
+    def check(self) -> SamplingParams:
+        """Raise a SamplingError naming the first bad parameter; return self."""
+        rules = [
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "an integer >= 1"),
+            ("min_tokens", self.min_tokens >= 0, "an integer >= 0"),
+            ("temperature", self.temperature is None or 0.0 <= self.temperature <= 100.0, "in [0, 100]"),
+            ("top_k", self.top_k is None or self.top_k >= -1, "-1, 0 (all tokens) or a positive integer"),
+            ("top_p", self.top_p is None or 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", self.min_p is None or 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty is None or self.repetition_penalty > 0, "> 0"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("n", 1 <= self.n <= 128, "an integer in [1, 128]"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "an integer in [0, 20]"),
+        ]
+        for name, ok, valid in rules:
+            if not ok:
+                raise SamplingError(f"{name}={getattr(self, name)!r} is invalid: it must be {valid}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise SamplingError("stop strings must not be empty")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The model's generation_config.json: the values it sets fill a request's unset ones (as vLLM does:
+    only what the file says, not transformers' class defaults such as top_k=50)."""
+
+    values: dict = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_folder(cls, folder: str | Path | None, tokenizer_eos: int | None = None) -> GenerationDefaults:
+        path = Path(folder) / "generation_config.json" if folder is not None else None
+        raw = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+        eos = raw.get("eos_token_id", tokenizer_eos)
+        eos_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer_eos is not None and tokenizer_eos not in eos_ids:
+            eos_ids += (tokenizer_eos,)
+        keys = {f.name for f in fields(SamplingParams)} & {"temperature", "top_k", "top_p", "min_p"}
+        values = {k: raw[k] for k in sorted(keys | {"repetition_penalty"}) if raw.get(k) is not None}
+        if raw.get("max_new_tokens") is not None:
+            values["max_tokens"] = raw["max_new_tokens"]
+        return cls(values, eos_ids)
+
+    def fill(self, params: SamplingParams) -> SamplingParams:
+        """The request's values, then the file's, then temperature 1 (the OpenAI API's default)."""
+        unset = {k: v for k, v in self.values.items() if getattr(params, k) is None}
+        filled = replace(params, **unset) if unset else params
+        return replace(filled, temperature=1.0) if filled.temperature is None else filled
+
+
+@dataclass
+class Sampler:
+    """One request's sampling state: its parameters (filled with defaults), its generator and the counts of
+    the tokens it has produced (presence and frequency penalties)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    counts: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, params: SamplingParams, index: int = 0) -> Sampler:
+        """`index`: which of the request's n completions (each has its own stream of draws)."""
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator()
+            if params.seed is not None:
+                generator.manual_seed(params.seed * 1_000_003 + index)
+            else:
+                generator.seed()
+        return cls(params, generator)
+
+    def observe(self, token: int) -> None:
+        self.counts[token] = self.counts.get(token, 0) + 1
+
+
+def processed_logits(
+    logits: torch.Tensor, sampler: Sampler, history: list[int], suppress: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """One row's logits [vocab] (fp32) after the penalties, temperature and the top-k / top-p / min-p filters,
+    in transformers' order; filtered-out tokens are -inf. `history`: prompt and output tokens (repetition
+    penalty); `suppress`: tokens that may not come yet (eos and stop tokens before min_tokens)."""
+    p = sampler.params
+    x = logits.float().clone()
+    if p.repetition_penalty not in (None, 1.0) and history:
+        seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=x.device)
+        scores = x[seen]
+        x[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and sampler.counts:
+        ids = torch.tensor(list(sampler.counts), dtype=torch.long, device=x.device)
+        counts = torch.tensor(list(sampler.counts.values()), dtype=x.dtype, device=x.device)
+        x[ids] -= p.presence_penalty + p.frequency_penalty * counts
+    if suppress:
+        x[list(suppress)] = -math.inf
+    if p.greedy:
+        return x
+    x = x / p.temperature
+    if p.top_k is not None and 0 < p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, -math.inf)
+    if p.top_p is not None and p.top_p < 1.0:
+        ordered, order = torch.sort(x, descending=False)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - p.top_p  # the least likely tokens whose mass is at most 1 - top_p
+        drop[-1] = False  # the most likely token always stays
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
+    if p.min_p is not None and p.min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), -math.inf)
+    return x
+
+
+def choose(x: torch.Tensor, sampler: Sampler) -> int:
+    """The next token from processed logits: the argmax when greedy, else a draw from the request's own
+    generator."""
+    if sampler.params.greedy:
+        return int(x.argmax())
+    return int(torch.multinomial(x.softmax(-1), 1, generator=sampler.generator))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability under the model (before penalties and filters, as vLLM reports
+    it) and the k most likely tokens with theirs."""
+    logp = logits.float().log_softmax(-1)
+    best = torch.topk(logp, k) if k else None
+    pairs = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
+    return float(logp[token]), pairs

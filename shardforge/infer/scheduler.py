@@ -1,0 +1,131 @@
+"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+
+Every step, running sequences go first (one token each when decoding, the next chunk of a long prompt
+otherwise), then waiting ones are admitted in arrival order while the step's token budget, the sequence cap
+and the KV blocks last. A new sequence first takes the cached blocks of its longest known prompt prefix.
+When a running sequence needs a block and none is left, the latest arrival is preempted: its blocks are
+released and it waits again at the front, to be recomputed (its full blocks usually come back from the
+prefix cache)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shardforge.infer.blocks import BlockManager
+from shardforge.infer.sampling import Sampler
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion: the prompt and the tokens made so far, and where their keys and values are."""
+
+    request_id: str
+    index: int  # which of the request's n completions
+    tokens: list[int]
+    prompt_len: int
+    sampler: Sampler
+    max_tokens: int
+    blocks: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # prefix keys of its full blocks, in order
+    computed: int = 0  # tokens whose keys and values are in its blocks
+    finish_reason: str | None = None
+    preemptions: int = 0
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def uncomputed(self) -> int:
+        return len(self.tokens) - self.computed
+
+
+class Scheduler:
+    def __init__(
+        self, blocks: BlockManager, max_step_tokens: int, max_running: int, prefix_cache: bool = True
+    ) -> None:
+        self.blocks, self.prefix_cache = blocks, prefix_cache
+        self.max_step_tokens, self.max_running = max_step_tokens, max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        (self.waiting.appendleft if first else self.waiting.append)(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or aborted sequence out, releasing its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next step's (sequence, tokens to compute) pairs, with the blocks they need allocated."""
+        budget, chosen = self.max_step_tokens, []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted for an earlier one in this loop
+                continue
+            n = min(seq.uncomputed, budget)
+            while not self._grow(seq, seq.computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                chosen.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            self._attach_prefix(seq)
+            n = min(seq.uncomputed, budget)
+            if not self._grow(seq, seq.computed + n):
+                self._release(seq)  # its prefix blocks are not held while it waits
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            chosen.append((seq, n))
+            budget -= n
+        return chosen
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """After the step: n more tokens are cached; each block they filled joins the prefix cache."""
+        seq.computed += n
+        size = self.blocks.block_size
+        while len(seq.keys) < seq.computed // size:
+            i = len(seq.keys)
+            parent = seq.keys[-1] if seq.keys else b""
+            tokens = seq.tokens[i * size : (i + 1) * size]
+            if self.prefix_cache:
+                seq.keys.append(self.blocks.register(seq.blocks[i], parent, tokens))
+            else:
+                seq.keys.append(b"")
+
+    def _attach_prefix(self, seq: Sequence) -> None:
+        if seq.blocks or not self.prefix_cache:
+            return
+        limit = (len(seq.tokens) - 1) // self.blocks.block_size  # the last token is always computed
+        seq.blocks, seq.keys = self.blocks.cached_prefix(seq.tokens, limit)
+        seq.computed = len(seq.blocks) * self.blocks.block_size
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        needed = -(-tokens // self.blocks.block_size) - len(seq.blocks)
+        if needed > self.blocks.available:
+            return False
+        seq.blocks.extend(self.blocks.allocate() for _ in range(needed))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release(seq.blocks)
+        seq.blocks, seq.keys, seq.computed = [], [], 0

@@ -1,0 +1,334 @@
+"""`shardforge serve` against the real `openai` client, `generate` on a JSONL file, and `chat` through a
+pseudo-terminal: each as a user runs it, in subprocesses, on a tiny random model with the bundled
+tokenizer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pty
+import select
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.offline import chat_ids
+from shardforge.infer.sampling import SamplingParams
+from shardforge.models import load_model
+from tests.conftest import REPO
+
+KEY = "test-key"
+NO_EOS = {"ignore_eos": True}
+ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("served") / "tiny-chat"
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)  # peaked logits: no near-ties for greedy decoding
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _server(model_dir, *flags: str):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "shardforge", "serve", str(model_dir), "--port", str(port), *flags]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"the server did not start:\n{proc.stdout.read()}") from None
+                time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with _server(model_dir, "--api-key", KEY, "--served-name", "tiny", "--block-size", "8") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def _expected(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    engine = Engine(load_model(model_dir), tokenizer, EngineConfig(block_size=8))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return [c[0].tokens for c in engine.generate(prompts, params)]
+
+
+def test_models_chat_and_usage(client, model_dir):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = chat_ids(tokenizer, messages)
+    assert reply.usage.prompt_tokens == len(prompt)
+    (expected,) = _expected(model_dir, [prompt], 12)
+    assert reply.usage.completion_tokens == len(expected)
+    assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    assert reply.choices[0].finish_reason == ("stop" if expected[-1] == tokenizer.eos_token_id else "length")
+    # Streamed: the same text in pieces, then the usage chunk.
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        temperature=0,
+        max_completion_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reply.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reply.choices[0].finish_reason
+
+
+def test_completions_n_stop_and_logprobs(client):
+    base = client.completions.create(model="tiny", prompt="The sea is", temperature=0, max_tokens=16)
+    text = base.choices[0].text
+    assert base.usage.completion_tokens == 16 and base.choices[0].finish_reason == "length"
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.completions.create(
+        model="tiny", prompt="The sea is", temperature=0, max_tokens=16, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model="tiny", prompt="The sea is", temperature=0, max_tokens=16, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+    many = client.completions.create(
+        model="tiny", prompt="The sea is", temperature=1.0, seed=5, n=3, max_tokens=8, extra_body=NO_EOS
+    )
+    assert sorted(c.index for c in many.choices) == [0, 1, 2] and many.usage.completion_tokens == 24
+    again = client.completions.create(
+        model="tiny", prompt="The sea is", temperature=1.0, seed=5, n=3, max_tokens=8, extra_body=NO_EOS
+    )
+    assert [c.text for c in again.choices] == [c.text for c in many.choices]  # seeded: reproducible
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=0,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+
+
+def test_errors_are_openai_shaped(server, client):
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_p=3)
+    with pytest.raises(openai.APIStatusError, match="context") as info:
+        client.completions.create(model="tiny", prompt="word " * 400, max_tokens=2)
+    assert info.value.status_code == 413
+    request = urllib.request.Request(
+        f"{server}/v1/completions", data=b"{not json", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        urllib.request.urlopen(request, timeout=10)
+    assert bad.value.code == 400 and "error" in json.loads(bad.value.read())
+    assert (
+        client.completions.create(model="tiny", prompt="still up", max_tokens=2).usage.completion_tokens == 2
+    )
+
+
+def test_a_client_gone_mid_stream_frees_its_blocks(server, client):
+    stream = client.completions.create(
+        model="tiny",
+        prompt="A long story:",
+        max_tokens=200,
+        temperature=1.0,
+        stream=True,
+        extra_body=NO_EOS,
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    deadline = time.time() + 30
+    while _metrics(server)["shardforge_kv_blocks_in_use"] > 0:
+        assert time.time() < deadline, "the blocks of the abandoned request were not released"
+        time.sleep(0.2)
+    assert _metrics(server)["shardforge_running"] == 0
+
+
+def test_32_concurrent_clients_get_their_own_answers(server, client, model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [f"Question number {i}: what is {i} plus {i}?" for i in range(32)]
+    expected = _expected(model_dir, [tokenizer(p)["input_ids"] for p in prompts], 10)
+
+    def ask(i: int) -> str:
+        return (
+            client.completions.create(model="tiny", prompt=prompts[i], temperature=0, max_tokens=10)
+            .choices[0]
+            .text
+        )
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, range(32)))
+    assert answers == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
+    metrics = _metrics(server)
+    assert metrics["shardforge_time_to_first_token_seconds_count"] >= 32
+    assert metrics['shardforge_requests_total{status="finished"}'] >= 32
+
+
+def test_a_full_queue_answers_429(model_dir):
+    with _server(model_dir, "--max-running", "1", "--max-waiting", "1", "--served-name", "tiny") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def ask(_):
+            try:
+                client.completions.create(model="tiny", prompt="go", max_tokens=64, extra_body=NO_EOS)
+                return 200
+            except openai.RateLimitError:
+                return 429
+
+        with ThreadPoolExecutor(6) as pool:
+            codes = list(pool.map(ask, range(6)))
+        assert 429 in codes and 200 in codes
+
+
+def test_serve_beyond_loopback_needs_a_key(model_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardforge", "serve", str(model_dir), "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=ENV,
+    )
+    assert proc.returncode == 2 and "--api-key" in proc.stderr
+
+
+def test_generate_writes_every_prompt(model_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"id": "a", "prompt": "The sea"}, {"id": "b", "messages": [{"role": "user", "content": "hi"}]}]
+    rows.append({"id": "c", "prompt_ids": [5, 6, 7], "max_tokens": 3})
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "shardforge", "generate", str(model_dir), "--prompts", str(prompts)]
+    cmd += ["--out", str(out), "--temperature", "0", "--max-tokens", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in results] == ["a", "b", "c"]
+    assert len(results[2]["completions"][0]["tokens"]) == 3
+    assert all(1 <= len(r["completions"][0]["tokens"]) <= 6 for r in results)
+    prompts.write_text('{"id": "x"}\n')
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
+    assert proc.returncode == 2 and f"{prompts}:1" in proc.stderr and "prompt" in proc.stderr
+
+
+def test_chat_in_a_terminal(model_dir):
+    """One exchange, /reset, and end of input, through a pseudo-terminal."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat command on the terminal
+        os.chdir(REPO)
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardforge",
+            "chat",
+            str(model_dir),
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "8",
+        ]
+        os.execve(sys.executable, cmd, ENV)
+    screen = ""
+
+    def read_until(marker: str, timeout: float = 120) -> str:
+        nonlocal screen
+        deadline = time.time() + timeout
+        while marker not in screen:
+            assert time.time() < deadline, f"no {marker!r} on the screen:\n{screen}"
+            ready, _, _ = select.select([fd], [], [], 1)
+            if ready:
+                screen += os.read(fd, 4096).decode(errors="replace")
+        at = screen.index(marker) + len(marker)
+        seen, screen = screen[:at], screen[at:]
+        return seen
+
+    try:
+        read_until("> ")
+        os.write(fd, b"hello there\n")
+        reply = read_until("> ")
+        assert "hello there" in reply and len(reply.strip()) > len("hello there")
+        os.write(fd, b"/reset\n")
+        assert "(conversation reset)" in read_until("> ")
+        os.write(fd, b"\x04")  # Ctrl-D: end of input
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)

@@ -1,0 +1,257 @@
+"""The generation engine: greedy tokens equal transformers' for each family under continuous batching (mixed
+prompt lengths, requests joining mid-batch, chunked prefill, prefix-cache hits, preemption forced by a tiny
+block pool, sliding windows); seeded sampling is reproducible and independent of the batch; the logits
+filters equal transformers' processors; stops, lengths, n > 1, aborts and bad requests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from shardforge.infer.engine import Engine, EngineConfig, RequestError
+from shardforge.infer.sampling import (
+    GenerationDefaults,
+    Sampler,
+    SamplingError,
+    SamplingParams,
+    choose,
+    processed_logits,
+)
+from shardforge.infer.text import TextStream
+from shardforge.models import load_model
+from tests.unit.test_generate import FAMILIES, VOCAB, _hf_model, _prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    hf.generation_config.eos_token_id = None
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def _engine(folder, **config) -> Engine:
+    return Engine(load_model(folder), config=EngineConfig(**config))
+
+
+def _run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], join_after: int) -> dict:
+    """Run first completions to the end; the second half of the requests joins after `join_after` steps.
+    Returns request id -> tokens."""
+    names = list(requests)
+    late = names[len(names) // 2 :]
+    for name in names[: len(names) // 2]:
+        engine.add(name, *requests[name])
+    out: dict[str, list[int]] = {name: [] for name in names}
+    steps = 0
+    while engine.has_work() or late:
+        if steps == join_after:
+            for name in late:
+                engine.add(name, *requests[name])
+            late = []
+        for update in engine.step():
+            out[update.request_id] += update.tokens
+        steps += 1
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_tokens_match_transformers_under_continuous_batching(tmp_path, family):
+    hf, folder = _hf_model(tmp_path, family)
+    prompts = _prompts((5, 11, 20, 3, 17, 9), seed=2)
+    expected = [_hf_greedy(hf, p, 20) for p in prompts]
+    # Blocks of 4 and 16 tokens a step: prompts prefill in chunks, mixed with other requests' decodes.
+    engine = _engine(folder, block_size=4, max_step_tokens=16, num_blocks=64)
+    got = _run(engine, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)}, join_after=3)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    assert engine.blocks.in_use == 0 and not engine.requests  # everything released
+
+
+def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(tmp_path):
+    hf, folder = _hf_model(tmp_path, "mistral")  # sliding window 16, crossed by prompt + new tokens
+    shared = _prompts((13,), seed=5)[0]
+    prompts = [shared + tail for tail in _prompts((3, 6, 1, 9), seed=6)]
+    expected = [_hf_greedy(hf, p, 20) for p in prompts]
+    engine = _engine(folder, block_size=4, max_step_tokens=64, num_blocks=64)
+    assert engine.generate([prompts[0]], GREEDY)[0][0].tokens == expected[0]
+    hits = engine.blocks.hits
+    got = engine.generate(prompts, GREEDY)
+    assert [c[0].tokens for c in got] == expected
+    assert engine.blocks.hits - hits >= 3 * 12  # each later prompt found its 3 shared full blocks
+    # 9 blocks of 4 slots: two sequences of ~36 tokens cannot both stay, so one is preempted and recomputed.
+    small = _engine(folder, block_size=4, max_step_tokens=64, num_blocks=12)
+    got = small.generate(prompts, GREEDY)
+    assert [c[0].tokens for c in got] == expected
+    assert small.scheduler.preemptions > 0
+    assert small.blocks.in_use == 0
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tmp_path):
+    _, folder = _hf_model(tmp_path, "llama")
+    engine = _engine(folder, block_size=4, max_step_tokens=32, num_blocks=128)
+    prompts = _prompts((7, 12, 4, 15), seed=9)
+    seeded = SamplingParams(temperature=1.5, top_p=0.95, seed=123, max_tokens=16, ignore_eos=True)
+    alone = engine.generate([prompts[0]], seeded)[0][0].tokens
+    again = engine.generate([prompts[0]], seeded)[0][0].tokens
+    others = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
+    crowded = engine.generate(prompts, [seeded, others, others, others])[0][0].tokens
+    assert alone == again == crowded
+    other_seed = engine.generate([prompts[0]], SamplingParams(**{**seeded.__dict__, "seed": 124}))[0][0]
+    assert other_seed.tokens != alone
+
+
+def test_n_completions_share_the_prompt_blocks(tmp_path):
+    hf, folder = _hf_model(tmp_path, "llama")
+    engine = _engine(folder, block_size=4, max_step_tokens=64, num_blocks=64)
+    prompt = _prompts((18,), seed=4)[0]
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=8, ignore_eos=True)
+    (completions,) = engine.generate([prompt], params)
+    assert len(completions) == 3 and len({tuple(c.tokens) for c in completions}) > 1
+    assert engine.blocks.hits >= 2 * 16  # the two later completions reused the 4 full prompt blocks
+    greedy = engine.generate([prompt], SamplingParams(temperature=0.0, n=2, max_tokens=8, ignore_eos=True))
+    assert greedy[0][0].tokens == greedy[0][1].tokens == _hf_greedy(hf, prompt, 8)
+
+
+def test_stop_tokens_min_and_max_tokens(tmp_path):
+    hf, folder = _hf_model(tmp_path, "llama")
+    prompt = _prompts((6,), seed=1)[0]
+    free = _hf_greedy(hf, prompt, 20)
+    stop = free[5]
+    engine = _engine(folder, block_size=4, num_blocks=32)
+    done = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(stop,)))
+    first = free.index(stop)
+    assert done[0][0].tokens == free[: first + 1] and done[0][0].finish_reason == "stop"
+    capped = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))[0][0]
+    assert capped.tokens == free[:3] and capped.finish_reason == "length"
+    late = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=first + 2, stop_token_ids=(stop,))
+    assert stop not in engine.generate([prompt], late)[0][0].tokens[: first + 2]
+
+
+def test_abort_frees_blocks_and_bad_requests_are_clear(tmp_path):
+    _, folder = _hf_model(tmp_path, "llama")  # context 256
+    engine = _engine(folder, block_size=4, num_blocks=16)
+    engine.add("a", [1, 2, 3, 4, 5], GREEDY)
+    engine.step()
+    assert engine.blocks.in_use == 2
+    engine.abort("a")
+    assert engine.blocks.in_use == 0 and not engine.has_work()
+    with pytest.raises(RequestError, match="context of 256"):
+        engine.add("b", [1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestError, match="64 slots"):
+        engine.add("c", [1] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(SamplingError, match=r"top_p=1\.5"):
+        engine.add("d", [1], SamplingParams(top_p=1.5))
+    engine.add("e", [1], GREEDY)
+    with pytest.raises(RequestError, match="already running"):
+        engine.add("e", [1], GREEDY)
+
+
+def test_logprobs_are_the_models(tmp_path):
+    _, folder = _hf_model(tmp_path, "qwen2")
+    model = load_model(folder).eval()
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=32))
+    prompt = _prompts((9,), seed=8)[0]
+    done = engine.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
+    )
+    tokens = done[0][0].tokens
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1 : -1].log_softmax(-1)
+    for (chosen, top), token, row in zip(done[0][0].logprobs, tokens, logits, strict=True):
+        assert math.isclose(chosen, row[token].item(), abs_tol=1e-5)
+        assert [t for t, _ in top] == row.topk(3).indices.tolist() and top[0][0] == token
+
+
+# ---- the sampler against transformers' processors ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7, top_k=5),
+        dict(temperature=1.3, top_p=0.8),
+        dict(temperature=1.0, min_p=0.1),
+        dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+    ],
+)
+def test_filters_equal_transformers_processors(params):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(VOCAB, generator=generator) * 3
+    history = [3, 3, 17, 40, 99]
+    ours = processed_logits(logits, Sampler.create(SamplingParams(**params).check()), history)
+    scores = logits[None].clone()
+    ids = torch.tensor([history])
+    if "repetition_penalty" in params:
+        scores = RepetitionPenaltyLogitsProcessor(params["repetition_penalty"])(ids, scores)
+    scores = TemperatureLogitsWarper(params["temperature"])(ids, scores)
+    for key, warper in (
+        ("top_k", TopKLogitsWarper),
+        ("top_p", TopPLogitsWarper),
+        ("min_p", MinPLogitsWarper),
+    ):
+        if key in params:
+            scores = warper(params[key])(ids, scores)
+    assert torch.equal(torch.isinf(ours), torch.isinf(scores[0]))
+    kept = ~torch.isinf(ours)
+    torch.testing.assert_close(ours[kept], scores[0][kept], rtol=1e-6, atol=1e-6)
+
+
+def test_draws_follow_the_filtered_distribution():
+    """An independent top-p: keep the most likely tokens until their mass reaches p; the draws' frequencies
+    match the renormalized probabilities."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -1.0, -3.0])
+    probs = logits.softmax(-1)
+    order = probs.argsort(descending=True)
+    kept, mass = [], 0.0
+    for token in order.tolist():
+        if mass >= 0.8:
+            break
+        kept.append(token)
+        mass += probs[token].item()
+    expected = torch.zeros_like(probs)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    sampler = Sampler.create(SamplingParams(temperature=1.0, top_p=0.8, seed=0).check())
+    counts = torch.zeros_like(probs)
+    for _ in range(4000):
+        counts[choose(processed_logits(logits, sampler, []), sampler)] += 1
+    assert torch.all(counts[expected == 0] == 0)
+    torch.testing.assert_close(counts / 4000, expected, atol=0.025, rtol=0)
+
+
+def test_penalties_and_defaults():
+    logits = torch.zeros(10)
+    sampler = Sampler.create(SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25))
+    for token in (2, 2, 5):
+        sampler.observe(token)
+    x = processed_logits(logits, sampler, [])
+    assert x[2].item() == -1.0 and x[5].item() == -0.75 and x[0].item() == 0.0
+    defaults = GenerationDefaults({"temperature": 0.6, "top_p": 0.9}, (2,))
+    filled = defaults.fill(SamplingParams(top_p=0.5))
+    assert (filled.temperature, filled.top_p) == (0.6, 0.5)
+    assert GenerationDefaults().fill(SamplingParams()).temperature == 1.0
+
+
+class _Letters:
+    """A tokenizer whose token i is one letter."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_strings_are_cut_and_never_streamed():
+    stream = TextStream(_Letters(), stop=("cde",))
+    pieces = []
+    ids = []
+    for token in [0, 1, 2, 3, 4, 5]:  # a b c d e f
+        ids.append(token)
+        stream.update(ids)
+        pieces.append(stream.delta(final=stream.stopped is not None))
+        if stream.stopped:
+            break
+    assert "".join(pieces) == "ab" and stream.stopped == "cde" and pieces[:2] == ["", ""]
