@@ -18,3 +18,8 @@ python benchmarks/single_process.py --device cuda --precision bf16 --preset llam
 # 2. Side by side with transformers Trainer on the same GPU, bf16 (larger model and data than the CPU default).
 python benchmarks/vs_hf_trainer.py --device cuda --precision bf16 --preset llama-300m --records 4000 \
     --batch 16 --lr 3e-4 --repeats 2 --out "$OUT/vs_hf_trainer.json" | tee "$OUT/vs_hf_trainer.txt"
+
+# 3. Inference: the engine against transformers' generate (one at a time, padded batches) and its continuous
+#    batching, on the ~50M model in bf16, then through the HTTP server under 32 streaming clients.
+python benchmarks/inference.py --device cuda --dtype bfloat16 --size 50m --requests 256 --max-running 128 \
+    --http 32 --out "$OUT/inference.json" | tee "$OUT/inference.txt"

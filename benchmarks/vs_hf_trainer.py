@@ -229,8 +229,7 @@ def run_hf(folder: Path, args: argparse.Namespace) -> dict:
 
 # ---- side B: shardforge ----------------------------------------------------------------------------------
 def run_shardforge(folder: Path, args: argparse.Namespace) -> dict:
-    # shardforge before torch, as in the CLI: the package sets the allocator switches (threads: the config)
-    from shardforge.config import load_config
+    from shardforge.config import load_config  # (threads: the config's hardware.threads)
     from shardforge.train.trainer import Trainer
 
     job = json.loads((folder / "job.json").read_text())

@@ -3,17 +3,9 @@ out."""
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 from shardforge.errors import ShardforgeError
-
-if "torch" not in sys.modules:
-    # Host tensors of 2 MiB and more on transparent huge pages: glibc maps every allocation over 32 MiB anew,
-    # and a fresh vocabulary-sized gradient then costs one page fault per 4 KiB (steps 4% faster on
-    # SmolLM2-135M here). torch reads the switch once, at its first allocation; a user's own value wins.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 __version__ = "0.1.0"
 __all__ = ["ShardforgeError", "__version__", "load_model", "save_model"]

@@ -168,12 +168,10 @@ def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
-    from shardforge.errors import ConfigError
     from shardforge.infer.runner import EngineRunner
-    from shardforge.infer.server import serve
+    from shardforge.infer.server import check_host, serve
 
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        raise ConfigError(f"--host {args.host} listens beyond this machine: give it an --api-key")
+    check_host(args.host, args.api_key)  # before the model loads
     loaded, engine = _engine_for(args, console)
     name = args.served_name or loaded.name
     console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)")

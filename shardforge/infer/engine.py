@@ -11,6 +11,7 @@ over a paged KV cache and the training model's own forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,7 +65,6 @@ class Completion:
 class _Request:
     request_id: str
     params: SamplingParams
-    first: Sequence
     waiting_children: int  # the n - 1 other completions, admitted once the prompt is cached
     streams: dict[int, TextStream | None] = field(default_factory=dict)
     live: set[int] = field(default_factory=set)
@@ -126,7 +126,7 @@ class Engine:
             )
         params = replace(params, max_tokens=max_tokens)
         first = self._sequence(request_id, 0, prompt, params)
-        request = _Request(request_id, params, first, params.n - 1)
+        request = _Request(request_id, params, params.n - 1)
         self.requests[request_id] = request
         self._start(request, first)
         self.stats["prompt_tokens"] += len(prompt)
@@ -166,12 +166,13 @@ class Engine:
             self.scheduler.computed(seq, n)
         self.stats["steps"] += 1
         updates = []
-        rows = logits.float().cpu() if len(ends) else logits
-        for row, seq in zip(rows, ends, strict=True):
-            updates.append(self._advance(seq, row))
+        rows = logits.float().cpu()
+        argmax = rows.argmax(-1).tolist()  # what every plain greedy row takes, in one pass
+        for row, best, seq in zip(rows, argmax, ends, strict=True):
+            updates.append(self._advance(seq, row, best))
         return updates
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> Update:
+    def _advance(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> Update:
         request = self.requests[seq.request_id]
         params = seq.sampler.params
         if seq.index == 0 and request.waiting_children and seq.computed >= seq.prompt_len:
@@ -180,7 +181,10 @@ class Engine:
         stops = () if params.ignore_eos else self.defaults.eos_token_ids
         stop_ids = (*stops, *params.stop_token_ids)
         suppress = stop_ids if made < params.min_tokens else ()
-        token = choose(processed_logits(logits, seq.sampler, seq.tokens, suppress), seq.sampler)
+        if seq.sampler.plain_greedy and not suppress:
+            token = argmax
+        else:
+            token = choose(processed_logits(logits, seq.sampler, seq.tokens, suppress), seq.sampler)
         seq.tokens.append(token)
         seq.sampler.observe(token)
         self.stats["generated_tokens"] += 1
@@ -230,14 +234,19 @@ class Engine:
 
     # ---- offline -----------------------------------------------------------------------------------------
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        progress: Callable[[int, int], None] | None = None,
     ) -> list[list[Completion]]:
-        """Every prompt's completions (n per prompt), run together by continuous batching."""
+        """Every prompt's completions (n per prompt), run together by continuous batching; `progress` is
+        called as (prompts done, prompts) when one finishes."""
         many = params if isinstance(params, list) else [params] * len(prompts)
         results: dict[str, dict[int, Completion]] = {}
         for i, (prompt, p) in enumerate(zip(prompts, many, strict=True)):
             self.add(f"gen-{i}", prompt, p)
             results[f"gen-{i}"] = {}
+        finished = 0
         while self.has_work():
             for u in self.step():
                 done = results[u.request_id].setdefault(u.index, Completion([], "", ""))
@@ -246,4 +255,8 @@ class Engine:
                 done.logprobs += u.logprobs
                 if u.finish_reason:
                     done.finish_reason = u.finish_reason
+                    if u.request_id not in self.requests:
+                        finished += 1
+                        if progress is not None:
+                            progress(finished, len(prompts))
         return [[results[f"gen-{i}"][k] for k in sorted(results[f"gen-{i}"])] for i in range(len(prompts))]

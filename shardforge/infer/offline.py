@@ -74,30 +74,15 @@ def generate_file(
     """Generate for every line of `prompts` into `out` (one JSON line per prompt, in input order: the
     record's own fields plus "completions"). Returns counts for the summary."""
     rows = _read_prompts(prompts, engine.tokenizer, base)
-    results: dict[str, dict[int, dict]] = {}
-    for i, (_, ids, params) in enumerate(rows):
-        engine.add(str(i), ids, params)
-        results[str(i)] = {}
-    done = tokens = 0
-    while engine.has_work():
-        for u in engine.step():
-            c = results[u.request_id].setdefault(u.index, {"text": "", "tokens": [], "finish_reason": None})
-            c["text"] += u.text
-            c["tokens"] += u.tokens
-            tokens += len(u.tokens)
-            if u.finish_reason:
-                c["finish_reason"] = u.finish_reason
-                if u.request_id not in engine.requests:
-                    done += 1
-                    progress(done, len(rows))
+    completions = engine.generate([ids for _, ids, _ in rows], [params for _, _, params in rows], progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     with partial.open("w", encoding="utf-8") as f:
-        for i, (record, _, _) in enumerate(rows):
-            completions = [results[str(i)][k] for k in sorted(results[str(i)])]
-            f.write(json.dumps({**record, "completions": completions}, ensure_ascii=False) + "\n")
+        for (record, _, _), done in zip(rows, completions, strict=True):
+            made = [{"text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason} for c in done]
+            f.write(json.dumps({**record, "completions": made}, ensure_ascii=False) + "\n")
     partial.replace(out)
-    return {"prompts": len(rows), "tokens": tokens}
+    return {"prompts": len(rows), "tokens": sum(len(c.tokens) for done in completions for c in done)}
 
 
 def chat_loop(

@@ -119,6 +119,16 @@ class Sampler:
                 generator.seed()
         return cls(params, generator)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty: the argmax of the model's logits."""
+        p = self.params
+        return (
+            p.greedy
+            and p.repetition_penalty in (None, 1.0)
+            and not (p.presence_penalty or p.frequency_penalty)
+        )
+
     def observe(self, token: int) -> None:
         self.counts[token] = self.counts.get(token, 0) + 1
 

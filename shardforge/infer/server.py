@@ -15,9 +15,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
 
-from shardforge.data.templates import render, resolve_template
+from shardforge.errors import ConfigError
 from shardforge.infer.engine import RequestError, Update
 from shardforge.infer.load import Loaded
+from shardforge.infer.offline import chat_ids
 from shardforge.infer.protocol import ChatRequest, CompletionRequest, validation_message
 from shardforge.infer.runner import EngineRunner, QueueFull, Timing
 from shardforge.infer.sampling import SamplingError
@@ -75,7 +76,6 @@ class Metrics:
 def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="shardforge", docs_url=None, redoc_url=None)
     tokenizer = loaded.tokenizer
-    template = resolve_template(tokenizer, "auto")
     metrics = Metrics(runner)
     runner.on_finish = metrics.finished
     created = int(time.time())
@@ -137,10 +137,7 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
         except SamplingError as exc:
             raise APIError(400, str(exc), "invalid_request_error", param=str(exc).split("=")[0]) from None
 
-    def encode(prompt: str | list[int], chat: list[dict] | None = None) -> list[int]:
-        if chat is not None:
-            text = render(tokenizer, template, chat, generation_prompt=True)
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             if any(not 0 <= t < len(tokenizer) for t in prompt):
                 raise APIError(
@@ -181,7 +178,7 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
         try:
             body, params = await parse(request, ChatRequest)
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = encode("", messages)
+            prompt = chat_ids(tokenizer, messages)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             updates = await start(rid, prompt, params)
         except APIError as exc:
@@ -358,6 +355,12 @@ def _completion_logprobs(logprobs: list, tokens: list[int], tokenizer: Any) -> d
     }
 
 
+def check_host(host: str, api_key: str | None) -> None:
+    """Listening beyond this machine without a key would hand the model to anyone on the network."""
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        raise ConfigError(f"--host {host} listens beyond this machine: give it an --api-key")
+
+
 def serve(
     loaded: Loaded,
     runner: EngineRunner,
@@ -369,10 +372,7 @@ def serve(
     """Run the server until interrupted. A host other than loopback needs an API key."""
     import uvicorn
 
-    from shardforge.errors import ConfigError
-
-    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        raise ConfigError(f"--host {host} listens beyond this machine: give it an --api-key")
+    check_host(host, api_key)
     app = build_app(loaded, runner, served_name or loaded.name, api_key)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")

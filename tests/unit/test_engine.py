@@ -17,6 +17,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from shardforge.infer import generate
 from shardforge.infer.engine import Engine, EngineConfig, RequestError
 from shardforge.infer.sampling import (
     GenerationDefaults,
@@ -92,6 +93,19 @@ def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(tmp_path):
     assert [c[0].tokens for c in got] == expected
     assert small.scheduler.preemptions > 0
     assert small.blocks.in_use == 0
+
+
+def test_bf16_engine_matches_bf16_generate(tmp_path):
+    """Low precision against the same precision: the paged engine's greedy tokens equal the contiguous-cache
+    generate's, both in bf16."""
+    _, folder = _hf_model(tmp_path, "qwen2")
+    model = load_model(folder, dtype=torch.bfloat16)
+    prompts = _prompts((5, 11, 20), seed=2)
+    expected = [generate(model, [p], max_new_tokens=12)[0] for p in prompts]
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64, max_step_tokens=16))
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert [c[0].tokens for c in got] == expected
+    assert engine.kv.keys[0].dtype == torch.bfloat16
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tmp_path):

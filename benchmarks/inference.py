@@ -1,0 +1,369 @@
+"""The same generation requests on shardforge's engine and on what a transformers user runs, side by side:
+
+- transformers `generate`, one request at a time;
+- transformers `generate` over padded static batches (left-padded, each batch runs to its longest request);
+- transformers' own continuous batching (`continuous_batching_context_manager` / `add_request`);
+- shardforge's engine (continuous batching over the paged KV cache), in-process;
+- with --http, shardforge's server (`shardforge serve`) under N concurrent streaming clients (openai's).
+
+Every request arrives at time 0 (an offline burst, as with RL rollouts or an evaluation set); all decode
+greedily with no eos, each to its own number of new tokens. Reported per variant: output tokens/s, time to
+first token and time per output token (p50 / p99), and whether its tokens equal transformers' one at a time.
+
+    python benchmarks/inference.py --size 5m --requests 64
+    python benchmarks/inference.py --size 50m --requests 64 --http 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PLACE = {"device": "cpu", "dtype": "float32"}  # set once by main() from --device / --dtype
+SIZES = {  # (hidden, layers, heads, kv heads, intermediate, vocab): ~5M and ~50M parameters
+    "5m": (256, 6, 4, 2, 688, 1024),
+    "50m": (640, 10, 10, 5, 1728, 1024),
+}
+TOKENIZER = REPO / "examples" / "data" / "tokenizer"  # 1024 tokens: the server needs one to give text
+
+
+def build_model(folder: Path, size: str) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, kv, inter, vocab = SIZES[size]
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)  # peaked logits: greedy tokens comparable across implementations
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TOKENIZER).save_pretrained(folder)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {size}, {params / 1e6:.1f}M parameters, saved to {folder}", flush=True)
+
+
+def make_requests(n: int, vocab: int, seed: int, lengths: tuple[int, int], new: tuple[int, int]) -> list:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(1, vocab) for _ in range(rng.randint(*lengths))], rng.randint(*new)) for _ in range(n)
+    ]
+
+
+def _summary(name: str, wall: float, ttft: list[float], tpot: list[float], outputs: list[list[int]]) -> dict:
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+    tokens = sum(map(len, outputs))
+    return {
+        "variant": name,
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_p50_s": pct(ttft, 0.5),
+        "ttft_p99_s": pct(ttft, 0.99),
+        "tpot_p50_ms": 1e3 * pct(tpot, 0.5),
+        "tpot_p99_ms": 1e3 * pct(tpot, 0.99),
+        "outputs": outputs,
+    }
+
+
+class _Clock:
+    """A transformers streamer that notes when each generation step's tokens come out."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:  # generate hands over the prompt first
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _hf(folder: Path, **kwargs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, PLACE["dtype"])
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).to(PLACE["device"]).eval()
+
+
+def run_hf_one_at_a_time(folder: Path, requests: list) -> dict:
+    import torch
+
+    model = _hf(folder)
+    outputs, ttft, tpot = [], [], []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for prompt, new in requests:
+            clock = _Clock()
+            out = model.generate(
+                torch.tensor([prompt], device=model.device),
+                max_new_tokens=new,
+                do_sample=False,
+                streamer=clock,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+            ttft.append(clock.times[0] - start)
+            if new > 1:
+                tpot.append((clock.times[-1] - clock.times[0]) / (new - 1))
+    return _summary("transformers generate, one at a time", time.perf_counter() - start, ttft, tpot, outputs)
+
+
+def run_hf_padded(folder: Path, requests: list, batch: int) -> dict:
+    import torch
+
+    model = _hf(folder)
+    outputs, ttft, tpot = [], [], []
+    start = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(requests), batch):
+            group = requests[i : i + batch]
+            width = max(len(p) for p, _ in group)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in group], device=model.device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p, _ in group], device=model.device
+            )
+            longest = max(n for _, n in group)
+            clock = _Clock()
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                do_sample=False,
+                streamer=clock,
+                pad_token_id=0,
+            )
+            for row, (_, new) in enumerate(group):
+                outputs.append(out[row, width : width + new].tolist())
+                ttft.append(clock.times[0] - start)
+                if new > 1:
+                    tpot.append((clock.times[new - 1] - clock.times[0]) / (new - 1))
+    name = f"transformers generate, padded batches of {batch}"
+    return _summary(name, time.perf_counter() - start, ttft, tpot, outputs)
+
+
+def run_hf_continuous(folder: Path, requests: list) -> dict:
+    import torch
+    from transformers import GenerationConfig
+
+    model = _hf(folder)  # the manager switches it to its paged attention
+    config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+    results = {}
+    start = time.perf_counter()
+    with torch.no_grad(), model.continuous_batching_context_manager(generation_config=config) as manager:
+        ids = [
+            manager.add_request(prompt, max_new_tokens=new, record_timestamps=True, eos_token_id=[])
+            for prompt, new in requests
+        ]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+    wall = time.perf_counter() - start
+    outputs, ttft, tpot = [], [], []
+    for rid in ids:
+        r = results[rid]
+        outputs.append(list(r.generated_tokens))
+        stamps = r.timestamps or []
+        if stamps:
+            ttft.append(stamps[0] - start)
+            if len(stamps) > 1:
+                tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return _summary("transformers continuous batching", wall, ttft, tpot, outputs)
+
+
+def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
+    import torch
+
+    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.sampling import SamplingParams
+    from shardforge.models import load_model
+
+    dtype = getattr(torch, PLACE["dtype"])
+    model = load_model(folder, dtype=dtype, device=PLACE["device"])
+    engine = Engine(model, config=EngineConfig(max_running=max_running))
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    outputs: dict[str, list[int]] = {}
+    for i, (prompt, new) in enumerate(requests):
+        engine.add(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+        outputs[str(i)] = []
+    while engine.has_work():
+        updates = engine.step()
+        now = time.perf_counter()
+        for u in updates:
+            first.setdefault(u.request_id, now)
+            last[u.request_id] = now
+            outputs[u.request_id] += u.tokens
+    wall = time.perf_counter() - start
+    keys = [str(i) for i in range(len(requests))]
+    ttft = [first[k] - start for k in keys]
+    tpot = [(last[k] - first[k]) / (len(outputs[k]) - 1) for k in keys if len(outputs[k]) > 1]
+    name = f"shardforge engine (up to {max_running} running)"
+    return _summary(name, wall, ttft, tpot, [outputs[k] for k in keys])
+
+
+def run_http(folder: Path, requests: list, clients: int) -> dict:
+    """`shardforge serve` under `clients` concurrent streaming clients (each takes the next request)."""
+    import socket
+    import urllib.request
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardforge",
+        "serve",
+        str(folder),
+        "--port",
+        str(port),
+        "--served-name",
+        "m",
+    ]
+    cmd += ["--dtype", PLACE["dtype"], "--device", PLACE["device"], "--max-running", str(clients)]
+    server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                if server.poll() is not None:
+                    raise SystemExit(f"the server stopped: {server.stderr.read().decode()[-2000:]}") from None
+                time.sleep(0.2)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600
+        )
+        start = time.perf_counter()
+
+        def one(i: int) -> tuple[list[int], float, float | None]:
+            prompt, new = requests[i]
+            stamps = []
+            stream = client.completions.create(
+                model="m",
+                prompt=prompt,
+                max_tokens=new,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].text is not None:
+                    stamps.append(time.perf_counter())
+            tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+            return [0] * new, stamps[0] - start, tpot  # text chunks, not ids: token counts only
+
+        with ThreadPoolExecutor(clients) as pool:
+            done = list(pool.map(one, range(len(requests))))
+        wall = time.perf_counter() - start
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    name = f"shardforge serve, {clients} concurrent streaming clients"
+    summary = _summary(
+        name, wall, [d[1] for d in done], [d[2] for d in done if d[2] is not None], [d[0] for d in done]
+    )
+    summary["outputs"] = None
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="5m")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-lengths", type=int, nargs=2, default=(16, 256))
+    parser.add_argument("--new-tokens", type=int, nargs=2, default=(16, 256))
+    parser.add_argument("--batch", type=int, default=16, help="transformers' padded batch size")
+    parser.add_argument("--max-running", type=int, default=64, help="shardforge: sequences decoded together")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--http", type=int, default=0, help="also run the server under this many clients")
+    parser.add_argument(
+        "--skip", nargs="*", default=[], help="variants to leave out: one, padded, continuous"
+    )
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=None, help="write the JSON results here")
+    args = parser.parse_args()
+    PLACE.update(device=args.device, dtype=args.dtype)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(REPO))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / f"llama-{args.size}"
+        build_model(folder, args.size)
+        requests = make_requests(args.requests, SIZES[args.size][5], 0, args.prompt_lengths, args.new_tokens)
+        print(f"{len(requests)} requests, {sum(n for _, n in requests)} new tokens in all", flush=True)
+        variants = [lambda: run_shardforge(folder, requests, args.max_running)]
+        if "one" not in args.skip:
+            variants.append(lambda: run_hf_one_at_a_time(folder, requests))
+        if "padded" not in args.skip:
+            variants.append(lambda: run_hf_padded(folder, requests, args.batch))
+        if "continuous" not in args.skip:
+            variants.append(lambda: run_hf_continuous(folder, requests))
+        if args.http:
+            variants.append(lambda: run_http(folder, requests, args.http))
+        runs = []
+        for variant in variants:
+            runs.append(variant())
+            print(f"{runs[-1]['variant']}: {runs[-1]['output_tokens_per_s']:.1f} output tokens/s", flush=True)
+    reference = next((r["outputs"] for r in runs if r["variant"].endswith("one at a time")), None)
+    ours = runs[0]["output_tokens_per_s"]
+    best_hf = max(
+        (r["output_tokens_per_s"] for r in runs if r["variant"].startswith("transformers")), default=None
+    )
+    print("\n| variant | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | tokens = one at a time |")
+    print("|---|---|---|---|---|")
+    for r in runs:
+        same = (
+            "" if reference is None or r["outputs"] is None else f"{_agreement(r['outputs'], reference):.0%}"
+        )
+        print(
+            f"| {r['variant']} | {r['output_tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "
+            f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {same} |"
+        )
+    if best_hf:
+        print(f"\nshardforge engine / best transformers variant: {ours / best_hf:.2f}x output tokens/s")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+
+
+def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    return sum(o == r for o, r in zip(outputs, reference, strict=True)) / len(reference)
+
+
+if __name__ == "__main__":
+    main()
