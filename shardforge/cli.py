@@ -103,20 +103,28 @@ def _cmd_env(args: argparse.Namespace, console: Console) -> int:
 
 
 def _engine_for(args: argparse.Namespace, console: Console):
-    """Load what the command names and build an engine over it (the inference commands share this)."""
-    from shardforge.infer.engine import Engine, EngineConfig
-    from shardforge.infer.load import load_for_inference
+    """The inference commands' engine over what they name (a context manager; None on a TP follower)."""
+    from shardforge.infer.engine import EngineConfig
+    from shardforge.infer.session import inference_engine
 
     warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
-    with console.status(f"loading {args.model}"):
-        loaded = load_for_inference(args.model, args.adapter, args.dtype, args.device, warn)
     config = EngineConfig(
         block_size=args.block_size,
         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)),
         max_running=args.max_running,
         max_step_tokens=args.max_step_tokens,
     )
-    return loaded, Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)
+    console.print(f"loading {args.model}" + (f" over {args.tp} tensor-parallel ranks" if args.tp > 1 else ""))
+    return inference_engine(args.model, args.adapter, args.dtype, args.device, config, args.tp, warn)
+
+
+def _as_ranks(args: argparse.Namespace) -> int | None:
+    """--tp N from a plain command: start N ranks of the same command (its exit code); else None."""
+    from shardforge.launch import already_a_rank, launch_local
+
+    if args.tp > 1 and not already_a_rank(translate=False):
+        return launch_local(args.tp, 0, args.argv)
+    return None
 
 
 def _sampling(args: argparse.Namespace):
@@ -140,16 +148,21 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     from shardforge.infer.offline import generate_file
 
     params = _sampling(args)  # bad flags fail before the model loads
-    _, engine = _engine_for(args, console)
-    started = time.perf_counter()
-    with console.status("generating") as status:
-        counts = generate_file(
-            engine,
-            Path(args.prompts),
-            Path(args.out),
-            params,
-            lambda d, t: status.update(f"generated {d}/{t}"),
-        )
+    if (code := _as_ranks(args)) is not None:
+        return code
+    with _engine_for(args, console) as driven:
+        if driven is None:
+            return 0
+        _, engine = driven
+        started = time.perf_counter()
+        with console.status("generating") as status:
+            counts = generate_file(
+                engine,
+                Path(args.prompts),
+                Path(args.out),
+                params,
+                lambda d, t: status.update(f"generated {d}/{t}"),
+            )
     seconds = time.perf_counter() - started
     console.print(
         f"wrote {counts['prompts']} results to {args.out}: {counts['tokens']} tokens in {seconds:.1f} s "
@@ -162,8 +175,11 @@ def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
     from shardforge.infer.offline import chat_loop
 
     params = _sampling(args)
-    _, engine = _engine_for(args, console)
-    chat_loop(engine, params)
+    if (code := _as_ranks(args)) is not None:
+        return code
+    with _engine_for(args, console) as driven:
+        if driven is not None:
+            chat_loop(driven[1], params)
     return 0
 
 
@@ -172,10 +188,15 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from shardforge.infer.server import check_host, serve
 
     check_host(args.host, args.api_key)  # before the model loads
-    loaded, engine = _engine_for(args, console)
-    name = args.served_name or loaded.name
-    console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)")
-    serve(loaded, EngineRunner(engine, args.max_waiting), args.host, args.port, name, args.api_key)
+    if (code := _as_ranks(args)) is not None:
+        return code
+    with _engine_for(args, console) as driven:
+        if driven is None:
+            return 0
+        loaded, engine = driven
+        name = args.served_name or loaded.name
+        console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)")
+        serve(loaded, EngineRunner(engine, args.max_waiting), args.host, args.port, name, args.api_key)
     return 0
 
 
@@ -188,6 +209,7 @@ def _inference_flags(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     p.add_argument("--kv-memory-gb", type=float, default=1.0, help="memory for the KV cache")
     p.add_argument("--max-running", type=_at_least(1), default=64, help="sequences decoded together")
     p.add_argument("--max-step-tokens", type=_at_least(1), default=512, help="tokens computed per step")
+    p.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel ranks (the training TP plan)")
     if sampling:
         p.add_argument("--max-tokens", type=_at_least(1), default=None, help="new tokens at most")
         p.add_argument("--temperature", type=float, default=None, help="0: greedy")
@@ -283,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may come before or after options (`train cfg.yaml --nproc 2 train.lr=1e-3`).
     args, extra = parser.parse_known_args(argv)
+    args.argv = argv  # what a command relaunches as ranks
     unknown = [a for a in extra if a.startswith("-") or not hasattr(args, "overrides")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

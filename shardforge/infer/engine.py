@@ -150,18 +150,15 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        paged = PagedStep(self.kv, [Chunk(s.blocks, s.computed, n) for s, n in plan], self.device)
+        chunks = [Chunk(list(s.blocks), s.computed, n) for s, n in plan]
         ids = [t for s, n in plan for t in s.tokens[s.computed : s.computed + n]]
-        last = torch.zeros(len(ids), dtype=torch.bool)
-        ends = []
-        offset = 0
+        last, ends, offset = [], [], 0
         for seq, n in plan:
             offset += n
             if seq.computed + n == len(seq.tokens):  # its last token: the next one is sampled
-                last[offset - 1] = True
+                last.append(offset - 1)
                 ends.append(seq)
-        tokens = torch.tensor(ids, device=self.device)[None]
-        logits = self.model(tokens, paged.positions, output_mask=last[None].to(self.device), cache=paged)
+        logits = self.forward(ids, chunks, last)
         for seq, n in plan:
             self.scheduler.computed(seq, n)
         self.stats["steps"] += 1
@@ -171,6 +168,11 @@ class Engine:
         for row, best, seq in zip(rows, argmax, ends, strict=True):
             updates.append(self._advance(seq, row, best))
         return updates
+
+    def forward(self, ids: list[int], chunks: list[Chunk], last: list[int]) -> torch.Tensor:
+        """One step's model forward: the logits [len(last), vocab] of the tokens at the `last` indices.
+        (infer/tp.py's engine first hands the same arguments to the other TP ranks.)"""
+        return step_forward(self.model, self.kv, ids, chunks, last, self.device)
 
     def _advance(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> Update:
         request = self.requests[seq.request_id]
@@ -260,3 +262,13 @@ class Engine:
                         if progress is not None:
                             progress(finished, len(prompts))
         return [[results[f"gen-{i}"][k] for k in sorted(results[f"gen-{i}"])] for i in range(len(prompts))]
+
+
+def step_forward(
+    model: nn.Module, kv: PagedKV, ids: list[int], chunks: list[Chunk], last: list[int], device: torch.device
+) -> torch.Tensor:
+    paged = PagedStep(kv, chunks, device)
+    mask = torch.zeros(1, len(ids), dtype=torch.bool, device=device)
+    mask[0, last] = True
+    logits = model(torch.tensor(ids, device=device)[None], paged.positions, output_mask=mask, cache=paged)
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # TP: vocabulary shards

@@ -53,13 +53,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask = ctx.sliding if sliding else ctx.full
         if ctx.cache is not None:
-            out = ctx.cache.attend(self.layer, q, k, v, mask)
+            out = ctx.cache.attend(self.layer, q, k, v, sliding)
         elif ctx.layout is not None:
             out = attention_per_document(q, k, v, ctx.layout, ctx.window if sliding else None)
         else:
-            out = sdpa(q, k, v, mask)
+            out = sdpa(q, k, v, ctx.sliding if sliding else ctx.full)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -110,12 +109,13 @@ class KVCache:
     positions: torch.Tensor | None = None  # [batch, max_len]
     keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> keys
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    masks: tuple = ()  # this forward's (full, sliding-window) masks [b, 1, s, filled + s], from context()
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool
     ) -> torch.Tensor:
         """Store this forward's k, v [b, kv_heads, s, d] after the filled slots, then attend over all the
-        filled ones."""
+        filled ones (with the forward's sliding-window mask on a sliding layer)."""
         b, heads, s, d = k.shape
         if layer not in self.keys:
             self.keys[layer] = k.new_zeros(b, heads, self.max_len, d)
@@ -123,6 +123,7 @@ class KVCache:
         end = self.filled + s
         self.keys[layer][:, :, self.filled : end] = k
         self.values[layer][:, :, self.filled : end] = v
+        mask = self.masks[1] if sliding else self.masks[0]
         return sdpa(q, self.keys[layer][:, :, :end], self.values[layer][:, :, :end], mask)
 
     def context(self, cfg: DecoderConfig, position_ids: torch.Tensor) -> AttentionContext:
@@ -141,26 +142,26 @@ class KVCache:
         if self.key_mask is not None:
             allowed = allowed & self.key_mask[:, None, :end]
         allowed = (allowed | mine)[:, None]  # a padding query sees itself: no empty softmax row (NaN)
-        if cfg.sliding_window is None:
-            return AttentionContext(full=allowed, sliding=allowed, cache=self)
-        distance = position_ids[:, :, None] - self.positions[:, None, :end]  # absolute positions, per row
-        return AttentionContext(
-            full=allowed, sliding=allowed & (distance < cfg.sliding_window)[:, None], cache=self
-        )
+        self.masks = (allowed, allowed)
+        if cfg.sliding_window is not None:
+            distance = position_ids[:, :, None] - self.positions[:, None, :end]  # absolute positions, per row
+            self.masks = (allowed, allowed & (distance < cfg.sliding_window)[:, None])
+        return AttentionContext(cache=self)
 
     def advance(self, n: int) -> None:
         self.filled += n
 
 
 class Cache(Protocol):
-    """What a forward with a cache calls: `context` once (the masks), `attend` per layer (store this
-    forward's keys and values, attend over what the cache holds), `advance` at the end. `KVCache` is the
+    """What a forward with a cache calls: `context` once (the cache makes and keeps this forward's masks),
+    `attend` per layer (store this forward's keys and values, attend over what the cache holds, with the
+    sliding-window mask on a sliding layer), `advance` at the end. `KVCache` is the
     contiguous one of `generate`; infer/paged.py has the paged one of the engine."""
 
     def context(self, cfg: DecoderConfig, position_ids: torch.Tensor) -> AttentionContext: ...
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool
     ) -> torch.Tensor: ...
 
     def advance(self, n: int) -> None: ...

@@ -1,0 +1,58 @@
+"""An engine over what the user points at, on one process or tensor-parallel over the ranks of a launch."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from shardforge.errors import ConfigError
+from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.load import Loaded, load_for_inference
+from shardforge.parallel.distributed import (
+    init_distributed,
+    local_rank_from_env,
+    pick_backend,
+    world_size_from_env,
+)
+from shardforge.train.runtime import pick_device
+
+
+@contextlib.contextmanager
+def inference_engine(
+    source: str,
+    adapter: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    config: EngineConfig | None = None,
+    tp: int = 1,
+    warn: Callable[[str], None] = lambda _m: None,
+) -> Iterator[tuple[Loaded, Engine] | None]:
+    """Yields (what was loaded, its engine) where the engine is driven: the only process, or rank 0 of a
+    tensor-parallel launch. The other ranks follow rank 0's steps inside this call and then get None."""
+    if tp > 1 and world_size_from_env() != tp:
+        raise ConfigError(f"--tp {tp} runs on {tp} processes, but {world_size_from_env()} were started")
+    place = pick_device(device, local_rank_from_env()) if tp > 1 else torch.device(device)
+    owns = tp > 1 and init_distributed(pick_backend("auto", place), timeout_minutes=60)
+    try:
+        loaded = load_for_inference(source, adapter, dtype, str(place), warn)
+        if tp == 1:
+            yield loaded, Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)
+            return
+        from shardforge.infer.tp import TPEngine, follow, shard_for_inference
+
+        shard_for_inference(loaded.model, tp)
+        engine = TPEngine(loaded.model, loaded.tokenizer, config, loaded.defaults)
+        if dist.get_rank() != 0:
+            follow(engine)
+            yield None
+            return
+        try:
+            yield loaded, engine
+        finally:
+            engine.close()
+    finally:
+        if owns:
+            dist.destroy_process_group()
