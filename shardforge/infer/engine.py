@@ -96,7 +96,6 @@ class Engine:
         )
         self.context = cfg.max_position
         self.requests: dict[str, _Request] = {}
-        self.stats = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0}
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> SamplingParams:
@@ -129,7 +128,6 @@ class Engine:
         request = _Request(request_id, params, params.n - 1)
         self.requests[request_id] = request
         self._start(request, first)
-        self.stats["prompt_tokens"] += len(prompt)
         return params
 
     def abort(self, request_id: str) -> None:
@@ -161,7 +159,6 @@ class Engine:
         logits = self.forward(ids, chunks, last)
         for seq, n in plan:
             self.scheduler.computed(seq, n)
-        self.stats["steps"] += 1
         updates = []
         rows = logits.float().cpu()
         argmax = rows.argmax(-1).tolist()  # what every plain greedy row takes, in one pass
@@ -189,7 +186,6 @@ class Engine:
             token = choose(processed_logits(logits, seq.sampler, seq.tokens, suppress), seq.sampler)
         seq.tokens.append(token)
         seq.sampler.observe(token)
-        self.stats["generated_tokens"] += 1
         logprobs = [model_logprobs(logits, token, params.logprobs)] if params.logprobs is not None else []
         stream = request.streams[seq.index]
         finish = "stop" if token in stop_ids else None

@@ -76,26 +76,33 @@ def _checkpoint(
     from shardforge.checkpoint.store import resolve_checkpoint
     from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state
     from shardforge.config import load_config
-    from shardforge.models.build import build_model
-    from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
+    from shardforge.models.build import build_model, load_tokenizer
+    from shardforge.parallel.tensor_parallel import pad_vocab
 
     if adapter is not None:
         raise ModelError("--adapter goes with an HF model folder, not with a training checkpoint")
     folder = resolve_checkpoint(path, warn)  # names what is missing when this is no checkpoint either
     config = load_config(folder / "config.yaml")
-    from shardforge.models.build import load_tokenizer
-
     tokenizer = load_tokenizer(config.model)
     model = build_model(config.model, tokenizer, config.train.seed, torch.device("cpu"))
     apply_finetuning(model, config.method, config.train.seed)
     vocab = model.config.vocab_size
     pad_vocab(model, read_trainer_state(folder)["vocab_rows"])
     load_model_weights(folder, model)
-    model.load_state_dict(strip_vocab_padding(model.state_dict(), vocab), strict=False, assign=True)
+    unpad_vocab(model, vocab)
     _merge_lora_modules(model)
     model = model.to(device=device, dtype=dtype)
     source = Path(config.model.tokenizer or config.model.path or folder)
     return Loaded(model.eval(), tokenizer, _defaults(source, tokenizer), folder.parent.parent.name, source)
+
+
+def unpad_vocab(model: nn.Module, vocab: int) -> None:
+    """Drop the zero rows a TP run added to the embedding and head (its checkpoint holds them)."""
+    for module in (model.embed_tokens, model.lm_head):
+        if module.weight.shape[0] > vocab:
+            module.weight = nn.Parameter(module.weight[:vocab].detach().clone(), requires_grad=False)
+    model.embed_tokens.num_embeddings = model.lm_head.out_features = vocab
+    model.tie_weights()
 
 
 def _merge_adapter(model: nn.Module, folder: Path) -> None:

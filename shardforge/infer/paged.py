@@ -43,9 +43,11 @@ class PagedKV:
                 tensor[target] = tensor[source]
 
     @staticmethod
-    def bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
-        heads = max(1, cfg.num_kv_heads // tp)
-        return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Keys and values of one block over all layers (under TP each rank holds 1/tp of it)."""
+        return (
+            2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+        )
 
 
 @dataclass

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from shardforge.config import load_config
 from shardforge.errors import ModelError
-from shardforge.infer.load import load_for_inference
+from shardforge.infer.load import load_for_inference, unpad_vocab
+from shardforge.parallel.tensor_parallel import pad_vocab
 from shardforge.train.trainer import train
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._training import tiny_model_folder
@@ -88,3 +89,15 @@ def test_bad_sources_are_clear_errors(runs, tmp_path):
         load_for_inference(moved)
     with pytest.raises(ModelError, match="dtype"):
         load_for_inference(lora_run, dtype="int3")
+
+
+def test_a_tp_runs_padded_vocabulary_is_dropped(runs):
+    """A TP checkpoint holds the embedding and head padded to a multiple of tp: inference drops the rows."""
+    _, _, full_run = runs
+    model = load_for_inference(full_run).model
+    expected = _logits(model)
+    pad_vocab(model, 1030)
+    assert model.embed_tokens.weight.shape[0] == 1030
+    unpad_vocab(model, 1024)
+    assert model.lm_head.weight.shape[0] == 1024
+    torch.testing.assert_close(_logits(model), expected, rtol=0, atol=0)
