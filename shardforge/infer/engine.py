@@ -28,7 +28,11 @@ from shardforge.infer.text import TextStream
 
 
 class RequestError(ShardforgeError):
-    """A request the engine cannot take (too long for the context or the cache, a duplicate id)."""
+    """A request the engine cannot take (a duplicate id, an empty prompt)."""
+
+
+class TooLong(RequestError):
+    """The prompt and its new tokens do not fit the model's context or the KV cache (HTTP 413)."""
 
 
 @dataclass(frozen=True)
@@ -107,19 +111,19 @@ class Engine:
         params = self.defaults.fill(params.check())
         room = self.context - len(prompt)
         if room < 1:
-            raise RequestError(
+            raise TooLong(
                 f"the prompt has {len(prompt)} tokens; the model's context is {self.context} (it leaves no "
                 f"room for a new token)"
             )
         max_tokens = min(params.max_tokens or room, room)
         if params.max_tokens is not None and params.max_tokens > room:
-            raise RequestError(
+            raise TooLong(
                 f"max_tokens={params.max_tokens} and the prompt's {len(prompt)} tokens exceed the model's "
                 f"context of {self.context} tokens (at most {room} new tokens fit)"
             )
         capacity = self.blocks.num_blocks * self.config.block_size
         if len(prompt) + max_tokens > capacity:
-            raise RequestError(
+            raise TooLong(
                 f"the prompt's {len(prompt)} tokens and {max_tokens} new ones exceed the KV cache's "
                 f"{capacity} slots; give the engine more blocks or ask for fewer tokens"
             )
@@ -206,12 +210,13 @@ class Engine:
         )
 
     def _start(self, request: _Request, seq: Sequence, first: bool = False) -> None:
-        wants_text = self.tokenizer is not None
-        request.streams[seq.index] = (
-            TextStream(self.tokenizer, request.params.stop, request.params.include_stop_in_output)
-            if wants_text
+        p = request.params
+        stream = (
+            TextStream(self.tokenizer, p.stop, p.include_stop_in_output)
+            if self.tokenizer is not None
             else None
         )
+        request.streams[seq.index] = stream
         request.live.add(seq.index)
         self.scheduler.add(seq, first=first)
 

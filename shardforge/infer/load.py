@@ -93,7 +93,7 @@ def _checkpoint(
     _merge_lora_modules(model)
     model = model.to(device=device, dtype=dtype)
     source = Path(config.model.tokenizer or config.model.path or folder)
-    return Loaded(model.eval(), tokenizer, _defaults(source, tokenizer), folder.parent.parent.name, source)
+    return Loaded(_frozen(model), tokenizer, _defaults(source, tokenizer), folder.parent.parent.name, source)
 
 
 def unpad_vocab(model: nn.Module, vocab: int) -> None:
@@ -136,8 +136,6 @@ def _merge_lora_modules(model: nn.Module) -> None:
                     plain.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent), leaf, plain)
-    for param in model.parameters():
-        param.requires_grad_(False)
 
 
 def _has_tokenizer(folder: Path) -> bool:
@@ -149,9 +147,13 @@ def _finish(model: nn.Module, tokenizer_folder: Path, folder: Path, name: str) -
     from shardforge.models.build import load_tokenizer
 
     tokenizer = load_tokenizer(ModelSection(path=str(folder), tokenizer=str(tokenizer_folder)))
+    return Loaded(_frozen(model), tokenizer, _defaults(folder, tokenizer), name, folder)
+
+
+def _frozen(model: nn.Module) -> nn.Module:
     for param in model.parameters():
         param.requires_grad_(False)
-    return Loaded(model.eval(), tokenizer, _defaults(folder, tokenizer), name, folder)
+    return model.eval()
 
 
 def _defaults(folder: Path, tokenizer: Any) -> GenerationDefaults:

@@ -64,7 +64,8 @@ class Message(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        """The message's text (content parts of type text joined; other kinds are refused upstream)."""
+        """The message's text: the text parts of a content list joined (the models served here read text only;
+        parts of other types, such as images, are skipped)."""
         if isinstance(self.content, list):
             return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
         return self.content or ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -16,6 +16,10 @@ from shardforge.errors import ShardforgeError
 
 class SamplingError(ShardforgeError):
     """A request's sampling parameters are out of range: names the parameter and what is valid."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,13 @@ class SamplingParams:
         ]
         for name, ok, valid in rules:
             if not ok:
-                raise SamplingError(f"{name}={getattr(self, name)!r} is invalid: it must be {valid}")
+                raise SamplingError(f"{name}={getattr(self, name)!r} is invalid: it must be {valid}", name)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise SamplingError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}")
+            raise SamplingError(
+                f"min_tokens={self.min_tokens} is more than max_tokens={self.max_tokens}", "min_tokens"
+            )
         if any(not s for s in self.stop):
-            raise SamplingError("stop strings must not be empty")
+            raise SamplingError("stop strings must not be empty", "stop")
         return self
 
     @property
@@ -85,8 +91,8 @@ class GenerationDefaults:
         eos_ids = tuple(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if tokenizer_eos is not None and tokenizer_eos not in eos_ids:
             eos_ids += (tokenizer_eos,)
-        keys = {f.name for f in fields(SamplingParams)} & {"temperature", "top_k", "top_p", "min_p"}
-        values = {k: raw[k] for k in sorted(keys | {"repetition_penalty"}) if raw.get(k) is not None}
+        keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")  # SamplingParams' names too
+        values = {k: raw[k] for k in keys if raw.get(k) is not None}
         if raw.get("max_new_tokens") is not None:
             values["max_tokens"] = raw["max_new_tokens"]
         return cls(values, eos_ids)

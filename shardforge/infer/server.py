@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import ValidationError
 
 from shardforge.errors import ConfigError
-from shardforge.infer.engine import RequestError, Update
+from shardforge.infer.engine import RequestError, TooLong, Update
 from shardforge.infer.load import Loaded
 from shardforge.infer.offline import chat_ids
 from shardforge.infer.protocol import ChatRequest, CompletionRequest, validation_message
@@ -135,7 +135,7 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
         try:
             return parsed, parsed.params()
         except SamplingError as exc:
-            raise APIError(400, str(exc), "invalid_request_error", param=str(exc).split("=")[0]) from None
+            raise APIError(400, str(exc), "invalid_request_error", param=exc.param) from None
 
     def encode(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
@@ -156,10 +156,8 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             raise APIError(429, str(exc), "rate_limit_exceeded", code="queue_full") from None
         except RequestError as exc:
             metrics.requests.labels("rejected").inc()
-            status = 413 if "context" in str(exc) or "KV cache" in str(exc) else 400
-            raise APIError(
-                status, str(exc), "invalid_request_error", code="context_length_exceeded"
-            ) from None
+            status, code = (413, "context_length_exceeded") if isinstance(exc, TooLong) else (400, None)
+            raise APIError(status, str(exc), "invalid_request_error", code=code) from None
         metrics.prompt_tokens.inc(len(prompt))
 
         async def chained() -> AsyncIterator[Update]:
