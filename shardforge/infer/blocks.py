@@ -1,6 +1,11 @@
 """The bookkeeping of a paged KV cache: fixed-size blocks from a pool, reference counts, and the prefix cache
 (a full block's contents keyed by a hash of every token up to its end, so that requests sharing a prompt
-prefix share its blocks). No tensors here: `paged.py` holds them."""
+prefix share its blocks). No tensors here: `paged.py` holds them.
+
+Blocks are handed out in runs where they can be: a sequence's next block is the one after its last when that
+is free, and a sequence's first block starts a free run long enough for all the tokens it may reach, the rest
+of which is reserved for it (softly: taken by others only when no unreserved block is left). Attention then
+reads most sequences' keys as one slice of the pool, with no gather."""
 
 from __future__ import annotations
 
@@ -22,7 +27,9 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
+        self.free = np.ones(num_blocks, dtype=bool)  # never filled, or evicted
+        self.reserved = np.zeros(num_blocks, dtype=bool)  # free, and kept for the sequence before it
+        self.free_count = num_blocks
         self.refs = [0] * num_blocks
         self.key_of: dict[int, bytes] = {}  # block -> its prefix key, for full blocks that are cached
         self.block_of: dict[bytes, int] = {}  # prefix key -> block
@@ -31,23 +38,45 @@ class BlockManager:
 
     @property
     def available(self) -> int:
-        return len(self.free) + len(self.evictable)
+        return self.free_count + len(self.evictable)
 
     @property
     def in_use(self) -> int:
         return self.num_blocks - self.available
 
-    def allocate(self) -> int:
-        """A block to write into (refcount 1); evicts the least recently used cached block if none is free."""
-        if self.free:
-            block = self.free.pop()
+    def allocate(self, after: int | None = None, span: int = 1) -> int:
+        """A block to write into (refcount 1): the one after `after` (a sequence's last block) when free, else
+        the start of a free run of `span` blocks (the rest reserved), else any free block, else the least
+        recently used cached block (evicted)."""
+        if after is not None and after + 1 < self.num_blocks and self.free[after + 1]:
+            block = after + 1
+        elif self.free_count:
+            block = self._run_start(span)
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
             del self.block_of[self.key_of.pop(block)]
+            self.refs[block] = 1
+            return block
         else:
             raise MemoryError("no KV cache block is free")  # the scheduler checks `available` first
+        self.free[block] = self.reserved[block] = False
+        self.free_count -= 1
         self.refs[block] = 1
         return block
+
+    def _run_start(self, span: int) -> int:
+        """The first block of the first unreserved free run of at least `span` blocks (else of the longest),
+        whose next span - 1 blocks are reserved; any free block when every free one is reserved."""
+        open_ = self.free & ~self.reserved
+        if not open_.any():
+            return int(np.flatnonzero(self.free)[0])
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], open_.view(np.int8), [0]])))
+        starts, lengths = edges[0::2], edges[1::2] - edges[0::2]
+        fits = np.flatnonzero(lengths >= span)
+        run = int(fits[0]) if fits.size else int(lengths.argmax())
+        start = int(starts[run])
+        self.reserved[start + 1 : start + min(span, int(lengths[run]))] = True
+        return start
 
     def share(self, block: int) -> None:
         if self.refs[block] == 0:
@@ -55,14 +84,21 @@ class BlockManager:
         self.refs[block] += 1
 
     def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; a block nobody uses is cached if full and keyed, else freed."""
+        """Drop one reference to each block; a block nobody uses is cached if full and keyed, else freed. The
+        run reserved after the last block is given up."""
         for block in reversed(blocks):  # a sequence's last blocks are evicted before its first ones
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 if block in self.key_of:
                     self.evictable[block] = None
                 else:
-                    self.free.append(block)
+                    self.free[block] = True
+                    self.free_count += 1
+        if blocks:
+            end = blocks[-1] + 1
+            while end < self.num_blocks and self.reserved[end]:
+                self.reserved[end] = False
+                end += 1
 
     def cached_prefix(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
         """The cached blocks that hold the first full blocks of `tokens` (at most `limit` of them), each

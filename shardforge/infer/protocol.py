@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shardforge.infer.sampling import SamplingParams
 
@@ -63,11 +63,23 @@ class Message(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        """The models served here read text: a part of another type (an image, audio) is a bad request, not
+        something to drop silently."""
+        for part in content if isinstance(content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"a content part of type {part.get('type')!r} is not supported: this model reads text "
+                    f"only (parts of type 'text' with a string 'text')"
+                )
+        return content
+
     def text(self) -> str:
-        """The message's text: the text parts of a content list joined (the models served here read text only;
-        parts of other types, such as images, are skipped)."""
+        """The message's text: the text parts of a content list joined."""
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
 

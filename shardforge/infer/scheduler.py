@@ -116,7 +116,10 @@ class Scheduler:
         needed = -(-tokens // self.blocks.block_size) - len(seq.blocks)
         if needed > self.blocks.available:
             return False
-        seq.blocks.extend(self.blocks.allocate() for _ in range(needed))
+        reach = seq.prompt_len + seq.max_tokens - 1  # the last token is sampled, never cached
+        span = -(-reach // self.blocks.block_size) - len(seq.blocks)
+        for i in range(needed):
+            seq.blocks.append(self.blocks.allocate(seq.blocks[-1] if seq.blocks else None, span - i))
         return True
 
     def _preempt(self, seq: Sequence) -> None:

@@ -186,6 +186,11 @@ def test_errors_are_openai_shaped(server, client):
         client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_p=3)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content.*'image_url' is not supported"):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "x"}, image]}]
+        )
     with pytest.raises(openai.APIStatusError, match="context") as info:
         client.completions.create(model="tiny", prompt="word " * 400, max_tokens=2)
     assert info.value.status_code == 413
@@ -287,8 +292,9 @@ def test_generate_writes_every_prompt(model_dir, tmp_path):
     assert proc.returncode == 2 and f"{prompts}:1" in proc.stderr and "prompt" in proc.stderr
 
 
-def test_chat_in_a_terminal(model_dir):
-    """One exchange, /reset, and end of input, through a pseudo-terminal."""
+@pytest.mark.parametrize("flags", [[], ["--tp", "2"]], ids=["one-process", "tp2"])
+def test_chat_in_a_terminal(model_dir, flags):
+    """One exchange, /reset, and end of input, through a pseudo-terminal (rank 0 reads it under --tp 2)."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: the chat command on the terminal
         os.chdir(REPO)
@@ -302,6 +308,7 @@ def test_chat_in_a_terminal(model_dir):
             "0",
             "--max-tokens",
             "8",
+            *flags,
         ]
         os.execve(sys.executable, cmd, ENV)
     screen = ""

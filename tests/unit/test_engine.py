@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -17,7 +18,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from shardforge.infer import generate
+from shardforge.infer import generate, paged
+from shardforge.infer.blocks import BlockManager
 from shardforge.infer.engine import Engine, EngineConfig, RequestError
 from shardforge.infer.sampling import (
     GenerationDefaults,
@@ -74,6 +76,41 @@ def test_greedy_tokens_match_transformers_under_continuous_batching(tmp_path, fa
     got = _run(engine, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)}, join_after=3)
     assert [got[f"r{i}"] for i in range(len(prompts))] == expected
     assert engine.blocks.in_use == 0 and not engine.requests  # everything released
+
+
+def test_scattered_blocks_keep_greedy_tokens(tmp_path, monkeypatch):
+    """Keys read through several pool slices (blocks handed out in random order) attend as one run does."""
+    hf, folder = _hf_model(tmp_path, "mistral")  # sliding window 16: decodes slice into the joined runs
+    prompts = _prompts((5, 11, 20, 3, 17, 9), seed=2)
+    expected = [_hf_greedy(hf, p, 20) for p in prompts]
+    engine = _engine(folder, block_size=4, max_step_tokens=16, num_blocks=64)
+    rng = np.random.default_rng(0)
+    blocks = engine.blocks
+    monkeypatch.setattr(blocks, "_run_start", lambda span: int(rng.choice(np.flatnonzero(blocks.free))))
+    scattered = blocks.allocate
+    monkeypatch.setattr(blocks, "allocate", lambda after=None, span=1: scattered(None, 1))
+    most = []
+    real_slices = paged._slices
+    monkeypatch.setattr(paged, "_slices", lambda *a: most.append(len(real_slices(*a))) or real_slices(*a))
+    got = _run(engine, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)}, join_after=3)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    assert max(most) >= 4
+
+
+def test_blocks_come_in_runs_reserved_softly():
+    blocks = BlockManager(16, block_size=4)
+    a = [blocks.allocate(None, span=6)]  # a sequence that may reach 6 blocks: 1-5 are kept for it
+    b = [blocks.allocate(None, span=4)]
+    assert a == [0] and b == [6]
+    for span in (5, 4):
+        a.append(blocks.allocate(a[-1], span))
+    b.append(blocks.allocate(b[-1], 3))
+    assert a == [0, 1, 2] and b == [6, 7]
+    assert paged._slices(a + b, 18, 4) == [(0, 12), (24, 30)]  # two runs; the last block half full
+    c = [blocks.allocate(None, span=8) for _ in range(4)]  # no run of 8 left: the longest, then reserved ones
+    assert c == [10, 3, 4, 5] and blocks.reserved[11:].all()
+    blocks.release(b)  # b's reservation is given up with its blocks
+    assert not blocks.reserved[:10].any() and blocks.free_count == 16 - 3 - 4
 
 
 def test_prefix_cache_hits_and_preemption_keep_greedy_tokens(tmp_path):
