@@ -1,7 +1,8 @@
 """Generate the tiny, deterministic demo datasets and BPE tokenizer used by the shardforge examples.
 
 Writes ``demo_alpaca.jsonl`` (train), ``demo_sharegpt.jsonl`` (multi-turn), ``demo_eval.jsonl``
-(held-out) and a transformers-loadable byte-level BPE ``tokenizer/`` with a ChatML chat template.
+(held-out), ``demo_pref.jsonl`` (preference pairs: the right answer chosen, another question's answer
+rejected) and a transformers-loadable byte-level BPE ``tokenizer/`` with a ChatML chat template.
 Tasks are small arithmetic/string puzzles a tiny model can learn in minutes on CPU.
 Run: ``python examples/data/make_demo_data.py [--out DIR]``.
 """
@@ -156,6 +157,16 @@ def make_sharegpt(r: random.Random, n: int) -> list[dict]:
     return rows
 
 
+def make_pairs(r: random.Random, n: int) -> list[dict]:
+    rows: list[dict] = []
+    while len(rows) < n:
+        ins, inp, out = r.choice(TASKS)(r)
+        wrong = r.choice(TASKS)(r)[2]
+        if wrong != out:
+            rows.append({"instruction": ins, "input": inp, "chosen": out, "rejected": wrong})
+    return rows
+
+
 def to_messages(row: dict) -> list[dict[str, str]]:
     user = f"{row['instruction']}\n\n{row['input']}" if row["input"] else row["instruction"]
     return [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
@@ -227,7 +238,9 @@ def main() -> None:
     sharegpt = make_sharegpt(random.Random(1), 300)
     seen = {(x["instruction"], x["input"]) for x in train}
     evals = make_alpaca(random.Random(2), 200, exclude=seen)
+    pairs = make_pairs(random.Random(3), 400)
     files = {"demo_alpaca.jsonl": train, "demo_sharegpt.jsonl": sharegpt, "demo_eval.jsonl": evals}
+    files["demo_pref.jsonl"] = pairs
     for name, rows in files.items():
         write_jsonl(out / name, rows)
         print(f"wrote {out / name}: {len(rows)} records, {(out / name).stat().st_size:,} bytes")

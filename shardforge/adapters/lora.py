@@ -15,8 +15,10 @@ reduced by DTensor itself.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,8 @@ from shardforge.models.quantize import dequantized
 
 
 class LoRALinear(nn.Linear):
+    adapter_enabled = True  # False: the base layer alone (the reference model of preference training)
+
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, dora: bool, rslora: bool):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -63,6 +67,8 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return out
         dropped = self.dropout(x)
         low = F.linear(F.linear(dropped.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scale
         if self.lora_magnitude is None:
@@ -79,6 +85,20 @@ class LoRALinear(nn.Linear):
     def extra_repr(self) -> str:
         kind = "DoRA" if self.lora_magnitude is not None else "LoRA"
         return f"{super().extra_repr()}, {kind} rank={self.rank}, scale={self.scale:g}"
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model, for as long as the block runs: every LoRA layer computes its frozen base alone. This
+    is the reference model of a LoRA preference run, with no second copy of the weights."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_enabled = True
 
 
 def merge_weight(

@@ -112,11 +112,36 @@ class FreezeSection(Section):
         return self
 
 
+class PrefSection(Section):
+    """Preference training (stage dpo): the loss, its hyper-parameters and the reference model.
+
+    ref: auto = the policy with its adapters disabled for LoRA (no second copy), a frozen copy of the
+    starting weights otherwise; none = no reference (only the orpo and simpo losses)."""
+
+    loss: Literal["sigmoid", "ipo", "hinge", "robust", "orpo", "simpo"] = "sigmoid"
+    beta: float = Field(default=0.1, gt=0)
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    ftx: float = Field(default=0.0, ge=0)
+    simpo_gamma: float = 0.5
+    ref: Literal["auto", "none"] = "auto"
+
+    @model_validator(mode="after")
+    def _reference(self) -> PrefSection:
+        free = self.loss in ("orpo", "simpo")
+        if self.ref == "none" and not free:
+            raise ValueError(
+                f"method.pref.ref=none: the {self.loss!r} loss needs a reference model; use ref: auto, or a "
+                f"reference-free loss (orpo, simpo)"
+            )
+        return self
+
+
 class MethodSection(Section):
-    stage: Literal["pt", "sft"] = "sft"
+    stage: Literal["pt", "sft", "dpo"] = "sft"
     finetuning: Literal["full", "freeze", "lora"] = "full"
     lora: LoraSection = LoraSection()
     freeze: FreezeSection = FreezeSection()
+    pref: PrefSection = PrefSection()
 
 
 # Pipeline schedules by how many stages each rank runs, and which split backward (zero bubble).

@@ -70,9 +70,12 @@ def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str
     where = f'{info_path}: dataset "{name}"'
     if not isinstance(entry, dict):
         raise DataError(f"{where} is not a JSON object")
-    if entry.get("ranking"):
+    ranking = bool(entry.get("ranking"))
+    if ranking != (stage == "pref"):
         raise DataError(
-            f"{where} is preference data (ranking: true); it needs a preference stage (not available yet)"
+            f"{where} is preference data (ranking: true); it trains under method.stage: dpo"
+            if ranking
+            else f"{where} is not preference data (no ranking: true); method.stage dpo needs pairs"
         )
     if "file_name" not in entry:
         if any(key in entry for key in HUB_KEYS):
@@ -96,6 +99,8 @@ def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str
         return ResolvedEntry(path, "text", replace(default_fields("text"), text=columns["prompt"]))
 
     allowed = ALPACA_COLUMNS if fmt == "alpaca" else CHAT_COLUMNS
+    if ranking:
+        allowed = {**allowed, "chosen": "chosen", "rejected": "rejected"}
     unknown = sorted(set(columns) - set(allowed))
     if unknown:
         raise DataError(f"{where}: unsupported columns {unknown} for {fmt} (supported: {', '.join(allowed)})")

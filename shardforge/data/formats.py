@@ -28,11 +28,13 @@ RawRow = tuple[str, Any]  # (source, decoded object)
 
 @dataclass(frozen=True)
 class Record:
-    """One example: chat messages (for sft) or plain text (for pt); `source` points back into the file."""
+    """One example: chat messages (for sft; for a preference pair, the prompt and the chosen reply, with the
+    rejected reply beside them) or plain text (for pt); `source` points back into the file."""
 
     source: str
     messages: tuple[Message, ...] | None
     text: str | None
+    rejected: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class FieldMap:
     system_roles: tuple[str, ...] = ("system",)
     tool_roles: tuple[str, ...] = ("function_call", "observation", "tool", "function", "ipython")
     text: str = "text"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
 
 
 def default_fields(fmt: str, text_column: str = "text") -> FieldMap:
@@ -98,6 +102,7 @@ def detect_format(path: Path, text_column: str = "text") -> str:
                 ("alpaca", "instruction"),
                 ("sharegpt", "conversations"),
                 ("openai", "messages"),
+                ("alpaca", "chosen"),  # a preference pair {prompt, chosen, rejected}
             ):
                 if key in obj:
                     return fmt
@@ -280,6 +285,15 @@ def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, stage: str) -> Recor
         raise DataError(f"{src}: {fmt} record is {_kind(obj)}; expected a JSON object")
     if fmt == "text":
         return Record(src, None, _text(obj, src, f))
+    paired = f.chosen in obj and f.rejected in obj
+    if stage == "pref":
+        msgs, rejected = _preference(obj, src, fmt, f)
+        return Record(src, tuple(msgs), None, rejected)
+    if paired and f.output not in obj:
+        raise DataError(
+            f'{src}: a preference record ("{f.chosen}" and "{f.rejected}"); it trains under method.stage: '
+            f"dpo, not {stage}"
+        )
     msgs = _alpaca(obj, src, f) if fmt == "alpaca" else _conversation(obj, src, fmt, f)
     if stage == "pt":
         return Record(src, None, "\n".join(m["content"] for m in msgs))
@@ -384,6 +398,48 @@ def _conversation(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> list[
     if system and msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": system})
     return msgs
+
+
+def _preference(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> tuple[list[Message], str]:
+    """A pair: (the prompt's turns and the chosen reply, the rejected reply). The prompt is alpaca's fields
+    (or our `prompt`), or a conversation ending with a user turn; a reply is a string or, as LLaMA-Factory's
+    sharegpt pairs have it, an assistant turn object."""
+    replies = []
+    for key in (f.chosen, f.rejected):
+        if obj.get(key) is None:
+            raise DataError(
+                f'{src}: preference record has no "{key}" (expected "{f.chosen}" and "{f.rejected}" replies '
+                f"beside the prompt)"
+            )
+        replies.append(_reply(obj[key], key, src, fmt, f))
+    chosen, rejected = replies
+    if chosen == rejected:
+        raise DataError(f'{src}: "{f.chosen}" and "{f.rejected}" are the same text; a pair must differ')
+    if fmt == "alpaca":
+        fields = {**obj, f.output: chosen}
+        if f.instruction not in fields and isinstance(obj.get("prompt"), str):
+            fields[f.instruction] = obj["prompt"]
+        return _alpaca(fields, src, f), rejected
+    turns = obj.get(f.messages)
+    if not isinstance(turns, list) or not turns:
+        raise DataError(
+            f'{src}: {fmt} preference record needs "{f.messages}": the prompt turns, ending with a user turn'
+        )
+    reply = {f.role: f.assistant_roles[0], f.content: chosen}
+    return _conversation({**obj, f.messages: [*turns, reply]}, src, fmt, f), rejected
+
+
+def _reply(value: Any, key: str, src: str, fmt: str, f: FieldMap) -> str:
+    if isinstance(value, dict):
+        if value.get(f.role) not in f.assistant_roles or not isinstance(value.get(f.content), str):
+            raise DataError(
+                f'{src}: {fmt} "{key}" is {_show(value)}; expected a string or an assistant turn '
+                f'{{"{f.role}": "{f.assistant_roles[0]}", "{f.content}": ...}}'
+            )
+        return value[f.content]
+    if not isinstance(value, str):
+        raise DataError(f'{src}: {fmt} "{key}" is {_kind(value)}; expected a string or an assistant turn')
+    return value
 
 
 def _role(value: Any, src: str, i: int, fmt: str, f: FieldMap) -> str:

@@ -92,6 +92,39 @@ def encode_chats(
     return out
 
 
+def encode_pairs(
+    tokenizer: Any, template: str, pairs: list[tuple[list[dict], str, str]]
+) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Each (prompt turns + chosen reply, rejected reply, source) as two sequences that share the prompt's
+    tokens exactly: the prompt (rendered up to the assistant's turn) is tokenized once, each reply's rest of
+    the rendering on its own, and only the reply's tokens are targets."""
+    texts, parts = [], []
+    for messages, rejected, src in pairs:
+        prompt = render(tokenizer, template, messages[:-1], generation_prompt=True)
+        replies = []
+        for reply in (messages[-1]["content"], rejected):
+            full = render(tokenizer, template, [*messages[:-1], {"role": "assistant", "content": reply}])
+            if not full.startswith(prompt):
+                raise DataError(
+                    f"{src}: the chat template does not render the prompt as a prefix of the conversation, "
+                    f"so the reply's tokens cannot be located; use data.template=chatml"
+                )
+            replies.append(full[len(prompt) :])
+        parts.append(len(texts))
+        texts += [prompt, *replies]
+    tokens = [ids for ids, _ in tokenize(tokenizer, texts)]
+    out = []
+    for i in parts:
+        prompt = tokens[i]
+        out.append(
+            [
+                (np.concatenate([prompt, reply]), np.arange(len(prompt) + len(reply)) >= len(prompt))
+                for reply in (tokens[i + 1], tokens[i + 2])
+            ]
+        )
+    return out
+
+
 def encode_texts(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
     """Pretraining documents: BOS (if the tokenizer has one) + tokens + EOS, so documents stay separable."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id

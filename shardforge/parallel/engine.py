@@ -152,6 +152,9 @@ class PlainEngine:
 
     def _sums(self, batch: Any) -> dict[str, torch.Tensor]:
         with self.autocast():
+            prepare = getattr(self.objective, "prepare", None)  # e.g. a reference model's log-probs
+            if prepare is not None:
+                batch = prepare(self.model, batch)
             output = self.model(batch.input_ids, **self.objective.model_inputs(batch))
             return self.objective.loss(output, batch)
 

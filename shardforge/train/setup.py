@@ -138,6 +138,9 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     apply_finetuning(model, cfg.method, cfg.train.seed, cfg.model.adapter)  # what trains, before any layout
     sizes = {id(p): (p.numel(), p.requires_grad) for p in model.parameters()}
     trained = sum(n for n, grad in sizes.values() if grad) / sum(n for n, _ in sizes.values())
+    bind = getattr(objective, "bind_reference", None)  # a preference objective's reference model
+    if bind is not None:
+        console.print(bind(model, cfg.method.finetuning, cfg.model.adapter, _reference_blocker(cfg, dims)))
     engine = parallelize(model, dims, mesh, cfg, plan, objective, precision.autocast, device)
 
     global_batch = cfg.train.micro_batch * grad_accum * dims.dp
@@ -201,7 +204,18 @@ def _finetuning(cfg: Config) -> dict | None:
 
 
 def _reader_stage(objective: Objective) -> str:
-    return "pt" if objective.reads_text else "sft"  # how the readers present records: text or chat
+    """How the readers present records: text (pt), chat (sft) or preference pairs (pref)."""
+    return getattr(objective, "reader_stage", "pt" if objective.reads_text else "sft")
+
+
+def _reference_blocker(cfg: Config, dims: ParallelDims) -> str | None:
+    """The layout a preference run's reference model cannot follow yet: a pipeline (stages see chunks, not
+    the model), or a frozen copy that tensor parallel would have to shard."""
+    if dims.pp > 1:
+        return "pipeline parallel"
+    if dims.tp > 1 and cfg.method.finetuning != "lora":
+        return "tensor parallel with full or freeze fine-tuning"
+    return None
 
 
 def build_data(

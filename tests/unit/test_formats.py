@@ -342,7 +342,10 @@ def test_dataset_info_unknown_name_suggests_closest(tmp_path: Path) -> None:
     ("entry", "message"),
     [
         ({"hf_hub_url": "org/data"}, "hub datasets cannot be fetched, use a local file"),
-        ({"file_name": "x.jsonl", "ranking": True}, "needs a preference stage"),
+        (
+            {"file_name": "x.jsonl", "ranking": True},
+            "is preference data (ranking: true); it trains under method.stage: dpo",
+        ),
         ({"file_name": "missing.jsonl"}, "file_name 'missing.jsonl' not found"),
         ({"file_name": "x.jsonl", "formatting": "xml"}, "formatting 'xml'"),
         ({"file_name": "x.jsonl", "columns": {"images": "img"}}, "unsupported columns ['images']"),
