@@ -167,17 +167,20 @@ def probe_matmuls(
 ) -> tuple[float, int]:
     """(best FLOP/s over all shapes, timed repetitions), each shape given an equal share of `seconds`. A
     shape whose single matmul would take over a third of its share (low precision on a CPU without fast
-    units runs ~100x slower) has its m (the token count) cut so that the probe stays bounded."""
+    units runs ~100-1000x slower) has its m (the token count) cut so that the probe stays bounded; the cost
+    is estimated from a few rows first, so not even the warm-up runs the full, slow matmul."""
     share = seconds / len(shapes)
     best, reps = 0.0, 0
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
-        elapsed = _timed(a, b)  # warm-up
-        if elapsed > share / 3:
-            m = max(1, int(m * share / 3 / elapsed))
+        rows = min(m, 16)
+        _timed(a[:rows], b)  # warm-up
+        estimate = _timed(a[:rows], b) * m / rows
+        if estimate > share / 3:
+            m = max(1, int(m * share / 3 / estimate))
             a = a[:m].contiguous()
-            _timed(a, b)
+        _timed(a, b)
         deadline = time.perf_counter() + share
         done = 0
         while done < 3 or time.perf_counter() < deadline:
