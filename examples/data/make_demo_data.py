@@ -2,7 +2,8 @@
 
 Writes ``demo_alpaca.jsonl`` (train), ``demo_sharegpt.jsonl`` (multi-turn), ``demo_eval.jsonl``
 (held-out), ``demo_pref.jsonl`` (preference pairs: the right answer chosen, another question's answer
-rejected) and a transformers-loadable byte-level BPE ``tokenizer/`` with a ChatML chat template.
+rejected), ``demo_kto.jsonl`` (single completions: the right answer labelled desirable, another question's
+answer undesirable) and a transformers-loadable byte-level BPE ``tokenizer/`` with a ChatML chat template.
 Tasks are small arithmetic/string puzzles a tiny model can learn in minutes on CPU.
 Run: ``python examples/data/make_demo_data.py [--out DIR]``.
 """
@@ -167,6 +168,19 @@ def make_pairs(r: random.Random, n: int) -> list[dict]:
     return rows
 
 
+def make_kto(r: random.Random, n: int) -> list[dict]:
+    """KTO examples, alternately desirable and undesirable, in our {messages, completion, label} form."""
+    rows: list[dict] = []
+    for pair in make_pairs(r, n):
+        user = f"{pair['instruction']}\n\n{pair['input']}" if pair["input"] else pair["instruction"]
+        desirable = len(rows) % 2 == 0
+        completion = pair["chosen"] if desirable else pair["rejected"]
+        rows.append(
+            {"messages": [{"role": "user", "content": user}], "completion": completion, "label": desirable}
+        )
+    return rows
+
+
 def to_messages(row: dict) -> list[dict[str, str]]:
     user = f"{row['instruction']}\n\n{row['input']}" if row["input"] else row["instruction"]
     return [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
@@ -241,6 +255,7 @@ def main() -> None:
     pairs = make_pairs(random.Random(3), 400)
     files = {"demo_alpaca.jsonl": train, "demo_sharegpt.jsonl": sharegpt, "demo_eval.jsonl": evals}
     files["demo_pref.jsonl"] = pairs
+    files["demo_kto.jsonl"] = make_kto(random.Random(4), 400)
     for name, rows in files.items():
         write_jsonl(out / name, rows)
         print(f"wrote {out / name}: {len(rows)} records, {(out / name).stat().st_size:,} bytes")

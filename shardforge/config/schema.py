@@ -113,7 +113,7 @@ class FreezeSection(Section):
 
 
 class PrefSection(Section):
-    """Preference training (stage dpo): the loss, its hyper-parameters and the reference model.
+    """Preference training (stages dpo and kto): the loss, its hyper-parameters and the reference model.
 
     ref: auto = the policy with its adapters disabled for LoRA (no second copy), a frozen copy of the
     starting weights otherwise; none = no reference (only the orpo and simpo losses)."""
@@ -125,23 +125,37 @@ class PrefSection(Section):
     simpo_gamma: float = 0.5
     ref: Literal["auto", "none"] = "auto"
 
-    @model_validator(mode="after")
-    def _reference(self) -> PrefSection:
-        free = self.loss in ("orpo", "simpo")
-        if self.ref == "none" and not free:
-            raise ValueError(
-                f"method.pref.ref=none: the {self.loss!r} loss needs a reference model; use ref: auto, or a "
-                f"reference-free loss (orpo, simpo)"
-            )
-        return self
+
+class KTOSection(Section):
+    """Stage kto: beta, and the weights of desirable and undesirable examples' losses."""
+
+    beta: float = Field(default=0.1, gt=0)
+    desirable_weight: float = Field(default=1.0, gt=0)
+    undesirable_weight: float = Field(default=1.0, gt=0)
 
 
 class MethodSection(Section):
-    stage: Literal["pt", "sft", "dpo"] = "sft"
+    stage: Literal["pt", "sft", "rm", "dpo", "kto"] = "sft"
     finetuning: Literal["full", "freeze", "lora"] = "full"
     lora: LoraSection = LoraSection()
     freeze: FreezeSection = FreezeSection()
     pref: PrefSection = PrefSection()
+    kto: KTOSection = KTOSection()
+
+    @model_validator(mode="after")
+    def _reference(self) -> MethodSection:
+        if self.pref.ref != "none":
+            return self
+        if self.stage == "kto":
+            raise ValueError(
+                "method.pref.ref=none: stage kto compares the policy with a reference model; use ref: auto"
+            )
+        if self.stage == "dpo" and self.pref.loss not in ("orpo", "simpo"):
+            raise ValueError(
+                f"method.pref.ref=none: the {self.pref.loss!r} loss needs a reference model; use ref: auto, "
+                f"or a reference-free loss (orpo, simpo)"
+            )
+        return self
 
 
 # Pipeline schedules by how many stages each rank runs, and which split backward (zero bubble).

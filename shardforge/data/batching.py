@@ -98,6 +98,13 @@ def collate(
     return Batch(ids, targets, positions, docs, num_tokens, num_targets, layout)
 
 
+def row_tags(examples: Sequence[Example], rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The tag of each row's first document [rows] (see Example.tag)."""
+    if isinstance(examples, ExampleStore):
+        return torch.tensor([int(examples.tags[row[0]]) for row in rows], dtype=torch.long)
+    return torch.tensor([examples[row[0]].tag for row in rows], dtype=torch.long)
+
+
 def _document(examples: Sequence[Example], i: int) -> tuple[np.ndarray, np.ndarray]:
     """Document i's token ids (int64) and target flags: sliced straight from an ExampleStore's flat arrays,
     or from an Example."""

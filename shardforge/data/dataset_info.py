@@ -71,11 +71,18 @@ def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str
     if not isinstance(entry, dict):
         raise DataError(f"{where} is not a JSON object")
     ranking = bool(entry.get("ranking"))
+    labelled = isinstance(entry.get("columns"), dict) and "kto_tag" in entry["columns"]
+    if labelled != (stage == "kto") and not (labelled and stage == "sft"):
+        raise DataError(
+            f"{where} is KTO data (a kto_tag column); it trains under method.stage: kto"
+            if labelled
+            else f"{where} has no kto_tag column; method.stage kto needs each example's desirable label"
+        )
     if ranking != (stage == "pref"):
         raise DataError(
-            f"{where} is preference data (ranking: true); it trains under method.stage: dpo"
+            f"{where} is preference data (ranking: true); it trains under method.stage: dpo or rm"
             if ranking
-            else f"{where} is not preference data (no ranking: true); method.stage dpo needs pairs"
+            else f"{where} is not preference data (no ranking: true); method.stage dpo and rm need pairs"
         )
     if "file_name" not in entry:
         if any(key in entry for key in HUB_KEYS):
@@ -101,6 +108,8 @@ def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str
     allowed = ALPACA_COLUMNS if fmt == "alpaca" else CHAT_COLUMNS
     if ranking:
         allowed = {**allowed, "chosen": "chosen", "rejected": "rejected"}
+    if labelled:
+        allowed = {**allowed, "kto_tag": "label"}
     unknown = sorted(set(columns) - set(allowed))
     if unknown:
         raise DataError(f"{where}: unsupported columns {unknown} for {fmt} (supported: {', '.join(allowed)})")

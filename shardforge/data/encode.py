@@ -84,7 +84,7 @@ def encode_all(
     longer than max_length (counted, or an error when truncation=error). A group with a sequence left
     without any target is dropped whole, so groups never lose a member."""
     stats = EncodeStats(records=len(records))
-    tokens, flags, lengths, targets = [], [], [], []
+    tokens, flags, lengths, targets, tags = [], [], [], [], []
     for record, group in zip(records, _encoded(records, encode, workers), strict=True):
         if len(group) != group_size:
             raise DataError(f"{record.source}: encoded into {len(group)} sequences, expected {group_size}")
@@ -108,10 +108,11 @@ def encode_all(
             flags.append(trained)
             lengths.append(len(ids))
             targets.append(count)
+            tags.append(int(bool(record.label)))
     if not lengths:
         first = f" (e.g. {stats.dropped_no_target[0]})" if stats.dropped_no_target else ""
         raise DataError(
             f"{what}: no example has a trainable token after formatting and truncation{first}; check the "
             f"template, data.max_length and data.train_on_prompt"
         )
-    return ExampleStore.from_arrays(tokens, flags, lengths, targets), stats
+    return ExampleStore.from_arrays(tokens, flags, lengths, targets, tags), stats

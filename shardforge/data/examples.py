@@ -11,11 +11,13 @@ from shardforge.data.formats import Record
 
 @dataclass(frozen=True)
 class Example:
-    """One document. `trained[t]` says whether token t is a target (it is predicted from tokens < t)."""
+    """One document. `trained[t]` says whether token t is a target (it is predicted from tokens < t); `tag`
+    is a small per-sequence number from its record (KTO: 1 for a desirable example, else 0)."""
 
     input_ids: tuple[int, ...]
     trained: tuple[bool, ...]
     source: str
+    tag: int = 0
 
     @property
     def num_targets(self) -> int:

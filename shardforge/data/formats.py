@@ -29,12 +29,16 @@ RawRow = tuple[str, Any]  # (source, decoded object)
 @dataclass(frozen=True)
 class Record:
     """One example: chat messages (for sft; for a preference pair, the prompt and the chosen reply, with the
-    rejected reply beside them) or plain text (for pt); `source` points back into the file."""
+    rejected reply beside them; for KTO, the prompt and the completion, with its label) or plain text (for
+    pt); `source` points back into the file. `mismatched` is another KTO example's completion, the loader's
+    pairing for the KL estimate."""
 
     source: str
     messages: tuple[Message, ...] | None
     text: str | None
     rejected: str | None = None
+    label: bool | None = None  # KTO: True = desirable
+    mismatched: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class FieldMap:
     text: str = "text"
     chosen: str = "chosen"
     rejected: str = "rejected"
+    completion: str = "completion"  # KTO's reply, beside a prompt
+    label: str = "label"  # KTO's desirable flag (LLaMA-Factory's kto_tag column)
 
 
 def default_fields(fmt: str, text_column: str = "text") -> FieldMap:
@@ -103,6 +109,7 @@ def detect_format(path: Path, text_column: str = "text") -> str:
                 ("sharegpt", "conversations"),
                 ("openai", "messages"),
                 ("alpaca", "chosen"),  # a preference pair {prompt, chosen, rejected}
+                ("alpaca", "completion"),  # a KTO example {prompt, completion, label}
             ):
                 if key in obj:
                     return fmt
@@ -292,7 +299,15 @@ def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, stage: str) -> Recor
     if paired and f.output not in obj:
         raise DataError(
             f'{src}: a preference record ("{f.chosen}" and "{f.rejected}"); it trains under method.stage: '
-            f"dpo, not {stage}"
+            f"dpo or rm, not {stage}"
+        )
+    if stage == "kto":
+        msgs, label = _kto(obj, src, fmt, f)
+        return Record(src, tuple(msgs), None, label=label)
+    if f.completion in obj and f.label in obj:
+        raise DataError(
+            f'{src}: a KTO record ("{f.completion}" and "{f.label}"); it trains under method.stage: kto, '
+            f"not {stage}"
         )
     msgs = _alpaca(obj, src, f) if fmt == "alpaca" else _conversation(obj, src, fmt, f)
     if stage == "pt":
@@ -415,21 +430,45 @@ def _preference(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> tuple[l
     chosen, rejected = replies
     if chosen == rejected:
         raise DataError(f'{src}: "{f.chosen}" and "{f.rejected}" are the same text; a pair must differ')
+    return _prompt_and_reply(obj, chosen, src, fmt, f, "preference"), rejected
+
+
+def _kto(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> tuple[list[Message], bool]:
+    """A KTO example: (the prompt's turns and the completion, its label). The completion is a `completion`
+    beside the prompt (TRL's unpaired form, ours), or the conversation's last assistant turn (LLaMA-Factory's
+    kto_tag datasets)."""
+    label = obj.get(f.label)
+    if not isinstance(label, bool):
+        what = f'has no "{f.label}"' if label is None else f'"{f.label}" is {_show(label)}'
+        raise DataError(
+            f"{src}: KTO record {what}; expected true (a desirable completion) or false (an undesirable one)"
+        )
+    if f.completion not in obj:
+        return (_alpaca(obj, src, f) if fmt == "alpaca" else _conversation(obj, src, fmt, f)), label
+    completion = _reply(obj[f.completion], f.completion, src, fmt, f)
+    return _prompt_and_reply(obj, completion, src, fmt, f, "KTO"), label
+
+
+def _prompt_and_reply(obj: dict[str, Any], reply: str, src: str, fmt: str, f: FieldMap, what: str) -> list:
+    """A record's prompt (alpaca's fields or our `prompt`, or conversation turns ending with a user turn)
+    followed by `reply` as the assistant's turn."""
     if fmt == "alpaca":
-        fields = {**obj, f.output: chosen}
+        fields = {**obj, f.output: reply}
         if f.instruction not in fields and isinstance(obj.get("prompt"), str):
             fields[f.instruction] = obj["prompt"]
-        return _alpaca(fields, src, f), rejected
+        return _alpaca(fields, src, f)
     turns = obj.get(f.messages)
     if not isinstance(turns, list) or not turns:
         raise DataError(
-            f'{src}: {fmt} preference record needs "{f.messages}": the prompt turns, ending with a user turn'
+            f'{src}: {fmt} {what} record needs "{f.messages}": the prompt turns, ending with a user turn'
         )
-    reply = {f.role: f.assistant_roles[0], f.content: chosen}
-    return _conversation({**obj, f.messages: [*turns, reply]}, src, fmt, f), rejected
+    turn = {f.role: f.assistant_roles[0], f.content: reply}
+    return _conversation({**obj, f.messages: [*turns, turn]}, src, fmt, f)
 
 
 def _reply(value: Any, key: str, src: str, fmt: str, f: FieldMap) -> str:
+    if isinstance(value, list) and len(value) == 1:  # TRL's conversational form: [assistant turn]
+        value = value[0]
     if isinstance(value, dict):
         if value.get(f.role) not in f.assistant_roles or not isinstance(value.get(f.content), str):
             raise DataError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +136,9 @@ def build_datasets(
 
     def encode() -> Splits:
         train_records, eval_records = _split_records(data, stage, seed)
+        if stage == "kto":
+            train_records = kto_examples(train_records, "training data", both_labels=True)
+            eval_records = kto_examples(eval_records, "evaluation data") if eval_records else []
         out: Splits = {"train": _encode(train_records, encoder, data, "training data", group_size, workers)}
         out["eval"] = (
             _encode(eval_records, encoder, data, "evaluation data", group_size, workers)
@@ -175,6 +178,23 @@ def _split_records(data: DataSection, stage: str, seed: int) -> tuple[list[Recor
         eval_records += [r for i, r in enumerate(train_records) if i in held]
         train_records = [r for i, r in enumerate(train_records) if i not in held]
     return train_records, eval_records
+
+
+def kto_examples(records: list[Record], what: str, both_labels: bool = False) -> list[Record]:
+    """KTO's examples, each given the next example's completion (the last, the first's) as its mismatched
+    completion for the KL estimate: a fixed pairing, whatever the encoding's chunks or the sampler's order.
+    Training needs desirable and undesirable examples both."""
+    if len(records) < 2:
+        raise DataError(f"{what}: KTO needs at least 2 examples (each is paired with another's completion)")
+    desirable = sum(bool(r.label) for r in records)
+    if both_labels and desirable in (0, len(records)):
+        kind = "desirable (label true)" if desirable else "undesirable (label false)"
+        raise DataError(
+            f"{what}: all {len(records)} KTO examples are {kind} (e.g. {records[0].source}); KTO needs both "
+            f"desirable and undesirable examples"
+        )
+    completions = [r.messages[-1]["content"] for r in records if r.messages]
+    return [replace(r, mismatched=completions[(i + 1) % len(records)]) for i, r in enumerate(records)]
 
 
 def _encode(

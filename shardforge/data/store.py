@@ -15,15 +15,24 @@ import numpy as np
 
 from shardforge.data.examples import Example
 
-ARRAYS = ("tokens", "flags", "offsets", "num_targets")
+ARRAYS = ("tokens", "flags", "offsets", "num_targets", "tags")
 
 
 class ExampleStore(Sequence[Example]):
     """tokens [total] uint32, flags [ceil(total/8)] uint8 (np.packbits of the target flags), offsets [n+1]
-    int64, num_targets [n] int64 (targets of each sequence: flags after its first token)."""
+    int64, num_targets [n] int64 (targets of each sequence: flags after its first token), tags [n] int8
+    (each sequence's record tag, see Example)."""
 
-    def __init__(self, tokens: np.ndarray, flags: np.ndarray, offsets: np.ndarray, num_targets: np.ndarray):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        flags: np.ndarray,
+        offsets: np.ndarray,
+        num_targets: np.ndarray,
+        tags: np.ndarray | None = None,
+    ):
         self.tokens, self.flags, self.offsets, self.num_targets = tokens, flags, offsets, num_targets
+        self.tags = np.zeros(len(num_targets), dtype=np.int8) if tags is None else tags
 
     @classmethod
     def from_examples(cls, examples: Sequence[Example]) -> ExampleStore:
@@ -32,11 +41,17 @@ class ExampleStore(Sequence[Example]):
             [np.asarray(e.trained, dtype=bool) for e in examples],
             [len(e.input_ids) for e in examples],
             [e.num_targets for e in examples],
+            [e.tag for e in examples],
         )
 
     @classmethod
     def from_arrays(
-        cls, tokens: list[np.ndarray], flags: list[np.ndarray], lengths: list[int], targets: list[int]
+        cls,
+        tokens: list[np.ndarray],
+        flags: list[np.ndarray],
+        lengths: list[int],
+        targets: list[int],
+        tags: list[int] | None = None,
     ) -> ExampleStore:
         """From each sequence's token ids and target flags (as encoding produces them)."""
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -46,12 +61,15 @@ class ExampleStore(Sequence[Example]):
             np.packbits(np.concatenate(flags)),
             offsets,
             np.asarray(targets, dtype=np.int64),
+            None if tags is None else np.asarray(tags, dtype=np.int8),
         )
 
     @classmethod
     def load(cls, folder: Path) -> ExampleStore:
-        """Memory-map the arrays `save` wrote (read-only: every rank shares the page cache)."""
-        return cls(*(np.load(folder / f"{name}.npy", mmap_mode="r") for name in ARRAYS))
+        """Memory-map the arrays `save` wrote (read-only: every rank shares the page cache). A cache written
+        before sequences had tags has none: all 0."""
+        present = [name for name in ARRAYS if name != "tags" or (folder / "tags.npy").is_file()]
+        return cls(*(np.load(folder / f"{name}.npy", mmap_mode="r") for name in present))
 
     def save(self, folder: Path) -> list[Path]:
         paths = []
@@ -82,4 +100,5 @@ class ExampleStore(Sequence[Example]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         ids, flags = self.arrays(i)
-        return Example(tuple(ids.tolist()), tuple(flags.tolist()), f"#{i % len(self)}")
+        i %= len(self)
+        return Example(tuple(ids.tolist()), tuple(flags.tolist()), f"#{i}", int(self.tags[i]))

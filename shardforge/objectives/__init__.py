@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from shardforge.config.schema import MethodSection
 from shardforge.objectives.base import Objective
-from shardforge.objectives.preference import DPOObjective
+from shardforge.objectives.preference import DPOObjective, KTOObjective
 from shardforge.objectives.pretrain import PretrainObjective
 from shardforge.objectives.sft import SFTObjective
 
-OBJECTIVES: dict[str, type] = {"pt": PretrainObjective, "sft": SFTObjective, "dpo": DPOObjective}
+OBJECTIVES: dict[str, type] = {
+    "pt": PretrainObjective,
+    "sft": SFTObjective,
+    "dpo": DPOObjective,
+    "kto": KTOObjective,
+}
 
 
 def build_objective(method: MethodSection | str) -> Objective:

@@ -54,6 +54,13 @@ class Objective(Protocol):
         ...
 
 
+def finish_means(objective: Objective, means: dict[str, float]) -> dict[str, float]:
+    """The logged means: each metric's sum over the global batch divided by the normalizer, then whatever
+    the objective's optional `finish` makes of them (e.g. means over a subset of the groups)."""
+    finish = getattr(objective, "finish", None)
+    return finish(means) if finish is not None else means
+
+
 def sequence_logprob_sums(logprobs: torch.Tensor, batch: Batch) -> torch.Tensor:
     """Summed log-probability of each row's target tokens, [rows]: what per-sequence objectives (preference
     pairs, rewards of completions) compare. `logprobs` are those of the scored positions, in row order."""

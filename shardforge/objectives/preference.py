@@ -1,9 +1,12 @@
-"""Objective `dpo`: preference pairs (a prompt, a chosen and a rejected reply) trained with the DPO family of
-losses (sigmoid, ipo, hinge, robust; orpo and simpo without a reference), as `preference_losses.py` defines
-them.
+"""Objectives `dpo` and `kto`: a policy trained against a reference model.
 
-A pair is a group of two sequences (chosen first) that share the prompt's tokens; only the replies' tokens
-are scored. The loss is per pair: the loop divides the sums by the pairs in the global batch. The reference
+`dpo`: preference pairs (a prompt, a chosen and a rejected reply) trained with the DPO family of losses
+(sigmoid, ipo, hinge, robust; orpo and simpo without a reference), as `preference_losses.py` defines them. A
+pair is a group of two sequences (chosen first) that share the prompt's tokens; only the replies' tokens are
+scored. `kto`: single completions labelled desirable or not; each example's group is its own sequence and
+its prompt with another example's completion (the mismatched pair KTO's KL estimate is taken over).
+
+The losses are per group: the loop divides the sums by the groups in the global batch. The reference
 model's log-probabilities are computed just before the policy's forward, in `prepare`: with LoRA, by the
 same model with its adapters disabled (no second copy); otherwise by a frozen copy of the starting weights.
 """
@@ -11,6 +14,7 @@ same model with its adapters disabled (no second copy); otherwise by a frozen co
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +23,13 @@ from torch import nn
 
 from shardforge.adapters.lora import LoRALinear, adapters_disabled
 from shardforge.config.schema import DataSection, MethodSection
-from shardforge.data.batching import IGNORE, Batch
-from shardforge.data.examples import Encoder, Sequence_
+from shardforge.data.batching import IGNORE, Batch, collate, row_tags
+from shardforge.data.examples import Encoder, Example, Sequence_
 from shardforge.data.formats import Record
 from shardforge.data.templates import encode_pairs, resolve_template
 from shardforge.errors import ConfigError
 from shardforge.objectives.base import CausalLM, Normalizer, sequence_logprob_sums
-from shardforge.objectives.preference_losses import REFERENCE_FREE, Pairs, pair_loss
+from shardforge.objectives.preference_losses import REFERENCE_FREE, Pairs, kto_kl, kto_loss, pair_loss
 
 
 @dataclass(frozen=True)
@@ -47,30 +51,41 @@ class PairEncoder:
         return self.encode_batch([record])[0]
 
 
-class DPOObjective(CausalLM):
-    name = "dpo"
+@dataclass(frozen=True)
+class KTOEncoder:
+    """A KTO record -> [its sequence, its prompt with the mismatched completion]: the pair the KL estimate is
+    taken over shares the prompt's tokens, like a preference pair."""
+
+    tokenizer: Any
+    template: str
+
+    def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
+        return encode_pairs(
+            self.tokenizer,
+            self.template,
+            [(list(r.messages or ()), r.mismatched or "", r.source) for r in records],
+        )
+
+    def __call__(self, record: Record) -> list[Sequence_]:
+        return self.encode_batch([record])[0]
+
+
+class ReferencedObjective(CausalLM):
+    """What DPO and KTO share: groups of two sequences, a loss per group, and the reference model's summed
+    log-probs of each row, put in `batch.extras["ref_logps"]` by `prepare` before the policy's forward."""
+
     normalizer: Normalizer = "groups"
     group_size = 2
-    reader_stage = "pref"
     summed = False  # per-sequence sums, not one sum of token log-probs
-    metrics = (
-        "loss",
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracy",
-        "rewards/margin",
-        "logps/chosen",
-        "logps/rejected",
-    )
 
     def __init__(self, method: MethodSection | None = None) -> None:
         super().__init__(method)
         self.pref = self.method.pref
         self.reference_model: nn.Module | None = None
-        self.reference = "none" if self.pref.loss in REFERENCE_FREE or self.pref.ref == "none" else "unbound"
+        self.reference = "none" if not self.needs_reference() else "unbound"
 
-    def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
-        return PairEncoder(tokenizer, resolve_template(tokenizer, data.template))
+    def needs_reference(self) -> bool:
+        return True
 
     def bind_reference(
         self, model: nn.Module, finetuning: str, adapter: str | None, blocker: str | None
@@ -82,9 +97,9 @@ class DPOObjective(CausalLM):
             return f"no reference model (the {self.pref.loss} loss needs none)"
         if blocker is not None:
             raise ConfigError(
-                f"method.stage dpo with a reference model does not run under {blocker} yet; use data "
+                f"method.stage {self.name} with a reference model does not run under {blocker} yet; use data "
                 f"parallel (parallel.zero_stage 0-3, LoRA under tensor parallel), or a reference-free loss "
-                f"(method.pref.loss: orpo or simpo)"
+                f"(stage dpo, method.pref.loss: orpo or simpo)"
             )
         if finetuning == "lora" and adapter is None:
             if not any(isinstance(m, LoRALinear) for m in model.modules()):
@@ -105,7 +120,7 @@ class DPOObjective(CausalLM):
         if self.reference == "none" or "ref_logps" in batch.extras:
             return batch
         if self.reference == "unbound":
-            raise RuntimeError("DPOObjective.bind_reference was not called before training")
+            raise RuntimeError(f"{type(self).__name__}.bind_reference was not called before training")
         with torch.no_grad():
             if self.reference == "adapters":
                 with adapters_disabled(model):
@@ -116,14 +131,38 @@ class DPOObjective(CausalLM):
         batch.extras["ref_logps"] = sequence_logprob_sums(out.float(), batch)
         return batch
 
+    @staticmethod
+    def group_logps(output: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Policy and (if prepared) reference summed log-probs, [groups, 2] (a group's rows are adjacent)."""
+        policy = sequence_logprob_sums(output.float(), batch).view(-1, 2)
+        reference = batch.extras.get("ref_logps")
+        return policy, None if reference is None else reference.view(-1, 2)
+
+
+class DPOObjective(ReferencedObjective):
+    name = "dpo"
+    reader_stage = "pref"
+    metrics = (
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracy",
+        "rewards/margin",
+        "logps/chosen",
+        "logps/rejected",
+    )
+
+    def needs_reference(self) -> bool:
+        return self.pref.loss not in REFERENCE_FREE and self.pref.ref != "none"
+
+    def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
+        return PairEncoder(tokenizer, resolve_template(tokenizer, data.template))
+
     def loss(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
-        logps = sequence_logprob_sums(output.float(), batch).view(-1, 2)  # a pair's rows are consecutive
+        logps, ref = self.group_logps(output, batch)
         tokens = (batch.targets != IGNORE).sum(dim=1).view(-1, 2).to(logps.dtype)
         policy = Pairs(logps[:, 0], logps[:, 1], tokens[:, 0], tokens[:, 1])
-        reference = None
-        if "ref_logps" in batch.extras:
-            ref = batch.extras["ref_logps"].view(-1, 2)
-            reference = Pairs(ref[:, 0], ref[:, 1], tokens[:, 0], tokens[:, 1])
+        reference = None if ref is None else Pairs(ref[:, 0], ref[:, 1], tokens[:, 0], tokens[:, 1])
         p = self.pref
         out = pair_loss(p.loss, policy, reference, p.beta, p.label_smoothing, p.simpo_gamma, p.ftx)
         margin = out.chosen_rewards - out.rejected_rewards
@@ -136,3 +175,73 @@ class DPOObjective(CausalLM):
             "logps/chosen": policy.chosen.detach().sum(),
             "logps/rejected": policy.rejected.detach().sum(),
         }
+
+
+class KTOObjective(ReferencedObjective):
+    """Each group: an example's sequence and its mismatched pair; `extras["tags"]` holds each row's label.
+    The KL estimate is the mean log-ratio of the micro-batch's mismatched pairs on every data-parallel rank
+    (summed over them by the engine's `dp_sum`, bound in `bind_reduce`)."""
+
+    name = "kto"
+    reader_stage = "kto"
+    # Sums divided by the groups; `finish` turns the per-label ones into means over their label's examples.
+    metrics = (
+        "loss",
+        "kl",
+        "rewards/chosen",
+        "rewards/rejected",
+        "logps/chosen",
+        "logps/rejected",
+        "share/desirable",
+    )
+
+    def __init__(self, method: MethodSection | None = None) -> None:
+        super().__init__(method)
+        self.kto = self.method.kto
+        self.all_reduce: Callable[[torch.Tensor], Any] | None = None
+
+    def bind_reduce(self, dp_sum: Callable[[torch.Tensor], Any]) -> None:
+        self.all_reduce = dp_sum
+
+    def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
+        return KTOEncoder(tokenizer, resolve_template(tokenizer, data.template))
+
+    @staticmethod
+    def collate(
+        examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1
+    ) -> Batch:
+        batch = collate(examples, rows, pad_id, multiple)
+        batch.extras["tags"] = row_tags(examples, rows)
+        return batch
+
+    def loss(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        logps, ref = self.group_logps(output, batch)
+        assert ref is not None, "KTO runs with a reference model"
+        desirable = batch.extras["tags"].view(-1, 2)[:, 0].bool()
+        kl = kto_kl(logps[:, 1], ref[:, 1], self.all_reduce)
+        k = self.kto
+        losses, rewards = kto_loss(
+            logps[:, 0], ref[:, 0], desirable, kl, k.beta, k.desirable_weight, k.undesirable_weight
+        )
+        good = desirable.to(losses.dtype)
+        policy = logps[:, 0].detach()
+        return {
+            "loss": losses.sum(),
+            "kl": kl * len(losses),
+            "rewards/chosen": (rewards * good).sum(),
+            "rewards/rejected": (rewards * (1 - good)).sum(),
+            "logps/chosen": (policy * good).sum(),
+            "logps/rejected": (policy * (1 - good)).sum(),
+            "share/desirable": good.sum(),
+        }
+
+    @staticmethod
+    def finish(means: dict[str, float]) -> dict[str, float]:
+        """Per-label sums over all groups -> means over each label's examples, and the reward margin."""
+        share = means["share/desirable"]
+        out = dict(means)
+        for key in ("rewards", "logps"):
+            out[f"{key}/chosen"] = means[f"{key}/chosen"] / share if share > 0 else float("nan")
+            out[f"{key}/rejected"] = means[f"{key}/rejected"] / (1 - share) if share < 1 else float("nan")
+        out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out

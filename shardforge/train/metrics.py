@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from shardforge.config.schema import LogSection
+from shardforge.objectives.base import finish_means
 from shardforge.train.runtime import memory_bytes
 
 Flops = Callable[[int, int, int], float]  # (tokens, scored tokens, attention pairs) -> training FLOPs
@@ -84,7 +85,7 @@ class MetricsProcessor:
         plot: Path | None,
         static: dict[str, Any],
     ) -> None:
-        self.metrics, self.normalizer = objective.metrics, objective.normalizer
+        self.objective, self.metrics, self.normalizer = objective, objective.metrics, objective.normalizer
         self.flops, self.world, self.device, self.warn = flops, world, device, warn
         self.peak, self.peak_source = peak
         self.writer, self.plot, self.static = writer, plot, static  # static: logged in every record
@@ -112,7 +113,8 @@ class MetricsProcessor:
         """The window's record; `reduce` sums the loss sums over data-parallel ranks (a collective)."""
         elapsed = time.perf_counter() - self.t0
         means = (reduce(self.sums) / self.counts[self.normalizer]).tolist()
-        record: dict[str, Any] = {"step": step, **dict(zip(self.metrics, means, strict=True)), **extra}
+        means = finish_means(self.objective, dict(zip(self.metrics, means, strict=True)))
+        record: dict[str, Any] = {"step": step, **means, **extra}
         mfu = self.step_flops / elapsed / (self.peak * self.world)
         record.update(
             tokens_per_s=self.counts["tokens"] / elapsed,

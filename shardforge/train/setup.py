@@ -142,6 +142,9 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     if bind is not None:
         console.print(bind(model, cfg.method.finetuning, cfg.model.adapter, _reference_blocker(cfg, dims)))
     engine = parallelize(model, dims, mesh, cfg, plan, objective, precision.autocast, device)
+    bind_reduce = getattr(objective, "bind_reduce", None)  # an objective's statistic over the whole batch
+    if bind_reduce is not None:
+        bind_reduce(engine.dp_sum)
 
     global_batch = cfg.train.micro_batch * grad_accum * dims.dp
     groups = train_rows.num_groups if train_rows is not None else math.inf  # a stream does not end

@@ -141,7 +141,7 @@ def test_reference_free_loss_needs_no_reference(tmp_path):
 
 def test_bad_preference_input_is_clear(tmp_path):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", _pairs(4))
-    with pytest.raises(DataError, match=r"pairs.jsonl:1: a preference record .*method.stage: dpo, not sft"):
+    with pytest.raises(DataError, match=r"pairs.jsonl:1: a preference record .*dpo or rm, not sft"):
         read_records(pairs, "alpaca", "sft")
     missing = write_jsonl(tmp_path / "missing.jsonl", [{"prompt": "hi", "chosen": "a"}])
     with pytest.raises(DataError, match=r'missing.jsonl:1: preference record has no "rejected"'):
