@@ -18,6 +18,7 @@ from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer
 from shardforge.config import Config, load_config
 from shardforge.models import save_model
 from shardforge.models.build import build_model, load_tokenizer
+from shardforge.objectives import build_objective
 from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
 
 
@@ -33,6 +34,7 @@ def write_model_folder(
     LoRA a PEFT adapter folder (the merged HF folder with `merge`). `state` None: the model's own weights.
     Returns what was written."""
     state = model.state_dict() if state is None and config.method.finetuning == "lora" else state
+    merge = merge or getattr(model.config, "num_labels", 0) > 0  # a score head trains whole: not an adapter
     if config.method.finetuning == "lora" and not merge:
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
         save_adapter(to, model.config.family, adapters, config.method.lora, config.model.path, tokenizer)
@@ -52,7 +54,10 @@ def export_checkpoint(
     folder = resolve_checkpoint(path, warn)
     config = load_config(folder / "config.yaml")  # the run's resolved config, saved with its checkpoints
     tokenizer = load_tokenizer(config.model)
-    model = build_model(config.model, tokenizer, config.train.seed, torch.device("cpu"))
+    num_labels = getattr(build_objective(config.method), "num_labels", 0)
+    model = build_model(
+        config.model, tokenizer, config.train.seed, torch.device("cpu"), num_labels=num_labels
+    )
     apply_finetuning(model, config.method, config.train.seed)  # the checkpoint holds the adapters
     vocab = model.config.vocab_size
     pad_vocab(model, read_trainer_state(folder)["vocab_rows"])  # as saved: padded for the run's TP degree

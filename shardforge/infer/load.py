@@ -62,6 +62,11 @@ def _hf_folder(folder: Path, adapter: Path | None, dtype: torch.dtype, device: t
     from shardforge.models import load_model
 
     model = load_model(folder, dtype=dtype, device=device)
+    if model.config.num_labels:
+        raise ModelError(
+            f"{folder} is a reward model (a score head of {model.config.num_labels} output(s), not an LM "
+            f"head): it scores sequences, it does not generate"
+        )
     if adapter is not None:
         _merge_adapter(model, Path(adapter))
     tokenizer_folder = Path(adapter) if adapter is not None and _has_tokenizer(Path(adapter)) else folder
@@ -83,6 +88,10 @@ def _checkpoint(
         raise ModelError("--adapter goes with an HF model folder, not with a training checkpoint")
     folder = resolve_checkpoint(path, warn)  # names what is missing when this is no checkpoint either
     config = load_config(folder / "config.yaml")
+    if config.method.stage == "rm":
+        raise ModelError(
+            f"{folder} is a reward model's checkpoint (stage rm): it scores sequences, it does not generate"
+        )
     tokenizer = load_tokenizer(config.model)
     model = build_model(config.model, tokenizer, config.train.seed, torch.device("cpu"))
     apply_finetuning(model, config.method, config.train.seed)

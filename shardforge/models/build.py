@@ -75,19 +75,24 @@ def model_source(model: ModelSection) -> tuple[Any, Any]:
 
 
 def build_model(
-    model: ModelSection, tokenizer: Any, seed: int, device: torch.device, prune: Prune | None = None
+    model: ModelSection,
+    tokenizer: Any,
+    seed: int,
+    device: torch.device,
+    prune: Prune | None = None,
+    num_labels: int = 0,
 ) -> nn.Module:
     """The model of a run, built directly on `device`; `prune` (a pipeline split) drops what this rank does
-    not hold before any memory is allocated."""
+    not hold before any memory is allocated. `num_labels` > 0: a score head instead of the LM head."""
     dtype, nf4 = _DTYPES[model.dtype], model.quantize == "nf4"
     if model.preset is not None:
         net = build_preset(
-            model.preset, vocab_size=len(tokenizer), dtype=dtype, seed=seed, device=device, prune=prune
+            model.preset, len(tokenizer), dtype, seed, device, prune=prune, num_labels=num_labels
         )
         if nf4:
             quantize_model(net)
         return net
-    net = load_model(model.path, dtype=dtype, device=device, prune=prune, quantize=nf4)
+    net = load_model(model.path, dtype, device, prune, nf4, num_labels, seed)
     if len(tokenizer) > net.config.vocab_size:
         raise ModelError(
             f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {net.config.vocab_size}"

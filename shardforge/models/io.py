@@ -81,14 +81,20 @@ def load_model(
     device: str | torch.device = "cpu",
     prune: Prune | None = None,
     quantize: bool = False,
+    num_labels: int = 0,
+    seed: int = 0,
 ) -> nn.Module:
     """Read an HF folder (config.json + safetensors, single or sharded) into our model implementation
     (only the weights the `prune`d model keeps are read). `quantize`: the block linears in NF4, each
-    quantized as it is read (models/quantize.py)."""
+    quantized as it is read (models/quantize.py). `num_labels` > 0: a score head of that many outputs (a
+    reward model), freshly initialized from `seed` unless the folder already has one of that shape."""
     folder = Path(path)
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"))
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
+    fresh_head = num_labels > 0 and cfg.num_labels != num_labels
+    if fresh_head:
+        cfg = cfg.with_score_head(num_labels)
     model = build_empty(spec, cfg, device, prune, dtype)
     if quantize:  # no full-precision memory for what is read in NF4: placeholders until then
         for key, param in list(model.named_parameters()):
@@ -96,9 +102,10 @@ def load_model(
                 module_name, _, name = key.rpartition(".")
                 meta_param = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
                 setattr(model.get_submodule(module_name), name, meta_param)
-    load_hf_weights(
-        model, spec, weight_files(folder), dtype, partial=prune is not None, quantize=quantize, device=device
-    )
+    files, partial = weight_files(folder), prune is not None
+    load_hf_weights(model, spec, files, dtype, partial, quantize, device, ("lm_head.weight",) * fresh_head)
+    if fresh_head:
+        model.init_head(seed=seed)
     return model
 
 
@@ -111,17 +118,19 @@ def load_hf_weights(
     partial: bool = False,
     quantize: bool = False,
     device: str | torch.device = "cpu",
+    fresh: tuple[str, ...] = (),
 ) -> None:
     """Copy safetensors weights into the model's parameters, checking that every parameter is filled
     exactly once. A `partial` model (a pipeline stage) skips the weights of the other stages; with
-    `quantize`, the block linears' meta placeholders become NF4 weights on `device`."""
+    `quantize`, the block linears' meta placeholders become NF4 weights on `device`. `fresh` names our
+    parameters the caller initializes instead (a new head): the file's tensors of that name are skipped."""
     params = dict(model.named_parameters())
     if getattr(model, "untied_copy", False):  # a stage's copy of the tied embedding is filled from it
         params.pop("lm_head.weight")
     known = (
         set(params) if not partial else {k for k, _ in _whole_model(spec, model.config).named_parameters()}
     )
-    missing = set(params)
+    missing = set(params) - set(fresh)
     tied = getattr(model.config, "tie_embeddings", False)
     for file in files:
         try:
@@ -135,6 +144,8 @@ def load_hf_weights(
                 if hf_key.endswith(_IGNORED_HF_KEYS) or (tied and hf_key == "lm_head.weight"):
                     continue
                 key = spec.key_from_hf(hf_key)
+                if key in fresh:
+                    continue
                 if key not in known:
                     raise ModelError(f"{file.name}: weight {hf_key!r} does not exist in this model config")
                 targets = [params[key]] if key in params else []
@@ -171,11 +182,13 @@ def hf_state_dict(
     the model's own (e.g. full tensors gathered from a sharded model)."""
     spec = spec_for(model.config.family)
     tied = model.config.tie_embeddings
+    scores = getattr(model.config, "num_labels", 0) > 0  # a score head is HF's `score`
     out = {}
     for key, tensor in (model.state_dict() if state_dict is None else state_dict).items():
         if tied and key == "lm_head.weight":
             continue
-        out[spec.key_to_hf(key)] = tensor.detach().contiguous().cpu()
+        name = "score.weight" if scores and key == "lm_head.weight" else spec.key_to_hf(key)
+        out[name] = tensor.detach().contiguous().cpu()
     return out
 
 

@@ -63,11 +63,14 @@ def build_preset(
     seed: int = 0,
     device: str | torch.device = "cpu",
     prune: Prune | None = None,
+    num_labels: int = 0,
 ) -> nn.Module:
     """A freshly initialized model of a preset shape (deterministic for a given seed, whatever the device and
     whatever `prune` keeps of it: a pipeline stage gets the weights the whole model would have). Initialized
-    in fp32 on the CPU (the same random streams everywhere), then cast and moved."""
+    in fp32 on the CPU (the same random streams everywhere), then cast and moved. `num_labels` > 0: with a
+    score head of that many outputs instead of the LM head."""
     cfg = preset_config(name, vocab_size)
+    cfg = cfg.with_score_head(num_labels) if num_labels else cfg
     model = build_empty(spec_for(cfg.family), cfg, "cpu", prune)
     model.init_weights(seed=seed)
     return model.to(dtype).to(device)

@@ -7,11 +7,13 @@ from shardforge.config.schema import MethodSection
 from shardforge.objectives.base import Objective
 from shardforge.objectives.preference import DPOObjective, KTOObjective
 from shardforge.objectives.pretrain import PretrainObjective
+from shardforge.objectives.reward import RewardObjective
 from shardforge.objectives.sft import SFTObjective
 
 OBJECTIVES: dict[str, type] = {
     "pt": PretrainObjective,
     "sft": SFTObjective,
+    "rm": RewardObjective,
     "dpo": DPOObjective,
     "kto": KTOObjective,
 }

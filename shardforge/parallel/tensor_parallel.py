@@ -46,7 +46,7 @@ def apply_tensor_parallel(
     model.tie_weights()  # the head's style re-wraps a tied weight: share the embedding's DTensor again
     for name, param in model.named_parameters():  # torch's SequenceParallel re-creates norms trainable
         param.requires_grad_(trained[name])
-    if padded != cfg.vocab_size and model.lm_head is not None:
+    if padded != cfg.vocab_size and model.lm_head is not None and not getattr(cfg, "num_labels", 0):
         model.lm_head.register_forward_hook(_mask_padded_logits(cfg.vocab_size))
     if parallel.sequence_parallel:
         model.register_forward_pre_hook(_require_even_split(dims.tp), with_kwargs=True)
@@ -112,8 +112,9 @@ def padded_vocab(vocab: int, tp: int) -> int:
 
 def pad_vocab(model: nn.Module, rows: int) -> None:
     """Grow the embedding and LM head to `rows` rows (zeros); a no-op when they already have that many."""
-    # A pipeline stage may hold one of them, or neither.
-    present = [m for m in (model.embed_tokens, model.lm_head) if m is not None]
+    # A pipeline stage may hold one of them, or neither; a score head is not over the vocabulary.
+    head = model.lm_head if not getattr(model.config, "num_labels", 0) else None
+    present = [m for m in (model.embed_tokens, head) if m is not None]
     if not present or rows <= present[0].weight.shape[0]:
         return
     vocab = present[0].weight.shape[0]
@@ -124,8 +125,8 @@ def pad_vocab(model: nn.Module, rows: int) -> None:
         module.weight = nn.Parameter(torch.cat([weight, extra]), requires_grad=module.weight.requires_grad)
     if model.embed_tokens is not None:
         model.embed_tokens.num_embeddings = rows
-    if model.lm_head is not None:
-        model.lm_head.out_features = rows
+    if head is not None:
+        head.out_features = rows
     model.tie_weights()
 
 

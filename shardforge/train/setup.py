@@ -133,9 +133,12 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     # A pipeline rank builds only its stages' part of the model (pruned on the meta device).
     pp_rank = dims.pp_rank(mesh)
     prune = partial(split_for_pipeline, plan=plan, stages=plan.stages_of(pp_rank)) if plan else None
-    model = build_model(cfg.model, tokenizer, cfg.train.seed, device, prune)
+    num_labels = getattr(objective, "num_labels", 0)  # a reward model's score head
+    model = build_model(cfg.model, tokenizer, cfg.train.seed, device, prune, num_labels)
     model_config = model.config
     apply_finetuning(model, cfg.method, cfg.train.seed, cfg.model.adapter)  # what trains, before any layout
+    if num_labels and model.lm_head is not None:
+        model.lm_head.requires_grad_(True)  # a new score head trains under every method
     sizes = {id(p): (p.numel(), p.requires_grad) for p in model.parameters()}
     trained = sum(n for n, grad in sizes.values() if grad) / sum(n for n, _ in sizes.values())
     bind = getattr(objective, "bind_reference", None)  # a preference objective's reference model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -28,6 +28,9 @@ class DecoderConfig:
     sliding_window: int | None = None
     layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"
     family: str = "llama"
+    # 0: the LM head over the vocabulary; n > 0: a score head of n outputs on the final hidden state (HF's
+    # ...ForSequenceClassification `score`; a reward model has 1), never tied to the embedding
+    num_labels: int = 0
     hf_config: dict = field(default_factory=dict)  # the original config.json, written back on export
 
     def __post_init__(self) -> None:
@@ -35,6 +38,9 @@ class DecoderConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+    def with_score_head(self, num_labels: int) -> DecoderConfig:
+        return replace(self, num_labels=num_labels, tie_embeddings=False)
 
     def is_sliding(self, layer: int) -> bool:
         if self.sliding_window is None:

@@ -38,6 +38,8 @@ def key_to_hf(key: str) -> str:
 
 
 def key_from_hf(key: str) -> str:
+    if key == "score.weight":  # a sequence-classification (reward) model's head
+        return "lm_head.weight"
     ours = key.removeprefix("model.") if key != "lm_head.weight" else key
     for mine, hf in _SEGMENTS:
         ours = ours.replace(hf, mine)
@@ -69,6 +71,7 @@ def config_from_hf(hf: PretrainedConfig, family: str) -> DecoderConfig:
     sliding = getattr(hf, "sliding_window", None)
     if family in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
         sliding = None
+    scores = any(a.endswith("ForSequenceClassification") for a in getattr(hf, "architectures", None) or [])
     return DecoderConfig(
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
@@ -81,7 +84,7 @@ def config_from_hf(hf: PretrainedConfig, family: str) -> DecoderConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         max_position=hf.max_position_embeddings,
-        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)) and not scores,
         qkv_bias=family == "qwen2" or attention_bias,
         o_bias=family in ("llama", "qwen3") and attention_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
@@ -91,6 +94,7 @@ def config_from_hf(hf: PretrainedConfig, family: str) -> DecoderConfig:
         if sliding is not None and getattr(hf, "layer_types", None)
         else None,
         family=family,
+        num_labels=hf.num_labels if scores else 0,
         hf_config=hf.to_dict(),
     )
 
@@ -125,6 +129,11 @@ def hf_config_from(cfg: DecoderConfig, model_type: str, architecture: str) -> Pr
         base["layer_types"] = [
             "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.num_layers)
         ]
-    for key in ("model_type", "transformers_version", "rope_theta", "rope_scaling"):
+    for key in ("model_type", "transformers_version", "rope_theta", "rope_scaling", "id2label", "label2id"):
         base.pop(key, None)
+    if cfg.num_labels:  # a score head: transformers' sequence-classification class of the family
+        base.update(
+            num_labels=cfg.num_labels,
+            architectures=[architecture.replace("CausalLM", "SequenceClassification")],
+        )
     return AutoConfig.for_model(model_type, **base)

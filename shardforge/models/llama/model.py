@@ -208,6 +208,14 @@ def attention_context(
     return AttentionContext(full=full, sliding=full & window[None, None])
 
 
+def _init_normal(module: nn.Module, name: str, std: float, seed: int) -> None:
+    generator = torch.Generator(module.weight.device)
+    generator.manual_seed(seed + zlib.crc32(name.encode()))
+    module.weight.normal_(0.0, std, generator=generator)
+    if getattr(module, "bias", None) is not None:
+        module.bias.zero_()
+
+
 class Decoder(nn.Module):
     """Token ids -> logits. `position_ids` and `doc_ids` (or the faster `doc_layout`) describe packed rows
     (positions restart per document); `output_mask` [b, s] limits the LM head to those positions. A
@@ -219,7 +227,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i, mlp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.num_labels or cfg.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.reset_rope()
@@ -253,13 +261,16 @@ class Decoder(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if name == "lm_head" and self.config.tie_embeddings:
                     name = "embed_tokens"  # the tied head (or a stage's copy of it) is the embedding
-                generator = torch.Generator(module.weight.device)
-                generator.manual_seed(seed + zlib.crc32(name.encode()))
-                module.weight.normal_(0.0, std, generator=generator)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                _init_normal(module, name, std, seed)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+
+    @torch.no_grad()
+    def init_head(self, std: float = 0.02, seed: int = 0) -> None:
+        """Fresh weights for the head alone (a score head put on a pretrained body), as `init_weights` would
+        draw them."""
+        if self.lm_head is not None:
+            _init_normal(self.lm_head, "lm_head", std, seed)
 
     def blocks(self) -> list[nn.Module]:
         """The decoder blocks this model holds, in order (all of them, or a pipeline stage's)."""

@@ -75,6 +75,8 @@ def tensor_parallel_plan(cfg: DecoderConfig, tp: int, sequence_parallel: bool) -
             input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False
         ),
     }
+    if cfg.num_labels:  # a score head (a reward model): a few outputs, run whole on every rank
+        plan["lm_head"] = ReplicateParallel()
     if sequence_parallel:
         plan["layers.*.attn"] = gather_input(5)  # (x, cos, sin, attention context, sliding)
         plan["layers.*.mlp"] = gather_input(1)
