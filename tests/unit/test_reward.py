@@ -53,7 +53,7 @@ def test_reward_model_learns_and_exports_for_transformers(tmp_path):
     assert type(hf).__name__ == "LlamaForSequenceClassification" and hf.config.num_labels == 1
     ours = load_model(final).eval()
     assert ours.config.num_labels == 1
-    with pytest.raises(ModelError, match="is a reward model .* it does not generate"):
+    with pytest.raises(ModelError, match=r"is a reward model .* it does not generate"):
         load_for_inference(final)
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     objective = RewardObjective()
