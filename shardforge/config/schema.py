@@ -116,14 +116,16 @@ class PrefSection(Section):
     """Preference training (stages dpo and kto): the loss, its hyper-parameters and the reference model.
 
     ref: auto = the policy with its adapters disabled for LoRA (no second copy), a frozen copy of the
-    starting weights otherwise; none = no reference (only the orpo and simpo losses)."""
+    starting weights otherwise (sharded as the policy is); precompute = the starting policy's log-probs of
+    every sequence, computed once before training (then no reference model is held, under any layout); a
+    folder = that HF model, or that PEFT adapter on its base; none = no reference (only orpo and simpo)."""
 
     loss: Literal["sigmoid", "ipo", "hinge", "robust", "orpo", "simpo"] = "sigmoid"
     beta: float = Field(default=0.1, gt=0)
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
     ftx: float = Field(default=0.0, ge=0)
     simpo_gamma: float = 0.5
-    ref: Literal["auto", "none"] = "auto"
+    ref: str = Field(default="auto", min_length=1)  # auto | none | precompute | a folder
 
 
 class KTOSection(Section):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardforge.adapters.merge import merge_adapter, merge_lora_modules
 from shardforge.errors import ModelError
 from shardforge.infer.sampling import GenerationDefaults
 
@@ -68,7 +69,7 @@ def _hf_folder(folder: Path, adapter: Path | None, dtype: torch.dtype, device: t
             f"head): it scores sequences, it does not generate"
         )
     if adapter is not None:
-        _merge_adapter(model, Path(adapter))
+        merge_adapter(model, Path(adapter))
     tokenizer_folder = Path(adapter) if adapter is not None and _has_tokenizer(Path(adapter)) else folder
     name = Path(adapter).name if adapter is not None else folder.name
     return _finish(model, tokenizer_folder, folder, name)
@@ -99,7 +100,7 @@ def _checkpoint(
     pad_vocab(model, read_trainer_state(folder)["vocab_rows"])
     load_model_weights(folder, model)
     unpad_vocab(model, vocab)
-    _merge_lora_modules(model)
+    merge_lora_modules(model)
     model = model.to(device=device, dtype=dtype)
     source = Path(config.model.tokenizer or config.model.path or folder)
     return Loaded(_frozen(model), tokenizer, _defaults(source, tokenizer), folder.parent.parent.name, source)
@@ -112,39 +113,6 @@ def unpad_vocab(model: nn.Module, vocab: int) -> None:
             module.weight = nn.Parameter(module.weight[:vocab].detach().clone(), requires_grad=False)
     model.embed_tokens.num_embeddings = model.lm_head.out_features = vocab
     model.tie_weights()
-
-
-def _merge_adapter(model: nn.Module, folder: Path) -> None:
-    from shardforge.adapters.apply import add_lora
-    from shardforge.adapters.peft_format import load_adapter, read_adapter
-    from shardforge.config.schema import LoraSection
-
-    config, _ = read_adapter(folder, model.config.family)
-    section = LoraSection(
-        rank=config["r"],
-        alpha=config["lora_alpha"],
-        targets=sorted(set(config.get("target_modules") or [])),
-        dora=bool(config.get("use_dora", False)),
-        rslora=bool(config.get("use_rslora", False)),
-    )
-    add_lora(model, section, seed=0)
-    load_adapter(model, folder, section)
-    _merge_lora_modules(model)
-
-
-def _merge_lora_modules(model: nn.Module) -> None:
-    """Each LoRA linear becomes a plain one holding W + s B A (DoRA-scaled)."""
-    from shardforge.adapters.lora import LoRALinear
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, LoRALinear):
-            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-            with torch.no_grad():
-                plain.weight = nn.Parameter(module.merged_weight().detach(), requires_grad=False)
-                if module.bias is not None:
-                    plain.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent), leaf, plain)
 
 
 def _has_tokenizer(folder: Path) -> bool:

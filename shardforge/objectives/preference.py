@@ -14,20 +14,25 @@ same model with its adapters disabled (no second copy); otherwise by a frozen co
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from shardforge.adapters.lora import LoRALinear, adapters_disabled
+from shardforge.adapters.merge import merge_adapter
 from shardforge.config.schema import DataSection, MethodSection
 from shardforge.data.batching import IGNORE, Batch, collate, row_tags
 from shardforge.data.examples import Encoder, Example, Sequence_
 from shardforge.data.formats import Record
 from shardforge.data.templates import encode_pairs, resolve_template
 from shardforge.errors import ConfigError
+from shardforge.models import load_model
 from shardforge.objectives.base import CausalLM, Normalizer, sequence_logprob_sums
 from shardforge.objectives.preference_losses import REFERENCE_FREE, Pairs, kto_kl, kto_loss, pair_loss
 
@@ -88,19 +93,31 @@ class ReferencedObjective(CausalLM):
         return True
 
     def bind_reference(
-        self, model: nn.Module, finetuning: str, adapter: str | None, blocker: str | None
+        self, model: nn.Module, finetuning: str, adapter: str | None, base: str | None, blocker: str | None
     ) -> str:
         """Choose the reference for this run's starting model (before any layout is applied); returns what it
-        is, for the run log. `adapter` is the adapter the run starts from, if any; `blocker` names a layout
-        the reference cannot follow yet (None: it can)."""
+        is, for the run log. `adapter` is the adapter the run starts from, if any, `base` the run's model
+        folder (an explicit reference adapter's base if it names none); `blocker` names a layout a reference
+        model held during training cannot follow (None: it can)."""
+        ref = self.pref.ref
         if self.reference == "none":
             return f"no reference model (the {self.pref.loss} loss needs none)"
+        if ref == "precompute":
+            self.reference = "precomputed"
+            return (
+                "reference: the starting policy's log-probs of every sequence, computed once before training "
+                "(no reference model is held)"
+            )
         if blocker is not None:
             raise ConfigError(
-                f"method.stage {self.name} with a reference model does not run under {blocker} yet; use data "
-                f"parallel (parallel.zero_stage 0-3, LoRA under tensor parallel), or a reference-free loss "
-                f"(stage dpo, method.pref.loss: orpo or simpo)"
+                f"method.stage {self.name} with a reference model held during training does not run under "
+                f"{blocker}; set method.pref.ref: precompute (its log-probs computed once, before training), "
+                f"or use a reference-free loss (stage dpo, method.pref.loss: orpo or simpo)"
             )
+        if ref != "auto":
+            self.reference_model = load_reference(Path(ref), base, model).requires_grad_(False).eval()
+            self.reference = "copy"
+            return f"reference model: {ref} (frozen, laid out as the policy is)"
         if finetuning == "lora" and adapter is None:
             if not any(isinstance(m, LoRALinear) for m in model.modules()):
                 raise ConfigError("method.finetuning=lora, but the model has no LoRA layers to disable")
@@ -113,14 +130,18 @@ class ReferencedObjective(CausalLM):
             if adapter is not None
             else ""
         )
-        return f"reference model: a frozen copy of the starting weights{why}"
+        return f"reference model: a frozen copy of the starting weights, laid out as the policy is{why}"
 
     def prepare(self, model: nn.Module, batch: Batch) -> Batch:
-        """The reference's summed log-probs of each row, into `batch.extras["ref_logps"]`."""
+        """The reference's summed log-probs of each row, into `batch.extras["ref_logps"]` (precomputed ones
+        come with the batch)."""
         if self.reference == "none" or "ref_logps" in batch.extras:
             return batch
-        if self.reference == "unbound":
-            raise RuntimeError(f"{type(self).__name__}.bind_reference was not called before training")
+        if self.reference in ("unbound", "precomputed"):
+            why = (
+                "was not called" if self.reference == "unbound" else "precomputed no log-probs for this data"
+            )
+            raise RuntimeError(f"{type(self).__name__}.bind_reference {why} before training")
         with torch.no_grad():
             if self.reference == "adapters":
                 with adapters_disabled(model):
@@ -129,6 +150,32 @@ class ReferencedObjective(CausalLM):
                 assert self.reference_model is not None
                 out = self.reference_model(batch.input_ids, **self.model_inputs(batch))
         batch.extras["ref_logps"] = sequence_logprob_sums(out.float(), batch)
+        return batch
+
+    @torch.no_grad()
+    def reference_logps(
+        self, model: nn.Module, examples: Any, rows: list[list[int]], micro_batch: int, pad_id: int
+    ) -> np.ndarray:
+        """The summed target log-probs of the sequences in `rows` (one each) under `model`, by micro-batches
+        of `micro_batch` groups: [len(rows)], in row order (what `ref: precompute` stores)."""
+        device = next(model.parameters()).device
+        out = np.empty(len(rows), dtype=np.float32)
+        step = micro_batch * self.group_size
+        for start in range(0, len(rows), step):
+            batch = collate(examples, rows[start : start + step], pad_id).to(device)
+            logps = model(batch.input_ids, **self.model_inputs(batch))
+            out[start : start + step] = sequence_logprob_sums(logps.float(), batch).cpu().numpy()
+        return out
+
+    @staticmethod
+    def collate(
+        examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1
+    ) -> Batch:
+        """A micro-batch; with `ref: precompute`, each row's reference log-prob (the store's `ref_logps`)."""
+        batch = collate(examples, rows, pad_id, multiple)
+        precomputed = getattr(examples, "ref_logps", None)
+        if precomputed is not None:
+            batch.extras["ref_logps"] = torch.from_numpy(precomputed[[row[0] for row in rows]])
         return batch
 
     @staticmethod
@@ -210,7 +257,7 @@ class KTOObjective(ReferencedObjective):
     def collate(
         examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1
     ) -> Batch:
-        batch = collate(examples, rows, pad_id, multiple)
+        batch = ReferencedObjective.collate(examples, rows, pad_id, multiple)
         batch.extras["tags"] = row_tags(examples, rows)
         return batch
 
@@ -245,3 +292,33 @@ class KTOObjective(ReferencedObjective):
             out[f"{key}/rejected"] = means[f"{key}/rejected"] / (1 - share) if share < 1 else float("nan")
         out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
         return out
+
+
+def load_reference(folder: Path, base: str | None, policy: nn.Module) -> nn.Module:
+    """`method.pref.ref` as a folder: an HF model, or a PEFT adapter merged into its base (the adapter's
+    base_model_name_or_path if that is a local folder, else the run's model), in the policy's dtype and on
+    its device; its vocabulary must be the policy's."""
+    weight = next(policy.parameters())
+    where = f"method.pref.ref {str(folder)!r}"
+    if (folder / "adapter_config.json").is_file():
+        named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        base = named if named and Path(named).is_dir() else base
+        if base is None:
+            raise ConfigError(
+                f"{where} is an adapter whose base is not a local folder, and model.path is unset"
+            )
+        model = load_model(base, dtype=weight.dtype, device=weight.device)
+        merge_adapter(model, folder)
+    elif (folder / "config.json").is_file():
+        model = load_model(folder, dtype=weight.dtype, device=weight.device)
+    else:
+        raise ConfigError(
+            f"{where} is not auto, none, precompute, an HF model folder (config.json) or a PEFT adapter "
+            f"folder (adapter_config.json)"
+        )
+    if model.config.vocab_size != policy.config.vocab_size:
+        raise ConfigError(
+            f"{where} has a vocabulary of {model.config.vocab_size} tokens, the policy "
+            f"{policy.config.vocab_size}: the reference must share the policy's tokenizer"
+        )
+    return model

@@ -78,6 +78,15 @@ def _fully_shard(
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
 
 
+def fully_shard_frozen(
+    model: nn.Module, mesh: DeviceMesh, parallel: ParallelSection, precision: str, device: torch.device
+) -> None:
+    """FSDP2 over a model that never trains (a reference model): ZeRO-3's sharding, every unit resharded
+    after its forward, since no backward will want it gathered."""
+    _fully_shard(model, mesh, 3, parallel, precision, device)
+    model.set_reshard_after_forward(True)  # the root too (the trained model keeps its root gathered)
+
+
 def _register_compression(ddp: DistributedDataParallel, parallel: ParallelSection, mesh: DeviceMesh) -> None:
     """Lossy gradient compression for DDP all-reduce (fp16 works on gloo and nccl; bf16 needs nccl)."""
     if parallel.grad_compression == "fp16":

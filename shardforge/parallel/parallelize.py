@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardforge.config.schema import Config
 from shardforge.parallel.activation_ckpt import apply_activation_checkpointing
-from shardforge.parallel.data_parallel import DTYPES, apply_data_parallel, unwrap
+from shardforge.parallel.data_parallel import DTYPES, apply_data_parallel, fully_shard_frozen, unwrap
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import Autocast, Engine, PlainEngine
 from shardforge.parallel.pipeline_plan import PipelinePlan
@@ -63,6 +63,21 @@ def parallelize(
     apply_data_parallel(model, dims, mesh, parallel, precision, device, list(engine.stages.values()))
     engine.params = [p for p in model.parameters() if p.requires_grad]
     return engine
+
+
+def lay_out_frozen(
+    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, config: Config, device: torch.device
+) -> nn.Module:
+    """A model that only runs forward beside the trained one (a reference model), sharded as the trained
+    one is: tensor parallel with the same plan, FSDP2 over the same data-parallel mesh (parameters gathered
+    per block for its forward, freed after), replicated under DDP; no gradients, no optimizer state. Not
+    for a pipeline: its stages run chunks of the batch on parts of the model."""
+    parallel = config.parallel
+    apply_tensor_parallel(model, dims, mesh, parallel)
+    dp_mesh = dims.dp_mesh(mesh)
+    if dims.sharded and dp_mesh is not None:
+        fully_shard_frozen(model, dp_mesh, parallel, config.train.precision, device)
+    return model
 
 
 def _stream_dtype(model: nn.Module, dims: ParallelDims, precision: str) -> torch.dtype:

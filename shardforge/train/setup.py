@@ -40,7 +40,7 @@ from shardforge.parallel.distributed import (
     world_size_from_env,
 )
 from shardforge.parallel.engine import Engine
-from shardforge.parallel.parallelize import parallelize
+from shardforge.parallel.parallelize import lay_out_frozen, parallelize
 from shardforge.parallel.pipeline_plan import PipelinePlan, split_for_pipeline
 from shardforge.parallel.tensor_parallel import padded_vocab
 from shardforge.train.layout import check_layout
@@ -48,6 +48,7 @@ from shardforge.train.metrics import MetricsProcessor, MetricsWriter
 from shardforge.train.optim import build_optimizer, build_scheduler
 from shardforge.train.peak import peak_flops
 from shardforge.train.precision import Precision
+from shardforge.train.reference import precompute_reference
 from shardforge.train.runtime import pick_device, seed_everything
 
 
@@ -143,8 +144,14 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     trained = sum(n for n, grad in sizes.values() if grad) / sum(n for n, _ in sizes.values())
     bind = getattr(objective, "bind_reference", None)  # a preference objective's reference model
     if bind is not None:
-        console.print(bind(model, cfg.method.finetuning, cfg.model.adapter, _reference_blocker(cfg, dims)))
+        blocker = "pipeline parallel" if dims.pp > 1 else None  # its stages run chunks, never `prepare`
+        console.print(bind(model, cfg.method.finetuning, cfg.model.adapter, cfg.model.path, blocker))
+        if objective.reference == "precomputed":
+            _precompute_reference(cfg, tokenizer, objective, model if plan is None else None, train_rows,
+                                  eval_rows, run_dir, device, precision, console)  # fmt: skip
     engine = parallelize(model, dims, mesh, cfg, plan, objective, precision.autocast, device)
+    if getattr(objective, "reference_model", None) is not None:  # sharded as the policy is, never trained
+        objective.reference_model = lay_out_frozen(objective.reference_model, dims, mesh, cfg, device)
     bind_reduce = getattr(objective, "bind_reduce", None)  # an objective's statistic over the whole batch
     if bind_reduce is not None:
         bind_reduce(engine.dp_sum)
@@ -214,14 +221,32 @@ def _reader_stage(objective: Objective) -> str:
     return getattr(objective, "reader_stage", "pt" if objective.reads_text else "sft")
 
 
-def _reference_blocker(cfg: Config, dims: ParallelDims) -> str | None:
-    """The layout a preference run's reference model cannot follow yet: a pipeline (stages see chunks, not
-    the model), or a frozen copy that tensor parallel would have to shard."""
-    if dims.pp > 1:
-        return "pipeline parallel"
-    if dims.tp > 1 and cfg.method.finetuning != "lora":
-        return "tensor parallel with full or freeze fine-tuning"
-    return None
+def _precompute_reference(
+    cfg: Config,
+    tokenizer: Any,
+    objective: Objective,
+    model: torch.nn.Module | None,
+    train_rows: RowSet | None,
+    eval_rows: RowSet | None,
+    run_dir: Path,
+    device: torch.device,
+    precision: Precision,
+    console: Console,
+) -> None:
+    """`ref: precompute` with the starting policy: `model` itself before any layout, or (a pipeline rank holds
+    only its stages) a whole copy built for this pass and dropped after it."""
+    if train_rows is None:
+        raise ConfigError("method.pref.ref=precompute needs the training data cached, not data.streaming")
+    if model is None:
+        model = build_model(cfg.model, tokenizer, cfg.train.seed, device)
+        apply_finetuning(model, cfg.method, cfg.train.seed, cfg.model.adapter)
+    identity = {"model": cfg.model.model_dump(), "method": cfg.method.model_dump(), "seed": cfg.train.seed}
+    identity["precision"] = cfg.train.precision
+    rowsets = {"train": train_rows, "eval": eval_rows}
+    precompute_reference(
+        objective, model, rowsets, run_dir / "reference_logps", json.loads(json.dumps(identity)),
+        cfg.train.micro_batch, tokenizer.pad_token_id, precision.autocast, console.print,
+    )  # fmt: skip
 
 
 def build_data(

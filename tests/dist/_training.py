@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from shardforge.config import load_config
 from shardforge.models import save_model
@@ -27,6 +28,10 @@ def train_runs(configs: list[dict], objective=None) -> list[dict]:
         state = trainer.full_state_dict()
         main = not dist.is_initialized() or dist.get_rank() == 0
         powersgd = getattr(trainer.model, "powersgd_state", None)
+        reference = getattr(trainer.objective, "reference_model", None)  # a preference run's frozen copy
+        local = [
+            p.to_local() if hasattr(p, "to_local") else p for p in (reference or nn.Module()).parameters()
+        ]
         out.append(
             {
                 "losses": [r["loss"] for r in result.history],
@@ -37,6 +42,7 @@ def train_runs(configs: list[dict], objective=None) -> list[dict]:
                 "layout": trainer.dims.describe(),
                 "run_dir": str(trainer.run_dir),
                 "powersgd": powersgd.compression_stats() if powersgd is not None else None,
+                "reference_bytes": sum(t.numel() * t.element_size() for t in local),
             }
         )
     return out
@@ -51,7 +57,9 @@ def assert_same(run: dict, ref: dict, rel: float = 1e-5, atol: float = 5e-5) -> 
     bits move it by ~1e-10: hence 1e-9 absolute on losses."""
     assert len(run["losses"]) == len(ref["losses"])
     assert run["losses"] == pytest.approx(ref["losses"], rel=rel, abs=1e-9), run["layout"]
-    assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=rel), run["layout"]
+    assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=rel), (
+        f"{run['layout']}: {run['grad_norms']} against {ref['grad_norms']}"
+    )
     assert (run["eval_loss"] is None) == (ref["eval_loss"] is None)
     if ref["eval_loss"] is not None:
         assert run["eval_loss"] == pytest.approx(ref["eval_loss"], rel=rel), run["layout"]

@@ -1,0 +1,42 @@
+"""LoRA adapters folded into their base: a PEFT adapter folder merged into a loaded model, and LoRA linears
+turned back into plain ones. For what only runs forward (inference, a reference model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardforge.adapters.apply import add_lora
+from shardforge.adapters.lora import LoRALinear
+from shardforge.adapters.peft_format import load_adapter, read_adapter
+from shardforge.config.schema import LoraSection
+
+
+def merge_adapter(model: nn.Module, folder: Path) -> None:
+    """The PEFT adapter in `folder` applied to `model` and merged into its weights, in place."""
+    config, _ = read_adapter(folder, model.config.family)
+    section = LoraSection(
+        rank=config["r"],
+        alpha=config["lora_alpha"],
+        targets=sorted(set(config.get("target_modules") or [])),
+        dora=bool(config.get("use_dora", False)),
+        rslora=bool(config.get("use_rslora", False)),
+    )
+    add_lora(model, section, seed=0)
+    load_adapter(model, folder, section)
+    merge_lora_modules(model)
+
+
+def merge_lora_modules(model: nn.Module) -> None:
+    """Each LoRA linear becomes a plain one holding W + s B A (DoRA-scaled)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoRALinear):
+            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            with torch.no_grad():
+                plain.weight = nn.Parameter(module.merged_weight().detach(), requires_grad=False)
+                if module.bias is not None:
+                    plain.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent), leaf, plain)
