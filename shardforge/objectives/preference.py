@@ -39,36 +39,19 @@ from shardforge.objectives.preference_losses import REFERENCE_FREE, Pairs, kto_k
 
 @dataclass(frozen=True)
 class PairEncoder:
-    """A preference record -> [chosen sequence, rejected sequence]. A plain object, so encoding worker
-    processes can receive it."""
+    """A record -> [its conversation's sequence, the same prompt with the reply in `second`]: a preference
+    pair (chosen, then rejected), or a KTO example and its mismatched pair for the KL estimate. Both share
+    the prompt's tokens. A plain object, so encoding worker processes can receive it."""
 
     tokenizer: Any
     template: str
+    second: str = "rejected"  # the Record field of the second reply ("mismatched" for KTO)
 
     def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
         return encode_pairs(
             self.tokenizer,
             self.template,
-            [(list(r.messages or ()), r.rejected or "", r.source) for r in records],
-        )
-
-    def __call__(self, record: Record) -> list[Sequence_]:
-        return self.encode_batch([record])[0]
-
-
-@dataclass(frozen=True)
-class KTOEncoder:
-    """A KTO record -> [its sequence, its prompt with the mismatched completion]: the pair the KL estimate is
-    taken over shares the prompt's tokens, like a preference pair."""
-
-    tokenizer: Any
-    template: str
-
-    def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
-        return encode_pairs(
-            self.tokenizer,
-            self.template,
-            [(list(r.messages or ()), r.mismatched or "", r.source) for r in records],
+            [(list(r.messages or ()), getattr(r, self.second) or "", r.source) for r in records],
         )
 
     def __call__(self, record: Record) -> list[Sequence_]:
@@ -251,7 +234,7 @@ class KTOObjective(ReferencedObjective):
         self.all_reduce = dp_sum
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
-        return KTOEncoder(tokenizer, resolve_template(tokenizer, data.template))
+        return PairEncoder(tokenizer, resolve_template(tokenizer, data.template), second="mismatched")
 
     @staticmethod
     def collate(
