@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from shardforge.config.schema import DataSection, DatasetSpec
-from shardforge.data.cache import DatasetCache, Splits, file_fingerprint
+from shardforge.data.cache import DatasetCache, Splits, cache_key, file_fingerprint
 from shardforge.data.dataset_info import resolve_entry
 from shardforge.data.encode import encode_all
 from shardforge.data.examples import EncodeStats
@@ -31,6 +31,7 @@ class RowSet:
     rows: Rows
     stats: EncodeStats
     group_size: int = 1
+    cached_at: Path | None = None  # the dataset cache entry the examples were read from, if any
 
     @property
     def num_groups(self) -> int:
@@ -163,6 +164,10 @@ def build_datasets(
         splits, _ = cache.load_or_build(key, encode)
     train = lay_out(*splits["train"], data, seed, group_size)
     evaluation = lay_out(*splits["eval"], data, seed, group_size) if splits["eval"] is not None else None
+    if cache is not None:
+        for part in (train, evaluation):
+            if part is not None:
+                part.cached_at = cache.root / cache_key(key)
     return train, evaluation
 
 

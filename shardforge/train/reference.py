@@ -1,15 +1,17 @@
 """`method.pref.ref: precompute`: the starting policy's summed log-probs of every training and evaluation
-sequence, computed once before training and kept beside the run (`reference_logps/` in the run folder, reused
-when a run resumes or restarts on the same model and data), so that no reference model is held during
-training and the reference follows any layout, pipelines included.
+sequence, computed once before training and stored beside the tokenized data (in the dataset cache entry,
+under `reference/<identity>/`; in the run folder's `reference_logps/` without a cache), so that no reference
+model is held during training and the reference follows any layout, pipelines included. Later runs and
+resumed ones on the same data, model, method, seed and precision read them back.
 
-Each rank computes every world-th pair on a whole copy of the starting model, writes its part, and rank 0
-joins the parts; every rank then attaches the array to its example store, where the objective's collate picks
-each row's value up.
+Each rank scores every world-th pair on a whole copy of the starting model; the parts are gathered to every
+rank (a collective: no shared filesystem needed) and rank 0 writes the result. Every rank attaches the array
+to its example store, where the objective's collate picks each row's value up.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -28,7 +30,7 @@ def precompute_reference(
     objective: Any,
     model: nn.Module,
     rowsets: dict[str, RowSet | None],
-    folder: Path,
+    run_dir: Path,
     identity: dict[str, Any],
     micro_batch: int,
     pad_id: int,
@@ -36,40 +38,49 @@ def precompute_reference(
     say: Callable[[str], None],
 ) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    folder.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     training = model.training
     model.eval()
     for name, rows in rowsets.items():
         if rows is None:
             continue
+        folder = rows.cached_at / "reference" / digest if rows.cached_at else run_dir / "reference_logps"
         key = {**identity, "examples": len(rows.examples), "tokens": int(rows.num_tokens)}
         path, meta = folder / f"{name}.npy", folder / f"{name}.json"
-        if not (path.is_file() and meta.is_file() and json.loads(meta.read_text()) == key):
+        stored = path.is_file() and meta.is_file() and json.loads(meta.read_text()) == key
+        if not _everywhere(stored):
             start = time.perf_counter()
             say(f"reference log-probs: computing {len(rows.examples)} {name} sequences ({world} rank(s))")
             mine = rows.rows_of(np.arange(rank, rows.num_groups, world))
             with autocast():
                 values = objective.reference_logps(model, rows.examples, mine, micro_batch, pad_id)
-            np.save(
-                folder / f"{name}.part{rank}.npy", np.stack([[r[0] for r in mine], values]).astype(np.float64)
-            )
-            _barrier()
+            full = np.full(len(rows.examples), np.nan, dtype=np.float32)
+            for index, logps in _gathered(([r[0] for r in mine], values)):
+                full[np.asarray(index, dtype=np.int64)] = logps
             if rank == 0:
-                full = np.full(len(rows.examples), np.nan, dtype=np.float32)
-                for r in range(world):
-                    part = folder / f"{name}.part{r}.npy"
-                    index, logps = np.load(part)
-                    full[index.astype(np.int64)] = logps
-                    part.unlink()
+                folder.mkdir(parents=True, exist_ok=True)
                 np.save(path, full)
                 meta.write_text(json.dumps(key))
                 took = time.perf_counter() - start
-                say(f"reference log-probs: {name} done in {took:.1f} s, saved to {path}")
-        _barrier()
-        rows.examples.ref_logps = np.load(path)
+                say(f"reference log-probs: {name} done in {took:.1f} s, stored in {path}")
+            rows.examples.ref_logps = full
+        else:
+            rows.examples.ref_logps = np.load(path)
     model.train(training)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _everywhere(flag: bool) -> bool:
+    """Whether `flag` holds on every rank (each decides from its own view of the files)."""
+    if not dist.is_initialized():
+        return flag
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, flag)
+    return all(flags)
+
+
+def _gathered(part: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [part]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return parts

@@ -240,11 +240,11 @@ def _precompute_reference(
     if model is None:
         model = build_model(cfg.model, tokenizer, cfg.train.seed, device)
         apply_finetuning(model, cfg.method, cfg.train.seed, cfg.model.adapter)
-    identity = {"model": cfg.model.model_dump(), "method": cfg.method.model_dump(), "seed": cfg.train.seed}
-    identity["precision"] = cfg.train.precision
+    # What the starting policy's log-probs depend on (fresh LoRA adapters change nothing: B starts at 0).
+    identity = {"model": cfg.model.model_dump(), "seed": cfg.train.seed, "precision": cfg.train.precision}
     rowsets = {"train": train_rows, "eval": eval_rows}
     precompute_reference(
-        objective, model, rowsets, run_dir / "reference_logps", json.loads(json.dumps(identity)),
+        objective, model, rowsets, run_dir, json.loads(json.dumps(identity)),
         cfg.train.micro_batch, tokenizer.pad_token_id, precision.autocast, console.print,
     )  # fmt: skip
 

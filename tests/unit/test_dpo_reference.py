@@ -50,11 +50,14 @@ def test_precomputed_reference_trains_as_the_live_one(job, capsys):
     trainer, pre, pre_eval = _train(_cfg(tmp, "pre", data, model, ref="precompute"))
     assert trainer.objective.reference == "precomputed" and trainer.objective.reference_model is None
     assert pre == pytest.approx(live, rel=1e-5) and pre_eval == pytest.approx(live_eval, rel=1e-5)
-    stored = trainer.run_dir / "reference_logps"
+    (stored,) = (trainer.run.train_rows.cached_at / "reference").iterdir()  # beside the tokenized data
     assert {p.name for p in stored.iterdir()} == {"train.npy", "train.json", "eval.npy", "eval.json"}
     assert "reference log-probs: computing" in capsys.readouterr().out
-    _train(_cfg(tmp, "pre", data, model, ref="precompute"))  # the same run folder: stored ones are reused
-    assert "reference log-probs: computing" not in capsys.readouterr().out
+    again = _cfg(tmp, "pre-again", data, model, ref="precompute")
+    again["data"]["cache_dir"] = trainer.config.data.cache_dir  # another run on the same data and model
+    _, losses, _ = _train(again)
+    assert "reference log-probs: computing" not in capsys.readouterr().out  # read back, not recomputed
+    assert losses == pytest.approx(pre, rel=1e-6)
 
 
 def test_an_explicit_reference_equals_the_frozen_copy(job):
