@@ -248,7 +248,10 @@ class KTOObjective(ReferencedObjective):
         logps, ref = self.group_logps(output, batch)
         assert ref is not None, "KTO runs with a reference model"
         desirable = batch.extras["tags"].view(-1, 2)[:, 0].bool()
-        kl = kto_kl(logps[:, 1], ref[:, 1], self.all_reduce)
+        counted = batch.extras.get("counted")  # evaluation's filler micro-batch counts for nothing
+        kl = kto_kl(
+            logps[:, 1], ref[:, 1], self.all_reduce, None if counted is None else counted.view(-1, 2)[:, 0]
+        )
         k = self.kto
         losses, rewards = kto_loss(
             logps[:, 0], ref[:, 0], desirable, kl, k.beta, k.desirable_weight, k.undesirable_weight

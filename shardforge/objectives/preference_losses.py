@@ -113,11 +113,14 @@ def kto_kl(
     policy: torch.Tensor,
     reference: torch.Tensor,
     all_reduce: Callable[[torch.Tensor], None] | None = None,
+    counted: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """KTO's reference point: the mean log-ratio of the mismatched pairs over every rank's examples
-    (`all_reduce` sums a tensor in place across ranks), detached and clamped at 0."""
+    (`all_reduce` sums a tensor in place across ranks), detached and clamped at 0. `counted` (1 or 0 per
+    pair) leaves out pairs that only keep a collective company (evaluation's filler micro-batches)."""
     ratio = (policy - reference).detach()
-    total = torch.stack([ratio.sum(), ratio.new_tensor(float(ratio.numel()))])
+    weight = torch.ones_like(ratio) if counted is None else counted.to(ratio.dtype)
+    total = torch.stack([(ratio * weight).sum(), weight.sum()])
     if all_reduce is not None:
         all_reduce(total)
     return (total[0] / total[1].clamp(min=1)).clamp(min=0)

@@ -39,6 +39,8 @@ def evaluate(
         part = parts[start + rank] if mine else parts[0]
         phase(f"evaluation, micro-batches {start + 1}-{min(start + size, len(parts))} of {len(parts)}")
         batch = objective.collate(rows.examples, rows.rows_of(part), *collate_args)
+        if not mine:  # per-row zeros, for a statistic an objective reduces over the ranks (KTO's KL)
+            batch.extras["counted"] = torch.zeros(batch.targets.shape[0])
         sums = engine.eval_sums(batch.to(device))
         total += torch.stack([sums[k].float() for k in names]) * float(mine)
     engine.model.train()

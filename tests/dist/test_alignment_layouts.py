@@ -3,9 +3,9 @@ and weights. DPO with LoRA (its reference is the adapters disabled) under ZeRO-3
 fine-tuning with its frozen copy sharded as the policy is (ZeRO-3: half the copy on each rank; tensor
 parallel); under a pipeline with the reference's log-probs precomputed (LoRA and full), while a live
 reference there stops with a clear error. KTO with LoRA under ZeRO-3 (its KL estimate summed over the
-data-parallel ranks), tensor parallel, and a pipeline (precomputed; one chunk per micro-batch, the KL's
-unit). A reward model (full) under ZeRO-3 and a pipeline, and with LoRA under tensor parallel (its score
-head replicated). One launch for all."""
+data-parallel ranks; an evaluation round's filler micro-batch left out of it), tensor parallel, and a
+pipeline (precomputed; one chunk per micro-batch, the KL's unit). A reward model (full) under ZeRO-3 and a
+pipeline, and with LoRA under tensor parallel (its score head replicated). One launch for all."""
 
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ def kto_data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("kto") / "kto.jsonl", _examples(40, seed=3))
 
 
-def _cfg(tmp_path, name, data, finetuning, mb, accum=2, stage="dpo", ref="auto", **parallel):
+def _cfg(tmp_path, name, data, finetuning, mb, accum=2, stage="dpo", ref="auto", held=0.2, **parallel):
     return tiny_config(
         tmp_path / name,
         data,
         train={**parity_train(3, mb, accum), "eval_every": 3},
-        data={"eval_fraction": 0.2},
+        data={"eval_fraction": held},
         parallel=parallel,
         checkpoint={"save_final": False},
         method={
@@ -64,6 +64,9 @@ def refs(tmp_path_factory, data, kto_data):
     tmp_path = tmp_path_factory.mktemp("one")
     out = {f: train_runs([_cfg(tmp_path, f"one-{f}", data, f, mb=4)])[0] for f in ("lora", "full")}
     out["kto"] = train_runs([_cfg(tmp_path, "one-kto", kto_data, "lora", mb=4, stage="kto")])[0]
+    # 6 held-out examples: on 2 ranks of 2 the last evaluation round has one rank run a filler micro-batch
+    odd = _cfg(tmp_path, "one-kto-odd", kto_data, "lora", mb=4, stage="kto", held=0.15)
+    out["kto-odd"] = train_runs([odd])[0]
     out["rm"] = train_runs([_cfg(tmp_path, "one-rm", data, "full", mb=4, stage="rm")])[0]
     out["rm-lora"] = train_runs([_cfg(tmp_path, "one-rm-lora", data, "lora", mb=4, stage="rm")])[0]
     return out
@@ -94,6 +97,7 @@ def test_alignment_on_two_ranks_equals_one_process(tmp_path, data, kto_data, ref
         ("full", _cfg(tmp_path, "full-pp2", data, "full", mb=4, ref="precompute", **pp2)),
         ("kto", _cfg(tmp_path, "kto-zero3", kto_data, "lora", mb=2, stage="kto", zero_stage=3)),
         ("kto", _cfg(tmp_path, "kto-tp2", kto_data, "lora", mb=4, stage="kto", dp_shard=1, tp=2)),
+        ("kto-odd", _cfg(tmp_path, "kto-odd", kto_data, "lora", mb=2, stage="kto", held=0.15, zero_stage=3)),
         (
             "kto",
             _cfg(tmp_path, "kto-pp2", kto_data, "lora", mb=4, stage="kto", ref="precompute", **pp2_whole),
