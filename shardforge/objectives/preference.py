@@ -120,11 +120,10 @@ class ReferencedObjective(CausalLM):
         come with the batch)."""
         if self.reference == "none" or "ref_logps" in batch.extras:
             return batch
-        if self.reference in ("unbound", "precomputed"):
-            why = (
-                "was not called" if self.reference == "unbound" else "precomputed no log-probs for this data"
-            )
-            raise RuntimeError(f"{type(self).__name__}.bind_reference {why} before training")
+        if self.reference == "unbound":
+            raise RuntimeError(f"{type(self).__name__}.bind_reference was not called before training")
+        if self.reference == "precomputed":
+            raise RuntimeError("ref: precompute, but this batch's examples have no precomputed log-probs")
         with torch.no_grad():
             if self.reference == "adapters":
                 with adapters_disabled(model):
