@@ -115,3 +115,43 @@ class SparseMoE(nn.Module):
         if self.shape.shared_intermediate:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.reshape(x.shape)
+
+
+@dataclass
+class RoutingStats:
+    """What the load-balancing loss is made of, as sums, so that micro-batches and ranks can add theirs
+    before the (non-linear) product: top-k picks per expert [E], router probabilities per expert [E] (both
+    over the counted tokens of every MoE layer), and the number of those token rows."""
+
+    picks: torch.Tensor
+    probs: torch.Tensor
+    rows: torch.Tensor
+
+    def __add__(self, other: RoutingStats) -> RoutingStats:
+        return RoutingStats(self.picks + other.picks, self.probs + other.probs, self.rows + other.rows)
+
+
+def routing_stats(routings: list[Routing], mask: torch.Tensor | None = None) -> RoutingStats:
+    """The sums over the layers' routings; `mask` [tokens] (1: counted, 0: padding) as transformers'
+    attention mask."""
+    experts = routings[0].logits.shape[-1]
+    device = routings[0].logits.device
+    weight = None if mask is None else mask.reshape(-1).to(device=device, dtype=torch.float32)
+    picks = torch.zeros(experts, device=device)
+    probs = torch.zeros(experts, device=device)
+    rows = torch.zeros((), device=device)
+    for routing in routings:
+        p = torch.softmax(routing.logits.float(), dim=-1)
+        k = routing.experts.shape[-1]
+        w = torch.ones(p.shape[0], device=device) if weight is None else weight
+        picks = picks.scatter_add(0, routing.experts.reshape(-1), w.repeat_interleave(k))
+        probs = probs + (p * w[:, None]).sum(dim=0)
+        rows = rows + w.sum()
+    return RoutingStats(picks, probs, rows)
+
+
+def load_balancing_loss(stats: RoutingStats) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss as transformers defines it: E * sum_e f_e P_e, f_e the picks of
+    expert e per token row (they sum to k) and P_e its mean router probability."""
+    experts = stats.picks.shape[0]
+    return experts * torch.sum((stats.picks / stats.rows) * (stats.probs / stats.rows))

@@ -66,3 +66,27 @@ def test_sparse_moe_equals_transformers(family, renormalize, experts):
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
     used = ours.routing.experts.unique().numel()
     assert used < experts or experts == 8  # at 64 experts, 14 tokens x 2 leave most without a token
+
+
+def test_load_balancing_loss_is_transformers_and_adds_over_parts():
+    """The auxiliary loss equals transformers' load_balancing_loss_func (with and without a padding mask),
+    and statistics summed over two halves of the tokens give the loss of the whole."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from shardforge.models.moe import Router, load_balancing_loss, routing_stats
+
+    torch.manual_seed(0)
+    layers = [Router(MoEShape(H, WIDTH, 8, 2, True)) for _ in range(3)]
+    for router in layers:
+        torch.nn.init.normal_(router.weight, std=0.5)
+    x = torch.randn(2 * 9, H)
+    mask = (torch.arange(18) % 9 < 7).long().view(2, 9)  # two rows, each with 2 padding tokens
+    routings = [router(x) for router in layers]
+    logits = tuple(r.logits for r in routings)
+    for m in (None, mask):
+        expected = load_balancing_loss_func(logits, num_experts=8, top_k=2, attention_mask=m)
+        ours = load_balancing_loss(routing_stats(routings, m))
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-7)
+    halves = [[router(part) for router in layers] for part in x.split(9)]
+    summed = routing_stats(halves[0]) + routing_stats(halves[1])
+    torch.testing.assert_close(load_balancing_loss(summed), load_balancing_loss(routing_stats(routings)))
