@@ -55,4 +55,5 @@ def inference_engine(
             engine.close()
     finally:
         if owns:
+            dist.barrier()  # every rank is done with the last broadcast before any tears the group down
             dist.destroy_process_group()

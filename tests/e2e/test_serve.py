@@ -333,8 +333,14 @@ def test_chat_in_a_terminal(model_dir, flags):
         os.write(fd, b"/reset\n")
         assert "(conversation reset)" in read_until("> ")
         os.write(fd, b"\x04")  # Ctrl-D: end of input
+        rest = screen
+        with contextlib.suppress(OSError):  # the terminal's last output, until the command closes it (EIO)
+            while chunk := os.read(fd, 4096):
+                rest += chunk.decode(errors="replace")
         _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert os.waitstatus_to_exitcode(status) == 0, (
+            f"exit {os.waitstatus_to_exitcode(status)}:\n{rest[-3000:]}"
+        )
     finally:
         with contextlib.suppress(ProcessLookupError, ChildProcessError):
             os.kill(pid, 9)
