@@ -18,7 +18,7 @@ from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer
 from shardforge.config import Config, load_config
 from shardforge.models import save_model
 from shardforge.models.build import build_model, load_tokenizer
-from shardforge.objectives import build_objective
+from shardforge.objectives import score_labels
 from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
 
 
@@ -54,7 +54,7 @@ def export_checkpoint(
     folder = resolve_checkpoint(path, warn)
     config = load_config(folder / "config.yaml")  # the run's resolved config, saved with its checkpoints
     tokenizer = load_tokenizer(config.model)
-    num_labels = getattr(build_objective(config.method), "num_labels", 0)
+    num_labels = score_labels(config.method)
     model = build_model(
         config.model, tokenizer, config.train.seed, torch.device("cpu"), num_labels=num_labels
     )

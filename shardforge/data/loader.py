@@ -198,7 +198,7 @@ def kto_examples(records: list[Record], what: str, both_labels: bool = False) ->
             f"{what}: all {len(records)} KTO examples are {kind} (e.g. {records[0].source}); KTO needs both "
             f"desirable and undesirable examples"
         )
-    completions = [(r.messages or [{"content": ""}])[-1]["content"] for r in records]
+    completions = [r.messages[-1]["content"] if r.messages else "" for r in records]
     return [replace(r, mismatched=completions[(i + 1) % len(records)]) for i, r in enumerate(records)]
 
 

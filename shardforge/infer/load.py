@@ -83,13 +83,14 @@ def _checkpoint(
     from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state
     from shardforge.config import load_config
     from shardforge.models.build import build_model, load_tokenizer
+    from shardforge.objectives import score_labels
     from shardforge.parallel.tensor_parallel import pad_vocab
 
     if adapter is not None:
         raise ModelError("--adapter goes with an HF model folder, not with a training checkpoint")
     folder = resolve_checkpoint(path, warn)  # names what is missing when this is no checkpoint either
     config = load_config(folder / "config.yaml")
-    if config.method.stage == "rm":
+    if score_labels(config.method):
         raise ModelError(
             f"{folder} is a reward model's checkpoint (stage rm): it scores sequences, it does not generate"
         )

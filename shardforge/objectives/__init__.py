@@ -26,4 +26,9 @@ def build_objective(method: MethodSection | str) -> Objective:
     return OBJECTIVES[section.stage](section)
 
 
-__all__ = ["OBJECTIVES", "Objective", "build_objective"]
+def score_labels(method: MethodSection) -> int:
+    """The outputs of the score head the stage's model has instead of the LM head (0: none)."""
+    return getattr(OBJECTIVES[method.stage], "num_labels", 0)
+
+
+__all__ = ["OBJECTIVES", "Objective", "build_objective", "score_labels"]

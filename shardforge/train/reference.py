@@ -48,7 +48,7 @@ def precompute_reference(
         key = {**identity, "examples": len(rows.examples), "tokens": int(rows.num_tokens)}
         path, meta = folder / f"{name}.npy", folder / f"{name}.json"
         stored = path.is_file() and meta.is_file() and json.loads(meta.read_text()) == key
-        if not _everywhere(stored):
+        if not all(_gathered(stored)):  # every rank sees the stored values, or all compute them
             start = time.perf_counter()
             say(f"reference log-probs: computing {len(rows.examples)} {name} sequences ({world} rank(s))")
             mine = rows.rows_of(np.arange(rank, rows.num_groups, world))
@@ -69,16 +69,8 @@ def precompute_reference(
     model.train(training)
 
 
-def _everywhere(flag: bool) -> bool:
-    """Whether `flag` holds on every rank (each decides from its own view of the files)."""
-    if not dist.is_initialized():
-        return flag
-    flags: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, flag)
-    return all(flags)
-
-
 def _gathered(part: Any) -> list[Any]:
+    """Every rank's `part`, in rank order (a small picklable object)."""
     if not dist.is_initialized():
         return [part]
     parts: list[Any] = [None] * dist.get_world_size()
