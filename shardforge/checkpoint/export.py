@@ -41,7 +41,9 @@ def write_model_folder(
         return "LoRA adapter (PEFT format)"
     if config.method.finetuning == "lora":
         state = merged_state(model, state)
-    save_model(model, to, tokenizer=tokenizer, state_dict=state)
+    save_model(
+        model, to, tokenizer=tokenizer, state_dict=state, expert_layout=config.checkpoint.expert_layout
+    )
     return "model (HF format, adapters merged)" if config.method.finetuning == "lora" else "model (HF format)"
 
 

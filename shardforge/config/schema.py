@@ -136,6 +136,16 @@ class KTOSection(Section):
     undesirable_weight: float = Field(default=1.0, gt=0)
 
 
+class MoESection(Section):
+    """How a mixture-of-experts model keeps its experts' loads even (models/moe.py; MoE models only)."""
+
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"  # bias: DeepSeek-V3's aux-loss-free method
+    aux_loss_coef: float | None = Field(default=None, ge=0)  # None: the checkpoint's router_aux_loss_coef
+    z_loss_coef: float = Field(default=0.0, ge=0)  # ST-MoE's router z-loss
+    bias_rate: float = Field(default=1e-3, gt=0)  # balance=bias: the bias's step per update
+    capacity_factor: float | None = Field(default=None, gt=0)  # None: dropless
+
+
 class MethodSection(Section):
     stage: Literal["pt", "sft", "rm", "dpo", "kto"] = "sft"
     finetuning: Literal["full", "freeze", "lora"] = "full"
@@ -143,6 +153,7 @@ class MethodSection(Section):
     freeze: FreezeSection = FreezeSection()
     pref: PrefSection = PrefSection()
     kto: KTOSection = KTOSection()
+    moe: MoESection = MoESection()
 
     @model_validator(mode="after")
     def _reference(self) -> MethodSection:
@@ -285,6 +296,8 @@ class CheckpointSection(Section):
     resume: str = "auto"  # auto (latest complete one in output_dir, if any) | none | a checkpoint folder
     async_save: bool = False  # stage to host memory, write in the background while training continues
     save_final: bool = True  # the HF-format model in <output_dir>/final
+    # MoE experts in exported folders: one tensor per expert (published checkpoints) or transformers 5's 3-D
+    expert_layout: Literal["per_expert", "fused"] = "per_expert"
 
 
 class LogSection(Section):

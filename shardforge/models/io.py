@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from shardforge.errors import ModelError
 from shardforge.models.quantize import QUANTIZED, set_nf4
-from shardforge.models.spec import ModelSpec, spec_for
+from shardforge.models.spec import ModelSpec, Slot, spec_for
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,7 +71,7 @@ def build_empty(
     model.to(dtype)
     model.to_empty(device=device)
     model.tie_weights()
-    model.reset_rope()
+    model.reset_buffers()
     return model
 
 
@@ -131,6 +131,7 @@ def load_hf_weights(
         set(params) if not partial else {k for k, _ in _whole_model(spec, model.config).named_parameters()}
     )
     missing = set(params) - set(fresh)
+    filled: dict[str, int] = {}  # elements written per parameter (several HF tensors may fill one)
     tied = getattr(model.config, "tie_embeddings", False)
     for file in files:
         try:
@@ -143,7 +144,9 @@ def load_hf_weights(
             for hf_key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if hf_key.endswith(_IGNORED_HF_KEYS) or (tied and hf_key == "lm_head.weight"):
                     continue
-                key = spec.key_from_hf(hf_key)
+                placed = spec.key_from_hf(hf_key)
+                slot = placed if isinstance(placed, Slot) else Slot(placed)
+                key = slot.key
                 if key in fresh:
                     continue
                 if key not in known:
@@ -154,17 +157,22 @@ def load_hf_weights(
                 if not targets:
                     continue  # another pipeline stage's weight
                 tensor = f.get_tensor(hf_key)
-                if tensor.shape != targets[0].shape:
+                views = [slot.view(t) for t in targets]
+                if tensor.shape != views[0].shape:
                     raise ModelError(
                         f"{file.name}: weight {hf_key!r} has shape {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(targets[0].shape)}"
+                        f"config.json implies {tuple(views[0].shape)}"
                     )
                 if quantize and QUANTIZED.match(key):
                     set_nf4(model, key, tensor.to(device=device, dtype=dtype))
                 else:
-                    for target in targets:
-                        target.copy_(tensor.to(dtype))
-                missing.discard(key)
+                    for view in views:
+                        view.copy_(tensor.to(dtype))
+                filled[key] = filled.get(key, 0) + tensor.numel()
+                if filled[key] > targets[0].numel():
+                    raise ModelError(f"{file.name}: weight {hf_key!r} fills a part of {key!r} a second time")
+                if filled[key] == targets[0].numel():
+                    missing.discard(key)
     if missing:
         names = ", ".join(sorted(spec.key_to_hf(k) for k in missing)[:8])
         raise ModelError(f"checkpoint is missing {len(missing)} weight(s): {names}")
@@ -176,10 +184,11 @@ def _whole_model(spec: ModelSpec, cfg: Any) -> nn.Module:
 
 
 def hf_state_dict(
-    model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None
+    model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None, expert_layout: str = "per_expert"
 ) -> dict[str, torch.Tensor]:
-    """Our weights under HF names (the tied head is written once, as the embedding). `state_dict` overrides
-    the model's own (e.g. full tensors gathered from a sharded model)."""
+    """Our weights under HF names (the tied head is written once, as the embedding; MoE experts per expert,
+    as published checkpoints hold them, or in transformers 5's `fused` 3-D tensors). `state_dict`
+    overrides the model's own (e.g. full tensors gathered from a sharded model)."""
     spec = spec_for(model.config.family)
     tied = model.config.tie_embeddings
     scores = getattr(model.config, "num_labels", 0) > 0  # a score head is HF's `score`
@@ -187,8 +196,11 @@ def hf_state_dict(
     for key, tensor in (model.state_dict() if state_dict is None else state_dict).items():
         if tied and key == "lm_head.weight":
             continue
-        name = "score.weight" if scores and key == "lm_head.weight" else spec.key_to_hf(key)
-        out[name] = tensor.detach().contiguous().cpu()
+        if scores and key == "lm_head.weight":
+            out["score.weight"] = tensor.detach().contiguous().cpu()
+            continue
+        for name, part in spec.tensors_to_hf(key, tensor, expert_layout):
+            out[name] = part.detach().contiguous().cpu()
     return out
 
 
@@ -212,12 +224,13 @@ def save_model(
     max_shard_bytes: int = 5 * 1024**3,
     dtype: torch.dtype | None = None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    expert_layout: str = "per_expert",
 ) -> Path:
     """Write an HF folder that `transformers.AutoModelForCausalLM.from_pretrained` loads as it is."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     spec = spec_for(model.config.family)
-    tensors = hf_state_dict(model, state_dict)
+    tensors = hf_state_dict(model, state_dict, expert_layout)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     shards = _shards(tensors, max_shard_bytes)

@@ -10,7 +10,10 @@ the top k, renormalized to sum to 1 when the family says so (Mixtral always; Qwe
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +30,21 @@ class MoEShape:
     shared_intermediate: int = 0  # Qwen2-MoE's shared expert (0: none)
 
 
+@dataclass(frozen=True)
+class Balance:
+    """How training keeps the experts' loads even (the config's `method.moe`, as data the model reads):
+    Switch Transformer's auxiliary loss and ST-MoE's router z-loss, each averaged over the model's `layers`
+    MoE layers; DeepSeek-V3's aux-loss-free bias (`bias_rate` > 0: a per-expert bias added to the scores for
+    choosing only, moved after each step towards the mean load); a `capacity_factor` (None: dropless) that
+    drops an expert's token choices beyond capacity_factor x tokens x k / E per forward."""
+
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_rate: float = 0.0
+    capacity_factor: float | None = None
+    layers: int = 1
+
+
 @dataclass
 class Routing:
     """What the router chose for n tokens: `logits` [n, E] (for the load-balancing losses), `weights` and
@@ -38,47 +56,96 @@ class Routing:
 
 
 class Router(nn.Module):
+    """Softmax in fp32 over all experts, the top k (chosen with the aux-loss-free `bias` added, which is zero
+    unless that balancing is on; the weights are the unbiased probabilities), renormalized if the family
+    says so."""
+
     def __init__(self, shape: MoEShape) -> None:
         super().__init__()
         self.shape = shape
         self.weight = nn.Parameter(torch.empty(shape.experts, shape.hidden))
+        self.register_buffer("bias", torch.zeros(shape.experts), persistent=True)
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, choose_with_bias: bool = False) -> Routing:
+        logits = F.linear(x, local(self.weight))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.shape.top_k, dim=-1)
+        if choose_with_bias:
+            experts = torch.topk(probs + self.bias, self.shape.top_k, dim=-1).indices
+            weights = probs.gather(-1, experts)
+        else:
+            weights, experts = torch.topk(probs, self.shape.top_k, dim=-1)
         if self.shape.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(logits, weights.to(x.dtype), experts)
 
 
+@dataclass
+class Dispatch:
+    """A forward's token choices sorted by expert: `token` [rows] the token of each row, `ends` [E] int32
+    each expert's last row + 1, `weights` [rows] the router weights, `dropped` the choices past capacity."""
+
+    token: torch.Tensor
+    ends: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+    dropped: int = 0
+
+
+def sort_by_expert(routing: Routing, experts: int, capacity: int | None = None) -> Dispatch:
+    """Each token's k choices as rows sorted by expert (stable: token order within an expert); with a
+    `capacity`, each expert keeps its first `capacity` rows and the rest are dropped (those choices add
+    nothing: the token keeps its residual and its other experts)."""
+    k = routing.experts.shape[-1]
+    chosen = routing.experts.reshape(-1)
+    order = torch.argsort(chosen, stable=True)
+    counts = torch.bincount(chosen, minlength=experts)
+    dropped = 0
+    if capacity is not None:
+        starts = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[chosen[order]]
+        keep = rank_in_expert < capacity
+        dropped = int((~keep).sum())
+        order, counts = order[keep], counts.clamp(max=capacity)
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    return Dispatch(order // k, ends, routing.weights.reshape(-1)[order], counts, dropped)
+
+
 class Experts(nn.Module):
-    """E SwiGLU MLPs. A token's k choices become k rows, sorted by expert (stable, so the order within an
-    expert is the token order), run through two grouped matmuls, weighted and summed back per token."""
+    """E SwiGLU MLPs run as two grouped matmuls over rows sorted by expert. Expert parallel (applied from
+    outside, parallel/expert_parallel.py) sets `exchange`: the rows then travel to the rank holding their
+    expert and back, and this module holds only that rank's experts."""
 
     def __init__(self, shape: MoEShape) -> None:
         super().__init__()
         e, h, i = shape.experts, shape.hidden, shape.intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.exchange: Callable[[Experts, torch.Tensor, Dispatch], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        k = routing.experts.shape[-1]
-        chosen = routing.experts.reshape(-1)
-        order = torch.argsort(chosen, stable=True)
-        counts = torch.bincount(chosen, minlength=self.gate_up_proj.shape[0])
-        ends = torch.cumsum(counts, 0).to(torch.int32)  # each expert's last row + 1 in the sorted rows
-        token = order // k
-        gate, up = grouped_linear(x[token], self.gate_up_proj, ends).chunk(2, dim=-1)
-        rows = grouped_linear(F.silu(gate) * up, self.down_proj, ends)
-        rows = rows * routing.weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token, rows)
+    def run(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """rows [S, H] sorted by (this rank's) expert, ends [E_local] int32 -> [S, H]."""
+        gate, up = grouped_linear(rows, local(self.gate_up_proj), ends).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, local(self.down_proj), ends)
+
+    def forward(self, x: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
+        rows = x[dispatch.token]
+        rows = self.run(rows, dispatch.ends) if self.exchange is None else self.exchange(self, rows, dispatch)
+        rows = rows * dispatch.weights[:, None]
+        return torch.zeros_like(x).index_add_(0, dispatch.token, rows)
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """rows [S, in] sorted by group, weight [E, out, in] (nn.Linear's layout per group), ends [E] int32 the
     cumulative row counts: each group's rows times its weight's transpose, [S, out]."""
     return F.grouped_mm(rows, weight.transpose(-2, -1), offs=ends)
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's local tensor: tensor parallel makes the router and the experts DTensors replicated over
+    the tp ranks (one optimizer / clipping path for all parameters), while the MoE computes on plain tensors
+    (each tp rank runs the layer on the whole sequence, so their gradients agree)."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if to_local is not None else param
 
 
 class SwiGLU(nn.Module):
@@ -94,9 +161,19 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# What a layer's statistics vector holds after the per-expert picks (see `SparseMoE.window`).
+STAT_FIELDS = ("aux_loss", "z_loss", "tokens", "dropped")
+
+
 class SparseMoE(nn.Module):
-    """The MoE MLP of a block: x [..., H] -> [..., H]. The last forward's routing is kept in `routing` for
-    the load-balancing losses (None before any forward)."""
+    """The MoE MLP of a block: x [..., H] -> [..., H]; `token_mask` [...] (True: a real token) keeps padding
+    out of the balancing losses and statistics.
+
+    In training with `balance` set, the layer's balancing losses are attached to its output
+    (`_AttachLoss`: the forward value is unchanged, the backward adds their gradient scaled by
+    `loss_weight`, which the loop sets per step), so they reach the router from any pipeline stage without a
+    second loss path. The backward also adds the forward's statistics (detached) to `window` (per expert
+    picks, then STAT_FIELDS) and `step_picks`: once per real forward, never for a recomputation."""
 
     def __init__(self, shape: MoEShape) -> None:
         super().__init__()
@@ -106,15 +183,88 @@ class SparseMoE(nn.Module):
         if shape.shared_intermediate:
             self.shared_expert = SwiGLU(shape.hidden, shape.shared_intermediate)
             self.shared_expert_gate = nn.Linear(shape.hidden, 1, bias=False)
-        self.routing: Routing | None = None
+        self.balance: Balance | None = None
+        self.loss_weight = 0.0  # per token: dp / global tokens x the loss scale (set by the loop)
+        self.stats_group: Any = None  # ranks that split this forward's tokens (context parallel)
+        self.window: torch.Tensor | None = None
+        self.step_picks: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        self.routing = self.gate(flat)
-        out = self.experts(flat, self.routing)
+        balance = self.balance
+        routing = self.gate(flat, choose_with_bias=balance is not None and balance.bias_rate > 0)
+        capacity = None
+        if balance is not None and balance.capacity_factor is not None:
+            n, k, e = flat.shape[0], self.shape.top_k, self.shape.experts
+            capacity = max(1, math.ceil(balance.capacity_factor * n * k / e))
+        dispatch = sort_by_expert(routing, self.shape.experts, capacity)
+        out = self.experts(flat, dispatch)
         if self.shape.shared_intermediate:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        if balance is not None and self.training and torch.is_grad_enabled():
+            mask = None if token_mask is None else token_mask.reshape(-1)
+            loss, stats = self._balance_loss(routing, mask, dispatch.dropped)
+            out = _AttachLoss.apply(out, loss, self, stats)
         return out.reshape(x.shape)
+
+    def _balance_loss(
+        self, routing: Routing, mask: torch.Tensor | None, dropped: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's balancing losses as sums over its tokens (aux x tokens, and the z-loss's sum of
+        squared log-sum-exps), and its statistics. The aux loss's expert fractions (no gradient) and token
+        count are those of the whole micro-batch: summed over `stats_group` when ranks split its tokens, so
+        each rank's term is its part of the one-process value."""
+        balance, e = self.balance, self.shape.experts
+        stats = routing_stats([routing], mask)
+        picks, probs, n = stats.picks, stats.probs, stats.rows
+        totals = torch.cat(
+            [picks, probs.detach(), n[None], torch.tensor([float(dropped)], device=picks.device)]
+        )
+        if self.stats_group is not None:
+            totals = _all_reduce(totals, self.stats_group)
+        picks_all, probs_all, n_all, dropped_all = totals[:e], totals[e : 2 * e], totals[2 * e], totals[-1]
+        n_all = n_all.clamp(min=1.0)
+        aux_sum = e * torch.sum(picks_all / n_all * probs)  # = aux x tokens, summed over the group's ranks
+        lse = torch.logsumexp(routing.logits.float(), dim=-1)
+        z_sum = (lse.pow(2) * (1.0 if mask is None else mask.float())).sum()
+        loss = (balance.aux_loss_coef * aux_sum + balance.z_loss_coef * z_sum) / balance.layers
+        z_all = z_sum.detach()
+        if self.stats_group is not None:
+            z_all = _all_reduce(z_all.reshape(1), self.stats_group)[0]
+        aux_value = e * torch.sum(picks_all / n_all * probs_all / n_all)
+        stats = torch.cat([picks_all, torch.stack([aux_value * n_all, z_all, n_all, dropped_all])])
+        return loss, stats
+
+    def record(self, stats: torch.Tensor) -> None:
+        self.window = stats if self.window is None else self.window + stats
+        picks = stats[: self.shape.experts]
+        self.step_picks = picks if self.step_picks is None else self.step_picks + picks
+
+
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `out`; the backward gives `loss` the gradient `layer.loss_weight` and records `stats`."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, layer: SparseMoE, stats: torch.Tensor):
+        ctx.layer, ctx.stats, ctx.loss_shape = layer, stats, loss.shape
+        ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.layer.record(ctx.stats)
+        weight = torch.full(
+            ctx.loss_shape, ctx.layer.loss_weight, dtype=ctx.loss_dtype, device=ctx.loss_device
+        )
+        return grad, weight, None, None
 
 
 @dataclass
@@ -155,3 +305,8 @@ def load_balancing_loss(stats: RoutingStats) -> torch.Tensor:
     expert e per token row (they sum to k) and P_e its mean router probability."""
     experts = stats.picks.shape[0]
     return experts * torch.sum((stats.picks / stats.rows) * (stats.probs / stats.rows))
+
+
+def moe_layers(model: nn.Module) -> list[SparseMoE]:
+    """The MoE layers a model (or a pipeline rank's part of it) holds, in order."""
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]

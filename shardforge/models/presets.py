@@ -29,11 +29,32 @@ def _shape(
     )
 
 
+def _moe(
+    experts: int, k: int, width: int, renormalize: bool = True, shared: int = 0, dense: list | None = None
+) -> dict:
+    return dict(
+        num_experts=experts,
+        experts_per_token=k,
+        moe_intermediate_size=width,
+        norm_topk_prob=renormalize,
+        shared_expert_intermediate_size=shared,
+        dense_layers=dense or [],
+        router_aux_loss_coef=0.001,
+    )
+
+
 _PRESETS: dict[str, dict] = {
     "tiny-llama": _shape("llama", 64, 176, 2, 4, 2, 16),
     "tiny-mistral": _shape("mistral", 64, 176, 2, 4, 2, 16, sliding_window=32),
     "tiny-qwen2": _shape("qwen2", 64, 176, 2, 4, 2, 16, qkv_bias=True, tie_embeddings=True),
     "tiny-qwen3": _shape("qwen3", 64, 176, 2, 4, 2, 16, qk_norm=True),
+    # Mixtures of experts (8 experts, 2 per token): Mixtral, Qwen2-MoE (shared expert, first layer dense),
+    # Qwen3-MoE (q/k norms)
+    "tiny-mixtral": _shape("mixtral", 64, 96, 2, 4, 2, 16, **_moe(8, 2, 48)),
+    "tiny-qwen2-moe": _shape(
+        "qwen2_moe", 64, 176, 2, 4, 2, 16, qkv_bias=True, **_moe(8, 2, 48, False, 64, [0])
+    ),
+    "tiny-qwen3-moe": _shape("qwen3_moe", 64, 176, 2, 4, 2, 16, qk_norm=True, **_moe(8, 2, 48)),
     # The README demo: ~3M parameters with the bundled 1k vocabulary; trains visibly in minutes on 2 cores.
     "demo": _shape("llama", 256, 688, 4, 8, 4, 32, tie_embeddings=True),
     # Benchmark sizes; parameter counts are with the bundled 1k-token vocabulary.

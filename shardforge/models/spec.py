@@ -108,6 +108,20 @@ class CostModel:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """Where an HF tensor goes when several fill one of our parameters (per-expert checkpoint keys): the
+    parameter `key`, `index` into it, then chunk `chunk[0]` of `chunk[1]` along the next dimension."""
+
+    key: str
+    index: tuple[int, ...] = ()
+    chunk: tuple[int, int] | None = None
+
+    def view(self, param: Any) -> Any:
+        target = param[self.index] if self.index else param
+        return target.chunk(self.chunk[1], 0)[self.chunk[0]] if self.chunk else target
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family. `tp_plan(config, tp, sequence_parallel)` checks the shapes and returns the
     tensor-parallel plan (module pattern -> ParallelStyle); `costs(config)` is its cost model (parameters,
@@ -120,10 +134,18 @@ class ModelSpec:
     config_from_hf: Callable[[Any], Any]  # transformers config -> our config
     hf_config_from: Callable[[Any], Any]  # our config -> transformers config
     key_to_hf: Callable[[str], str]
-    key_from_hf: Callable[[str], str]
+    key_from_hf: Callable[[str], str | Slot]
     costs: Callable[[Any], CostModel]
     tp_plan: Callable[[Any, int, bool], dict[str, Any]] | None = None
     mlp: Callable[[Any, int], nn.Module] | None = None  # (config, layer) -> a block's MLP; None: the default
+    # (our key, tensor, layout) -> HF (key, tensor) pairs, where one of ours is written as several (experts)
+    split_to_hf: Callable[[str, Any, str], list[tuple[str, Any]]] | None = None
+
+    def tensors_to_hf(self, key: str, tensor: Any, layout: str = "per_expert") -> list[tuple[str, Any]]:
+        """The HF tensors one of our parameters is written as."""
+        if self.split_to_hf is not None:
+            return self.split_to_hf(key, tensor, layout)
+        return [(self.key_to_hf(key), tensor)]
 
     def build(self, config: Any) -> nn.Module:
         """The family's model for `config` (call under `torch.device("meta")` to allocate nothing)."""

@@ -45,6 +45,7 @@ from shardforge.parallel.pipeline_plan import PipelinePlan, split_for_pipeline
 from shardforge.parallel.tensor_parallel import padded_vocab
 from shardforge.train.layout import check_layout
 from shardforge.train.metrics import MetricsProcessor, MetricsWriter
+from shardforge.train.moe import MoEBalancer
 from shardforge.train.optim import build_optimizer, build_scheduler
 from shardforge.train.peak import peak_flops
 from shardforge.train.precision import Precision
@@ -102,6 +103,7 @@ class Run:
     peak: tuple[float, str]  # FLOP/s per device and where that figure comes from
     costs: CostModel  # the family's cost model of this model (parameters, FLOPs)
     trained: float = 1.0  # the share of the parameters that train (LoRA adapters, unfrozen layers)
+    moe: MoEBalancer | None = None  # an MoE model's balancing and routing statistics
 
 
 def build_run(config: Config, console: Console, objective: Objective | None = None) -> Run:
@@ -150,6 +152,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
             _precompute_reference(cfg, tokenizer, objective, model if plan is None else None, train_rows,
                                   eval_rows, run_dir, device, precision, console)  # fmt: skip
     engine = parallelize(model, dims, mesh, cfg, plan, objective, precision.autocast, device)
+    moe = MoEBalancer.build(model, cfg.method.moe, model_config, dims)
     if getattr(objective, "reference_model", None) is not None:  # sharded as the policy is, never trained
         objective.reference_model = lay_out_frozen(objective.reference_model, dims, mesh, cfg, device)
     bind_reduce = getattr(objective, "bind_reduce", None)  # an objective's statistic over the whole batch
@@ -199,7 +202,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     return Run(
         cfg, console, run_dir, device, dims, mesh, plan, is_main, owns, tokenizer, objective, precision,
         train_rows, eval_rows, model_config, engine, optimizer, scheduler, checkpoints, source, grad_accum,
-        global_batch, total, multiple, peak, spec_for(model_config.family).costs(model_config), trained,
+        global_batch, total, multiple, peak, spec_for(model_config.family).costs(model_config), trained, moe,
     )  # fmt: skip
 
 
@@ -385,9 +388,10 @@ def describe_run(run: Run) -> str:
     peak, source = run.peak
     method = run.config.method.finetuning
     training = f" ({method}: {run.trained:.2%} of them train)" if run.trained < 1 else ""
+    moe = f"; {run.moe.describe()}" if run.moe is not None else ""
     return (
         f"model: {run.model_config.family}, {n_params / 1e6:.2f}M parameters{training}, {t.precision}; "
         f"layout: {run.dims.describe()}; {run.total_steps} steps of {run.global_batch} rows "
         f"({t.micro_batch} per rank x {run.grad_accum} accumulation x {run.dims.dp} data-parallel); "
-        f"peak {peak / 1e9:.1f} GFLOP/s per device on {run.device} ({source})"
+        f"peak {peak / 1e9:.1f} GFLOP/s per device on {run.device} ({source}){moe}"
     )

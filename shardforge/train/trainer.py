@@ -92,6 +92,8 @@ class Trainer:
         precision, counts = self.run.precision, batch.counts
         scale = self.dims.dp / counts[self.objective.normalizer]
         differentiate = lambda loss: precision.scale(loss * scale)  # noqa: E731
+        if self.run.moe is not None:  # the MoE layers' balancing losses: their weight in this step
+            self.run.moe.begin_step(counts["tokens"], precision.loss_scale)
         totals: dict[str, torch.Tensor] = {}
         for j, mb in enumerate(batch.micro):
             last = j == len(batch.micro) - 1
@@ -108,6 +110,8 @@ class Trainer:
         # the loss scaler's business (it lowers the scale); anything else non-finite is a bad step.
         if self.guard.allow(overflow or math.isfinite(grad_norm.item())):  # overflow: the scaler skips
             precision.step(self.optimizer, overflow)
+            if self.run.moe is not None:
+                self.run.moe.end_step(self.engine.dp_sum)
         if first:  # gradients exist before the step, optimizer states only after it
             self.memory = memory_report(self.engine.inner, self.optimizer) | {"grad_bytes": grads}
         self.step_lr = self.run.scheduler.get_last_lr()[0]  # the rate this step used
@@ -214,6 +218,8 @@ class Trainer:
         fields = {"lr": self.step_lr, "grad_norm": grad_norm.item(), "epoch": epoch}
         if self.guard.bad_steps:
             fields["bad_steps"] = self.guard.bad_steps
+        if self.run.moe is not None:
+            fields.update(self.run.moe.fields(self.run.device))
         precision = self.run.precision
         if precision.loss_scale is not None:
             fields.update(loss_scale=precision.loss_scale, skipped_steps=precision.skipped_steps)

@@ -29,21 +29,34 @@ from shardforge.objectives.base import causal_lm_forward
 from shardforge.parallel import activation_report, apply_activation_checkpointing, pipeline_plan
 
 FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]  # qwen2 ties the embeddings
+MOE = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]  # qwen2-moe: a shared expert, a dense layer
 
 
 def _costs(cfg):
     return spec_for(cfg.family).costs(cfg)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FlopCounterMode has no formula for grouped matmuls (the MoE experts): 2 x rows x in x out, for the
+    forward ([S, K] x [E, K, N]), the input gradient (the same form) and the weight gradient ([K, S] x [S, N]
+    into [E, K, N])."""
+    if len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 def _train_flops_counted(model, ids: torch.Tensor, mask: torch.Tensor, math_sdpa: bool) -> int:
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
     with counter, sdpa_kernel(SDPBackend.MATH) if math_sdpa else contextlib.nullcontext():
         logits = model(ids, output_mask=mask)
         F.cross_entropy(logits, ids[mask], reduction="sum").backward()
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize(("preset", "vocab"), [("llama-10m", 1024), ("tiny-qwen3", 200), ("tiny-qwen2", 200)])
+@pytest.mark.parametrize(
+    ("preset", "vocab"),
+    [("llama-10m", 1024), ("tiny-qwen3", 200), ("tiny-qwen2", 200), *((m, 200) for m in MOE)],
+)
 @pytest.mark.parametrize("scored_from", [0, 20])  # every position scored, or the head on targets only
 def test_train_flops_match_the_flop_counter(preset, vocab, scored_from):
     """Within 2% (exact today): 3 x forward, the head charged on scored positions only."""
@@ -70,7 +83,7 @@ def test_causal_pairs():
     assert causal_pairs([1, 2, 4]) == 1 + 3 + 10
 
 
-@pytest.mark.parametrize("preset", [*FAMILIES, "demo", "llama-10m"])
+@pytest.mark.parametrize("preset", [*FAMILIES, *MOE, "demo", "llama-10m"])
 def test_parameter_groups_sum_to_the_real_count(preset):
     model = build_preset(preset, vocab_size=200)
     cfg, params = model.config, _costs(model.config).params
@@ -80,7 +93,7 @@ def test_parameter_groups_sum_to_the_real_count(preset):
     assert params.head == (0 if cfg.tie_embeddings else model.lm_head.weight.numel())
     block = model.layers[0]
     assert params.attention[0] == sum(p.numel() for p in block.attn.parameters())
-    assert params.mlp[0] == sum(p.numel() for p in block.mlp.parameters())
+    assert list(params.mlp) == [sum(p.numel() for p in b.mlp.parameters()) for b in model.layers]
     assert params.norms[0] == block.input_norm.weight.numel() + block.post_attn_norm.weight.numel()
     assert params.final_norm == model.norm.weight.numel()
     assert len(params.attention) == len(params.mlp) == len(params.norms) == cfg.num_layers
@@ -117,6 +130,9 @@ MODES = ("none", "selective", "full")
         ("tiny-qwen3", 40, 4, torch.float32),
         ("llama-10m", 48, 2, torch.float32),
         ("tiny-llama", 40, 4, torch.bfloat16),
+        ("tiny-mixtral", 40, 4, torch.float32),
+        ("tiny-qwen2-moe", 40, 4, torch.float32),
+        ("tiny-qwen3-moe", 40, 4, torch.bfloat16),
     ],
 )
 def test_activation_bytes_match_the_measured_report(preset, length, rows, dtype):

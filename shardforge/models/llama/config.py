@@ -31,6 +31,14 @@ class DecoderConfig:
     # 0: the LM head over the vocabulary; n > 0: a score head of n outputs on the final hidden state (HF's
     # ...ForSequenceClassification `score`; a reward model has 1), never tied to the embedding
     num_labels: int = 0
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; models/moe.py); 0 experts: dense everywhere
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # each expert's width (intermediate_size stays the dense layers')
+    norm_topk_prob: bool = True  # the top-k weights renormalized to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    dense_layers: list[int] = field(default_factory=list)  # layers that keep the dense MLP
+    router_aux_loss_coef: float = 0.0  # the checkpoint's own default for method.moe.aux_loss_coef
     hf_config: dict = field(default_factory=dict)  # the original config.json, written back on export
 
     def __post_init__(self) -> None:
@@ -38,6 +46,13 @@ class DecoderConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe(i)]
 
     def with_score_head(self, num_labels: int) -> DecoderConfig:
         return replace(self, num_labels=num_labels, tie_embeddings=False)

@@ -26,18 +26,29 @@ if TYPE_CHECKING:  # config.py counts its parameters here
 FP32 = 4  # bytes; RMSNorm, the logsumexp and the loss work in fp32
 
 
+def _moe_mlp(cfg: DecoderConfig, experts: int) -> int:
+    """Parameters (or, with `experts` = the top k, multiply-adds per token) of an MoE layer's MLP: the
+    router over all experts, `experts` SwiGLU experts, the shared expert and its gate."""
+    h, shared = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    return (
+        h * cfg.num_experts
+        + experts * 3 * h * cfg.moe_intermediate_size
+        + (3 * h * shared + h) * (shared > 0)
+    )
+
+
 def param_counts(cfg: DecoderConfig) -> ParamCounts:
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     attn = h * (q + 2 * kv) + q * h
     attn += (q + 2 * kv) * cfg.qkv_bias + h * cfg.o_bias + 2 * d * cfg.qk_norm
-    mlp = 3 * h * i + (2 * i + h) * cfg.mlp_bias
+    dense = 3 * h * i + (2 * i + h) * cfg.mlp_bias
     n = cfg.num_layers
     embedding = cfg.vocab_size * h
     return ParamCounts(
         embedding=embedding,
         attention=(attn,) * n,
-        mlp=(mlp,) * n,
+        mlp=tuple(_moe_mlp(cfg, cfg.num_experts) if cfg.is_moe(layer) else dense for layer in range(n)),
         norms=(2 * h,) * n,
         final_norm=h,
         head=0 if cfg.tie_embeddings else embedding,
@@ -59,26 +70,50 @@ def activation_bytes(
         low-precision one, which is then all that is kept of it), the per-row rsqrt, the normalized input."""
         return (FP32 + b) * width + FP32 * rows
 
-    if mode == "full":  # each block keeps only its input, the stream
-        layer = b * stream
-    elif mode == "selective":  # matmul and collective outputs, and the block input
-        matmuls = b * (q + 2 * kv + 2 * inner) + 2 * b * h  # o/down outputs: whole partial sums
-        # Under SP the reduce-scatters' outputs and the all-gathered inputs, else the all-reduces' outputs.
-        collectives = 2 * b * (stream + h) if sequence_parallel else 2 * b * h * (tp > 1)
-        layer = matmuls + collectives + b * stream
-    else:
+    k, experts, width = cfg.experts_per_token, cfg.num_experts, cfg.moe_intermediate_size
+    shared = cfg.shared_expert_intermediate_size / tp
+
+    def mlp_kept(moe: bool) -> float:
+        """What the MLP keeps per token with no checkpointing. An MoE layer runs whole on every TP rank:
+        the router's logits, its fp32 probabilities, the top-k weights (fp32) and ids (int64) and, when
+        renormalized, their sum and the quotient; the sorted rows' token ids and order (int64) and weights;
+        per choice the gathered input, the gate/up output, SiLU, product, down output and weighted output;
+        the shared expert's SwiGLU, its output and gate."""
+        if not moe:
+            return 4 * b * inner  # SwiGLU: gate, SiLU, up and product
+        router = b * experts + FP32 * experts + FP32 * k + 8 * k + cfg.norm_topk_prob * (FP32 + FP32 * k)
+        dispatch = 2 * 8 * k + b * k
+        chosen = b * k * (3 * h + 4 * width)
+        return router + dispatch + chosen + (4 * b * shared + b * h + b) * (shared > 0)
+
+    def mlp_selective(moe: bool) -> float:
+        """Matmul outputs (grouped matmuls are recomputed): the router's logits, the shared expert's."""
+        if not moe:
+            return 2 * b * inner + b * h
+        return b * experts + (2 * b * shared + b * h) * (shared > 0)
+
+    def layer_bytes(moe: bool) -> float:
+        if mode == "full":  # each block keeps only its input, the stream
+            return b * stream
+        if mode == "selective":  # matmul and collective outputs, and the block input
+            matmuls = b * (q + 2 * kv) + b * h + mlp_selective(moe)  # o/down outputs: whole partial sums
+            # Under SP the reduce-scatters' outputs and the all-gathered inputs, else the all-reduces'.
+            collectives = 2 * b * (stream + h) if sequence_parallel else 2 * b * h * (tp > 1)
+            return matmuls + collectives + b * stream
         attention = b * (2 * q + 2 * kv) + FP32 * heads  # q, k after RoPE, v, the output; logsumexp
         if cfg.qk_norm:  # the q/k norms over head_dim (their inputs: the q/k projections' outputs)
             attention += norm(q, heads) + norm(kv, kv_heads)
         # Both norms take the stream (the block input, the residual after attention); the matmuls after
         # them keep their (all-gathered) output whole.
         norms = 2 * (norm(stream, 1 / split) + b * h)
-        layer = norms + attention + 4 * b * inner  # SwiGLU: gate, SiLU, up and product
+        return norms + attention + mlp_kept(moe)
+
     rope = 2 * b * d  # cos and sin, shared by all layers
     final = norm(h, 1)  # on the whole (gathered) stream; its input is the last block's output
     output_mask = 1  # bool, kept by the head's indexing
     # The embedding output is the first block's input, counted there.
-    per_token = cfg.num_layers * layer + rope + final + output_mask
+    layers = sum(layer_bytes(cfg.is_moe(i)) for i in range(cfg.num_layers))
+    per_token = layers + rope + final + output_mask
     if tp == 1:  # the fused head keeps its input and its input's gradient (a row per scored position), the
         # targets (int64); its fp32 weight gradient is made in the forward (counted when the head trains)
         return ActivationBytes(per_token, per_scored=2 * b * h + 8, fixed=FP32 * vocab * h)
@@ -90,11 +125,17 @@ def costs(cfg: DecoderConfig) -> CostModel:
     """FLOPs count the matmuls (2 per multiply-add); norms, RoPE and SiLU are a rounding error."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    matmuls = 2.0 * (h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size)
+    attention = h * (q + 2 * kv) + q * h
+    dense, sparse = (
+        3 * h * cfg.intermediate_size,
+        _moe_mlp(cfg, cfg.experts_per_token) if cfg.num_experts else 0,
+    )
+    # An MoE layer counts its active experts only (the top k of each token), the router and shared expert.
+    layers = tuple(2.0 * (attention + (sparse if cfg.is_moe(i) else dense)) for i in range(cfg.num_layers))
     return CostModel(
         params=param_counts(cfg),
         embed_flops=0.0,  # a table lookup
-        layer_flops=(matmuls,) * cfg.num_layers,
+        layer_flops=layers,
         pair_flops=(4.0 * cfg.num_heads * d,) * cfg.num_layers,  # QK^T and AV: 2 x 2 x head_dim per head
         head_flops=2.0 * h * cfg.vocab_size,  # the vocabulary projection dominates the norm and the loss
         activations=partial(activation_bytes, cfg),

@@ -59,8 +59,14 @@ def _rope(hf: PretrainedConfig) -> tuple[float, dict | None]:
     return theta, (params if kind != "default" else None)
 
 
+# The dense family whose attention and config rules a mixture-of-experts family shares.
+ATTENTION_OF = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+
+
 def config_from_hf(hf: PretrainedConfig, family: str) -> DecoderConfig:
-    """Translate a transformers config of a supported family into our DecoderConfig."""
+    """Translate a transformers config of a supported family into our DecoderConfig (the MoE fields are
+    the MoE adapter's, models/llama/moe_adapter.py)."""
+    flavour = ATTENTION_OF.get(family, family)
     act = getattr(hf, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelError(f"hidden_act {act!r} is not supported (supported: silu)")
@@ -69,7 +75,7 @@ def config_from_hf(hf: PretrainedConfig, family: str) -> DecoderConfig:
     theta, scaling = _rope(hf)
     attention_bias = bool(getattr(hf, "attention_bias", False))
     sliding = getattr(hf, "sliding_window", None)
-    if family in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
+    if flavour in ("qwen2", "qwen3") and not getattr(hf, "use_sliding_window", False):
         sliding = None
     scores = any(a.endswith("ForSequenceClassification") for a in getattr(hf, "architectures", None) or [])
     return DecoderConfig(
@@ -85,10 +91,10 @@ def config_from_hf(hf: PretrainedConfig, family: str) -> DecoderConfig:
         rope_scaling=scaling,
         max_position=hf.max_position_embeddings,
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)) and not scores,
-        qkv_bias=family == "qwen2" or attention_bias,
-        o_bias=family in ("llama", "qwen3") and attention_bias,
+        qkv_bias=bool(getattr(hf, "qkv_bias", flavour == "qwen2")) or attention_bias,
+        o_bias=flavour in ("llama", "qwen3") and attention_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=flavour == "qwen3",
         sliding_window=sliding,
         layer_types=list(hf.layer_types)
         if sliding is not None and getattr(hf, "layer_types", None)
@@ -101,6 +107,7 @@ def config_from_hf(hf: PretrainedConfig, family: str) -> DecoderConfig:
 
 def hf_config_from(cfg: DecoderConfig, model_type: str, architecture: str) -> PretrainedConfig:
     """A transformers config for our model; starts from the loaded checkpoint's config when there is one."""
+    flavour = ATTENTION_OF.get(model_type, model_type)
     base = dict(cfg.hf_config)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
     base.update(
@@ -117,13 +124,15 @@ def hf_config_from(cfg: DecoderConfig, model_type: str, architecture: str) -> Pr
         tie_word_embeddings=cfg.tie_embeddings,
         architectures=[architecture],
     )
-    if model_type in ("llama", "qwen3"):
-        base["attention_bias"] = cfg.o_bias or (cfg.qkv_bias and model_type == "qwen3")
+    if flavour in ("llama", "qwen3"):
+        base["attention_bias"] = cfg.o_bias or (cfg.qkv_bias and flavour == "qwen3")
     if model_type == "llama":
         base["mlp_bias"] = cfg.mlp_bias
-    if model_type == "mistral":
+    if flavour == "mistral":
         base["sliding_window"] = cfg.sliding_window
-    if model_type in ("qwen2", "qwen3"):
+    if model_type == "qwen2_moe":
+        base["qkv_bias"] = cfg.qkv_bias
+    if flavour in ("qwen2", "qwen3"):
         base["use_sliding_window"] = cfg.sliding_window is not None
         base["sliding_window"] = cfg.sliding_window
         base["layer_types"] = [

@@ -15,6 +15,7 @@ from shardforge.models.attention import DocLayout, attention_per_document, sdpa
 from shardforge.models.head import target_logprobs
 from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
+from shardforge.models.moe import SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -86,12 +87,14 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = mlp(cfg, layer) if mlp is not None else MLP(cfg)
+        self.sparse = isinstance(self.mlp, SparseMoE)  # takes the token mask (padding stays out of balancing)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         h = h + self.attn(self.input_norm(h), cos, sin, ctx, self.sliding)
-        return h + self.mlp(self.post_attn_norm(h))
+        x = self.post_attn_norm(h)
+        return h + (self.mlp(x, ctx.tokens) if self.sparse else self.mlp(x))
 
 
 @dataclass
@@ -178,6 +181,16 @@ class AttentionContext:
     layout: DocLayout | None = None
     window: int | None = None
     cache: Cache | None = None
+    tokens: torch.Tensor | None = None  # [b, s] True at real tokens (set for MoE models: real_tokens)
+
+
+def real_tokens(position_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+    """Which positions hold tokens rather than padding, as collate lays rows out: padding has document id
+    -1 in packed rows, and position 0 after a row's first column in rows of one document."""
+    if doc_ids is not None:
+        return doc_ids >= 0
+    column = torch.arange(position_ids.shape[1], device=position_ids.device)
+    return (position_ids > 0) | (column == 0)
 
 
 def attention_context(
@@ -209,11 +222,16 @@ def attention_context(
 
 
 def _init_normal(module: nn.Module, name: str, std: float, seed: int) -> None:
-    generator = torch.Generator(module.weight.device)
-    generator.manual_seed(seed + zlib.crc32(name.encode()))
-    module.weight.normal_(0.0, std, generator=generator)
+    _normal(module.weight, name, std, seed)
     if getattr(module, "bias", None) is not None:
         module.bias.zero_()
+
+
+def _normal(param: torch.Tensor, name: str, std: float, seed: int) -> None:
+    """normal(0, std) from a generator of its own, seeded by the seed and the parameter's name."""
+    generator = torch.Generator(param.device)
+    generator.manual_seed(seed + zlib.crc32(name.encode()))
+    param.normal_(0.0, std, generator=generator)
 
 
 class Decoder(nn.Module):
@@ -246,6 +264,13 @@ class Decoder(nn.Module):
             self.reset_rope()
         return out
 
+    def reset_buffers(self) -> None:
+        """Buffers after `to_empty` (which leaves them unset): RoPE frequencies, zero expert biases."""
+        self.reset_rope()
+        for module in self.modules():
+            if isinstance(module, SparseMoE):
+                module.gate.bias.zero_()
+
     def reset_rope(self) -> None:
         """(Re)compute RoPE frequencies; needed after building on the meta device."""
         cfg = self.config
@@ -264,6 +289,10 @@ class Decoder(nn.Module):
                 _init_normal(module, name, std, seed)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif isinstance(module, SparseMoE):  # the router and the 3-D expert weights (not nn.Linear)
+                _normal(module.gate.weight, f"{name}.gate", std, seed)
+                _normal(module.experts.gate_up_proj, f"{name}.experts.gate_up_proj", std, seed)
+                _normal(module.experts.down_proj, f"{name}.experts.down_proj", std, seed)
 
     @torch.no_grad()
     def init_head(self, std: float = 0.02, seed: int = 0) -> None:
@@ -320,7 +349,10 @@ class Decoder(nn.Module):
         """What every block takes besides the stream: RoPE cos/sin and how tokens may attend (computed from
         the token positions [b, s], not the stream, which sequence parallel splits)."""
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype)
-        return cos, sin, attention_context(self.config, position_ids, doc_ids, doc_layout, cache)
+        ctx = attention_context(self.config, position_ids, doc_ids, doc_layout, cache)
+        if self.config.num_experts and cache is None:
+            ctx.tokens = real_tokens(position_ids, doc_ids)
+        return cos, sin, ctx
 
     def final_hidden(self, h: torch.Tensor, output_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm; `output_mask` [b, s] keeps only the positions that are scored ([n, hidden])."""
