@@ -187,6 +187,7 @@ class ParallelSection(Section):
     pp: int = Field(default=1, ge=1)
     cp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
+    cp_mode: Literal["allgather", "ulysses"] = "allgather"  # K/V all-gathered (Llama 3) or heads all-to-all
     zero_stage: Literal[0, 1, 2, 3] = 0
     offload: Literal["none", "optimizer", "params"] = "none"
     grad_compression: Literal["none", "fp16", "powersgd"] = "none"
@@ -203,12 +204,16 @@ class ParallelSection(Section):
 
     @model_validator(mode="after")
     def _built_layouts_only(self) -> ParallelSection:
-        # Context and expert parallel land in later releases: refuse, never ignore.
-        asked = {k: getattr(self, k) for k in ("cp", "ep") if getattr(self, k) > 1}
-        if asked:
-            shown = ", ".join(f"parallel.{k}={v}" for k, v in asked.items())
+        if self.cp > 1 and self.dp_replicate > 1 and self.zero_stage >= 2:
             raise ValueError(
-                f"{shown}: not available in this version (data, tensor and pipeline parallel only); keep it 1"
+                f"parallel.cp={self.cp} with HSDP (dp_replicate={self.dp_replicate} x sharding): not "
+                f"supported; use dp_replicate=1 (FSDP over dp_shard x cp) or zero_stage 0/1"
+            )
+        if self.ep > 1 and (self.zero_stage < 2 or self.dp_replicate > 1):
+            raise ValueError(
+                f"parallel.ep={self.ep} splits the experts over data-parallel ranks that shard the model: "
+                f"set parallel.zero_stage to 2 or 3 and parallel.dp_replicate=1 (it is zero_stage="
+                f"{self.zero_stage}, dp_replicate={self.dp_replicate})"
             )
         self._check_pipeline()
         if self.dp_shard == 0:

@@ -21,12 +21,16 @@ Two modes:
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import ProcessGroup
 
+from shardforge.errors import ConfigError
 from shardforge.models.attention import sdpa
+from shardforge.models.llama.model import AttentionContext
+from shardforge.models.moe import moe_layers
 
 __all__ = [
     "allgather_kv_attention",
@@ -200,3 +204,103 @@ def _check_doc_ids(doc_ids: torch.Tensor | None, batch: int, seq: int) -> None:
             f"doc_ids must be the whole rows [batch={batch}, seq={seq}] in global order (not this rank's "
             f"shard), got {tuple(doc_ids.shape)}"
         )
+
+
+class ContextParallel:
+    """Installed on a model as its `sequence_split` (apply_context_parallel): each forward's attention over
+    the sequence split across the cp group. `context` makes one forward's state (its ranks' global indices,
+    the rows' document ids and token mask), which the layers reach as the forward's cache."""
+
+    def __init__(self, group: ProcessGroup, cp: int, rank: int, mode: str) -> None:
+        self.group, self.cp, self.rank, self.mode = group, cp, rank, mode
+
+    def context(self, cfg, position_ids: torch.Tensor, doc_ids: torch.Tensor | None):
+        step = _SplitForward(self, position_ids.shape[1] * self.cp, doc_ids, cfg.sliding_window, position_ids)
+        return AttentionContext(cache=step, tokens=step.tokens)
+
+
+class _SplitForward:
+    """One forward under context parallel: what `Attention.forward` calls as `ctx.cache.attend`."""
+
+    def __init__(self, split: ContextParallel, seq: int, doc_ids, window, position_ids: torch.Tensor) -> None:
+        self.split, self.doc_ids, self.window = split, doc_ids, window
+        index = local_indices(seq, split.cp, split.rank, position_ids.device)
+        # Real tokens (not padding), as models.llama.model.real_tokens reads a whole row.
+        if doc_ids is not None:
+            self.tokens = doc_ids.index_select(1, index) >= 0
+        else:
+            self.tokens = (position_ids > 0) | (index == 0)[None, :]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool):
+        s, window = self.split, self.window if sliding else None
+        if s.mode == "ulysses":
+            return ulysses_attention(q, k, v, s.group, s.cp, doc_ids=self.doc_ids, window=window)
+        return allgather_kv_attention(q, k, v, s.group, s.cp, s.rank, doc_ids=self.doc_ids, window=window)
+
+
+def split_batch(batch, cp: int, rank: int):
+    """This cp rank's part of a micro-batch (duck-typed: `input_ids`, `fields()`, `from_fields`): every
+    per-token tensor cut to the rank's two chunks of each row; `doc_ids` stays whole (the attention masks
+    read the whole row); per-row values stay as they are."""
+    seq = batch.targets.shape[1]
+    index = local_indices(seq, cp, rank, batch.targets.device)
+
+    def cut(key: str, value):
+        if key == "doc_ids" or value is None or value.dim() < 2 or value.shape[1] != seq:
+            return value
+        return value.index_select(1, index)
+
+    fields = {key: cut(key, value) for key, value in batch.fields().items()}
+    ids = None if batch.input_ids is None else batch.input_ids.index_select(1, index)
+    return type(batch).from_fields(ids, fields)
+
+
+def apply_context_parallel(model, dims, mesh, mode: str) -> None:
+    """Split every row's sequence over the mesh's cp dimension: the model's attention goes through the cp
+    group, and its MoE layers count routing statistics over the whole rows (a no-op at cp=1)."""
+    if dims.cp == 1:
+        return
+    group, rank = mesh["cp"].get_group(), mesh.get_local_rank("cp")
+    model.sequence_split = ContextParallel(group, dims.cp, rank, mode)
+    for layer in moe_layers(model):
+        layer.stats_group = group
+
+
+def batch_splitter(dims, mesh):
+    """What an engine applies to each micro-batch before its forward: this rank's part under context
+    parallel, None without it."""
+    if dims.cp == 1:
+        return None
+    return partial(split_batch, cp=dims.cp, rank=mesh.get_local_rank("cp"))
+
+
+def check_context_parallel(cfg, dims, parallel, stage: str, max_length: int) -> None:
+    """The rules cp must satisfy, before any process group exists."""
+    if dims.cp == 1:
+        return
+    if stage in ("dpo", "kto", "rm"):
+        raise ConfigError(
+            f"parallel.cp={dims.cp} with method.stage={stage}: the stage scores whole sequences "
+            f"(per-sequence sums), which context parallel splits over ranks; use cp=1 (cp serves pt and sft)"
+        )
+    multiple = row_multiple(dims, parallel.sequence_parallel)
+    if max_length % multiple:
+        raise ConfigError(
+            f"parallel.cp={dims.cp}: each row is cut into 2 x cp chunks"
+            + (f" of which tp={dims.tp} splits each rank's part again" if multiple != 2 * dims.cp else "")
+            + f", so data.max_length must be a multiple of {multiple} (it is {max_length}; e.g. "
+            f"{max_length // multiple * multiple or multiple})"
+        )
+    if parallel.cp_mode == "ulysses":
+        try:
+            check_ulysses(cfg.num_heads // dims.tp, cfg.num_kv_heads // dims.tp, dims.cp)
+        except ValueError as exc:
+            raise ConfigError(
+                str(exc) + (f" (per tp rank: tp={dims.tp} splits the heads first)" if dims.tp > 1 else "")
+            ) from None
+
+
+def row_multiple(dims, sequence_parallel: bool) -> int:
+    """Row widths must be a multiple of this under context parallel: 2 x cp chunks, each rank's part split
+    again over tp by sequence parallel."""
+    return 2 * dims.cp * (dims.tp if sequence_parallel and dims.tp > 1 else 1)

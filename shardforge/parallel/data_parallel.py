@@ -34,15 +34,20 @@ def apply_data_parallel(
     precision: str,
     device: torch.device,
     roots: list[nn.Module] | None = None,
+    experts_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Wrap or shard `model` for data parallelism; returns the module to call in the training loop.
     `roots` are the modules that run forward (pipeline stages; default: the model itself): FSDP2 shards
-    each one's blocks, then the root with what remains (embedding, norm, head)."""
+    each one's blocks, then the root with what remains (embedding, norm, head). Under expert parallel
+    (`experts_mesh`, parallel/expert_parallel.py) each MoE layer's experts are a unit of their own, sharded
+    over the ranks that hold the same experts (edp)."""
     dp_mesh = dims.dp_mesh(mesh)
     if dp_mesh is None:
         return model
     if dims.sharded:
         for root in roots or [model]:
+            if experts_mesh is not None:
+                _fully_shard_experts(root, experts_mesh["edp"], dims, parallel, precision, device)
             _fully_shard(root, dp_mesh, dims.zero_stage, parallel, precision, device)
         return model
     ddp = DistributedDataParallel(
@@ -55,14 +60,7 @@ def apply_data_parallel(
     return ddp
 
 
-def _fully_shard(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    stage: int,
-    parallel: ParallelSection,
-    precision: str,
-    device: torch.device,
-) -> None:
+def _policies(parallel: ParallelSection, precision: str, device: torch.device):
     param_dtype = None if precision == "fp32" else DTYPES[precision]
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[parallel.reduce_dtype])
     # Pinned host memory needs an accelerator; on a CPU-only machine plain memory is the only choice.
@@ -71,6 +69,38 @@ def _fully_shard(
         if parallel.offload == "params"
         else OffloadPolicy()
     )
+    return mp, offload
+
+
+def _fully_shard_experts(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    parallel: ParallelSection,
+    precision: str,
+    device: torch.device,
+) -> None:
+    """Each MoE layer's experts as an FSDP2 unit over `mesh` (edp). Their gradients already sum the tokens
+    of the whole ep group (the all-to-all's backward), each scaled by dp x cp / the global count like any
+    rank's loss: FSDP2 sums them over edp, so the average is over all dp x cp ranks, not edp."""
+    mp, offload = _policies(parallel, precision, device)
+    for block in model.blocks():
+        experts = getattr(block.mlp, "experts", None)
+        if experts is not None:
+            fully_shard(experts, mesh=mesh, reshard_after_forward=dims.zero_stage == 3, mp_policy=mp,
+                        offload_policy=offload)  # fmt: skip
+            experts.set_gradient_divide_factor(float(dims.averaged))
+
+
+def _fully_shard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    stage: int,
+    parallel: ParallelSection,
+    precision: str,
+    device: torch.device,
+) -> None:
+    mp, offload = _policies(parallel, precision, device)
     reshard = stage == 3  # ZeRO-3 frees gathered params after forward; ZeRO-2 keeps them until backward
     for block in model.blocks():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)

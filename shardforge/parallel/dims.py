@@ -118,6 +118,12 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def averaged(self) -> int:
+        """The ranks data parallel averages gradients over: dp, times cp (context-parallel ranks hold parts
+        of the same rows' gradients, which the same reduction adds)."""
+        return self.dp * self.cp
+
+    @property
     def sharded(self) -> bool:
         return self.zero_stage >= 2
 
@@ -144,10 +150,15 @@ class ParallelDims:
         return mesh
 
     def dp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
-        """The data-parallel sub-mesh: 1-D (replicate or shard) or 2-D (replicate, shard) for HSDP."""
+        """The data-parallel sub-mesh: 1-D (replicate or shard) or 2-D (replicate, shard) for HSDP. Under
+        context parallel the cp ranks join it (flattened into one dimension): gradients and logged sums
+        are reduced over them too."""
         if mesh is None:
             return None
         names = tuple(n for n in ("dp_replicate", "dp_shard") if self.degrees()[n] > 1)
+        if self.cp > 1:
+            joined = (*names, "cp")
+            return mesh["cp"] if len(joined) == 1 else mesh[joined]._flatten("_".join(joined))
         if not names:
             return None
         return mesh[names[0]] if len(names) == 1 else mesh[names]
@@ -170,4 +181,6 @@ class ParallelDims:
         if self.sharded and self.dp_replicate > 1:
             kind = f"HSDP ({self.dp_replicate} replicas x {self.dp_shard} shards, ZeRO-{self.zero_stage})"
         shown = " x ".join(f"{k}={v}" for k, v in self.degrees().items() if v > 1) or "single process"
-        return f"{shown} on {self.world_size} rank(s), {kind if self.dp > 1 else 'no data parallel'}"
+        if self.ep > 1:
+            shown += f" (ep={self.ep} over dp_shard x cp)"
+        return f"{shown} on {self.world_size} rank(s), {kind if self.averaged > 1 else 'no data parallel'}"

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardforge.models.quantize import dequantized, is_nf4
+from shardforge.parallel.context_parallel import batch_splitter
 from shardforge.parallel.data_parallel import gradient_sync
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import loss_context, strip_vocab_padding
@@ -76,16 +77,31 @@ def clip_grad_norm(
     pipeline stages add their squares over `pp_group`); clips when max_norm is set. `counted_elsewhere` is a
     parameter whose gradient another one already counts (a pipeline stage's copy of a tied embedding)."""
     grads = [p.grad for p in params if p.grad is not None and p is not counted_elsewhere]
-    total = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    squares = torch.zeros((), device=grads[0].device if grads else None)
+    for group in _by_mesh(grads).values():
+        squares = squares + _norm(group).pow(2)
     if pp_group is not None:
-        squares = total.pow(2)
         dist.all_reduce(squares, group=pp_group)
-        total = squares.sqrt()
+    total = squares.sqrt()
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in _by_mesh([p for p in params if p.grad is not None]).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """Tensors grouped by the mesh their DTensor lives on (None: plain tensors): one norm or foreach op
+    per group (expert weights live on the expert mesh, the rest on the data/tensor-parallel mesh)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        mesh = t.device_mesh if isinstance(t, DTensor) else None
+        groups.setdefault(mesh, []).append(t)
+    return groups
+
+
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    return total.full_tensor() if isinstance(total, DTensor) else total
 
 
 def dp_sum(value: torch.Tensor, dims: ParallelDims, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -149,8 +165,11 @@ class PlainEngine:
         self.model, self.inner, self.objective = model, inner, objective
         self.dims, self.mesh, self.autocast, self.device = dims, mesh, autocast, device
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.split = batch_splitter(dims, mesh)  # this rank's part of each row under context parallel
 
     def _sums(self, batch: Any) -> dict[str, torch.Tensor]:
+        if self.split is not None:
+            batch = self.split(batch)
         with self.autocast():
             prepare = getattr(self.objective, "prepare", None)  # e.g. a reference model's log-probs
             if prepare is not None:

@@ -1,8 +1,10 @@
 """parallelize(): apply a run's layout to a built model, in the one fixed order, and return its Engine.
 
 The order: tensor (+ sequence) parallel first, since it swaps parameters for DTensors that the later wrappers
-take as they are. Activation checkpointing wraps whole (TP-sharded) blocks: `full` recomputation repeats their
-TP collectives (in the same order on every rank), `selective` keeps their outputs. Compile sees the final
+take as they are; expert parallel next (it keeps this rank's experts, as DTensors sharded over ep), then
+context parallel (the model's attention over the sequence split across the cp group).
+Activation checkpointing wraps whole (TP-sharded) blocks: `full` recomputation repeats their TP collectives
+(in the same order on every rank), `selective` keeps their outputs. Compile sees the final
 block code. Pipeline stages are then cut over the wrapped blocks. Data parallel comes last: DDP wraps the
 model, or FSDP2 shards the (TP) parameters over the data-parallel mesh dims, with one root per pipeline stage.
 Under pipeline parallel the model given here is already pruned to this rank's stages (on the meta device,
@@ -20,9 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardforge.config.schema import Config
 from shardforge.parallel.activation_ckpt import apply_activation_checkpointing
+from shardforge.parallel.context_parallel import apply_context_parallel
 from shardforge.parallel.data_parallel import DTYPES, apply_data_parallel, fully_shard_frozen, unwrap
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import Autocast, Engine, PlainEngine
+from shardforge.parallel.expert_parallel import apply_expert_parallel
 from shardforge.parallel.pipeline_plan import PipelinePlan
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -39,12 +43,14 @@ def parallelize(
 ) -> Engine:
     parallel, precision = config.parallel, config.train.precision
     apply_tensor_parallel(model, dims, mesh, parallel)
+    experts_mesh = apply_expert_parallel(model, dims, mesh)
+    apply_context_parallel(model, dims, mesh, parallel.cp_mode)
     apply_activation_checkpointing(model, parallel.activation_checkpoint)
     if config.train.compile:
         for block in model.blocks():
             block.compile()
     if plan is None:
-        wrapped = apply_data_parallel(model, dims, mesh, parallel, precision, device)
+        wrapped = apply_data_parallel(model, dims, mesh, parallel, precision, device, None, experts_mesh)
         return PlainEngine(wrapped, unwrap(wrapped), objective, dims, mesh, autocast, device)
     from shardforge.parallel.pipeline import PipelineEngine  # torch's pipelining costs 0.4 s to import
 
@@ -60,7 +66,8 @@ def parallelize(
         parallel.sequence_parallel,
         datetime.timedelta(minutes=parallel.timeout_minutes),
     )
-    apply_data_parallel(model, dims, mesh, parallel, precision, device, list(engine.stages.values()))
+    stages = list(engine.stages.values())
+    apply_data_parallel(model, dims, mesh, parallel, precision, device, stages, experts_mesh)
     engine.params = [p for p in model.parameters() if p.requires_grad]
     return engine
 

@@ -29,6 +29,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
 from shardforge.config.schema import ONE_STAGE_SCHEDULES
+from shardforge.parallel.context_parallel import batch_splitter
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import Autocast, Differentiate, clip_grad_norm, dp_sum, gathered_state
 from shardforge.parallel.pipeline_plan import TORCH_SCHEDULES, PipelinePlan
@@ -86,6 +87,7 @@ class PipelineEngine:
     ) -> None:
         self.plan, self.model, self.inner, self.objective = plan, model, model, objective
         self.dims, self.mesh, self.device = dims, mesh, device
+        self.split = batch_splitter(dims, mesh)  # this rank's part of each row under context parallel
         self.group = mesh["pp"].get_group()
         self.stream_dtype = stream_dtype
         self.sp_split = dims.tp if sequence_parallel else 1  # sequence parallel splits the stream's tokens
@@ -158,6 +160,7 @@ class PipelineEngine:
     ) -> dict[str, torch.Tensor]:
         """Forward and backward of `batch` in the schedule (torch's stages reduce FSDP gradients at the end
         of every schedule run, whatever `sync` says)."""
+        batch = self.split(batch) if self.split is not None else batch
         rows, width = batch.input_ids.shape
         fresh = (rows, width) not in self._schedules
         schedule = self._schedule(rows, width)
@@ -186,6 +189,7 @@ class PipelineEngine:
     def eval_sums(self, batch: Any) -> dict[str, torch.Tensor]:
         """Forward only: the whole batch goes through the stages in model order, each rank running its
         stages and passing the stream on with point-to-point sends; no schedule, no chunks."""
+        batch = self.split(batch) if self.split is not None else batch
         self._prepare(batch)
         rows, width = batch.input_ids.shape
         shape = (rows, width // self.sp_split, self.model.config.hidden_size)

@@ -40,7 +40,7 @@ def apply_tensor_parallel(
     padded = padded_vocab(cfg.vocab_size, dims.tp)
     pad_vocab(model, padded)
     # A pipeline stage holds part of the model: the plan's entries for modules it lacks do not apply.
-    plan = {key: style for key, style in plan.items() if getattr(model, key.split(".")[0]) is not None}
+    plan = {key: style for key, style in plan.items() if _present(model, key)}
     trained = {name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)}
     parallelize_module(model, mesh["tp"], _with_adapters(model, plan))
     model.tie_weights()  # the head's style re-wraps a tied weight: share the embedding's DTensor again
@@ -51,6 +51,19 @@ def apply_tensor_parallel(
     if parallel.sequence_parallel:
         model.register_forward_pre_hook(_require_even_split(dims.tp), with_kwargs=True)
     return model
+
+
+def _present(model: nn.Module, key: str) -> bool:
+    """Whether a plan key names modules this model holds (a pipeline stage holds some layers only)."""
+    if getattr(model, key.split(".")[0]) is None:
+        return False
+    if "*" in key:
+        return True
+    try:
+        model.get_submodule(key)
+    except AttributeError:
+        return False
+    return True
 
 
 def _with_adapters(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:

@@ -40,3 +40,45 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(
             module, device_mesh, input_fn=self._prepare_input, output_fn=self._prepare_output
         )
+
+
+class WholeSequenceParallel(ParallelStyle):
+    """A module that computes on plain tensors over the whole sequence on every TP rank (a mixture of
+    experts: routing needs every token and the experts are not split by TP): the parameters of the children
+    named in `replicated` become DTensors replicated over the TP mesh (read locally in the module's code),
+    the first input is all-gathered from `stream` (the residual stream's layout; a DTensor is taken as it
+    is) and the output cut back to it. Every rank then computes the same values and receives the same
+    output gradients (the cut's backward all-gathers them), so the replicated parameters' gradients agree
+    across ranks, as a DTensor's must."""
+
+    def __init__(self, stream: Placement, replicated: tuple[str, ...]) -> None:
+        super().__init__()
+        self.stream, self.replicated = stream, replicated
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        if name not in self.replicated:
+            return
+        for key, param in list(module.named_parameters(recurse=False)):
+            dt = DTensor.from_local(param.detach(), mesh, (Replicate(),), run_check=False)
+            module.register_parameter(key, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+    def _prepare_input(self, module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        x = inputs[0]  # a DTensor from a sequence-parallel norm, or a local tensor laid out as `stream`
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.stream,), run_check=False)
+        return (x.redistribute(placements=(Replicate(),)).to_local(), *inputs[1:])
+
+    def _prepare_output(self, module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if self.stream == Replicate():
+            return output
+        whole = DTensor.from_local(output, mesh, (Replicate(),), run_check=False)
+        return whole.redistribute(placements=(self.stream,)).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Not distribute_module: it would replicate every other parameter and buffer too (the shared
+        # expert has styles of its own; the router's bias stays a plain tensor).
+        for name, child in module.named_modules():
+            self._partition(name, child, device_mesh)
+        module.register_forward_pre_hook(lambda m, inputs: self._prepare_input(m, inputs, device_mesh))
+        module.register_forward_hook(lambda m, inputs, out: self._prepare_output(m, out, device_mesh))
+        return module

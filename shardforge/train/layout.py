@@ -7,7 +7,9 @@ from typing import Any
 
 from shardforge.config import Config
 from shardforge.errors import ConfigError
+from shardforge.parallel.context_parallel import check_context_parallel
 from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.expert_parallel import check_expert_parallel
 from shardforge.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from shardforge.parallel.tensor_parallel import check_tensor_parallel
 
@@ -39,5 +41,7 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
     dims = ParallelDims.from_config(cfg.parallel, world)
     grad_accum = resolve_grad_accum(cfg, dims.dp)
     check_tensor_parallel(shape, cfg.parallel)
+    check_expert_parallel(shape, dims)
+    check_context_parallel(shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)
     plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
     return dims, grad_accum, plan

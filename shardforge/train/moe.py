@@ -2,11 +2,11 @@
 bias update after each step, and the logged routing statistics.
 
 The layers attach their losses to their outputs (models/moe.py); this module tells them the weight of a
-token's share, dp / global tokens (x the fp16 loss scale), as the loop scales the main loss by dp / its
-normalizer: the losses then add coef x the token-weighted mean over micro-batches, averaged over the MoE
-layers, to the loss whatever the data-parallel split. Statistics are reduced over all ranks: data-parallel
-ranks saw other tokens and pipeline ranks hold other layers, while tensor- and context-parallel peers hold
-the same (whole-sequence) numbers and are divided out.
+token's share, dp x cp / global tokens (x the fp16 loss scale), as the loop scales the main loss by
+dp x cp / its normalizer: the losses then add coef x the token-weighted mean over micro-batches, averaged
+over the MoE layers, to the loss whatever the data-parallel split. Statistics are reduced over all ranks:
+data-parallel ranks saw other tokens and pipeline ranks hold other layers, while tensor- and
+context-parallel peers hold the same (whole-sequence) numbers and are divided out.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class MoEBalancer:
         return f"MoE: {self.experts} experts, top {self.k}, {b.layers} MoE layers; {how}{z}; {capacity}"
 
     def begin_step(self, global_tokens: int, loss_scale: float | None) -> None:
-        weight = self.dims.dp / max(1, global_tokens) * (loss_scale or 1.0)
+        weight = self.dims.averaged / max(1, global_tokens) * (loss_scale or 1.0)
         for layer in self.layers:
             layer.loss_weight = weight
 

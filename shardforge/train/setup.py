@@ -32,6 +32,7 @@ from shardforge.errors import ConfigError
 from shardforge.models.build import build_model, model_source
 from shardforge.models.spec import CostModel, spec_for
 from shardforge.objectives import Objective, build_objective
+from shardforge.parallel.context_parallel import row_multiple
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.distributed import (
     init_distributed,
@@ -174,6 +175,8 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     # Sequence parallel splits every row's tokens evenly over the TP ranks. A pipeline builds a schedule
     # per micro-batch shape: widths rounded to 1/8 of max_length keep the number of shapes small.
     multiple = dims.tp if cfg.parallel.sequence_parallel else 1
+    if dims.cp > 1:  # 2 x cp chunks per row (each rank's part split again by sequence parallel)
+        multiple = math.lcm(multiple, row_multiple(dims, cfg.parallel.sequence_parallel))
     if plan is not None:
         multiple = math.lcm(multiple, max(1, cfg.data.max_length // 8))
     split = (cfg.train.micro_batch, grad_accum, dims.dp, dims.dp_rank(mesh))

@@ -90,7 +90,7 @@ class Trainer:
         """
         batch = self.loader.next()
         precision, counts = self.run.precision, batch.counts
-        scale = self.dims.dp / counts[self.objective.normalizer]
+        scale = self.dims.averaged / counts[self.objective.normalizer]
         differentiate = lambda loss: precision.scale(loss * scale)  # noqa: E731
         if self.run.moe is not None:  # the MoE layers' balancing losses: their weight in this step
             self.run.moe.begin_step(counts["tokens"], precision.loss_scale)

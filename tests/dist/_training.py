@@ -36,6 +36,7 @@ def train_runs(configs: list[dict], objective=None) -> list[dict]:
             {
                 "losses": [r["loss"] for r in result.history],
                 "grad_norms": [r["grad_norm"] for r in result.history],
+                "aux_losses": [r.get("moe_aux_loss") for r in result.history],
                 "eval_loss": result.eval_loss,
                 "state": state if main else None,
                 "memory": trainer.memory,

@@ -239,6 +239,10 @@ class Decoder(nn.Module):
     (positions restart per document); `output_mask` [b, s] limits the LM head to those positions. A
     pipeline stage is a `part` of it: the same forward, from and to the residual stream."""
 
+    # Context parallel (installed from outside, parallel/context_parallel.py): the rows' sequence is split
+    # over ranks and its `context(cfg, position_ids, doc_ids)` makes each forward's attention.
+    sequence_split = None
+
     def __init__(self, cfg: DecoderConfig, mlp: MLPFactory | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -328,6 +332,7 @@ class Decoder(nn.Module):
         view = object.__new__(type(self))
         nn.Module.__init__(view)
         view.config = self.config
+        view.sequence_split = self.sequence_split
         view.embed_tokens = self.embed_tokens if first else None
         held = self.layers
         view.layers = nn.ModuleDict(
@@ -349,6 +354,8 @@ class Decoder(nn.Module):
         """What every block takes besides the stream: RoPE cos/sin and how tokens may attend (computed from
         the token positions [b, s], not the stream, which sequence parallel splits)."""
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype)
+        if cache is None and self.sequence_split is not None:  # doc_ids: the whole rows'
+            return cos, sin, self.sequence_split.context(self.config, position_ids, doc_ids)
         ctx = attention_context(self.config, position_ids, doc_ids, doc_layout, cache)
         if self.config.num_experts and cache is None:
             ctx.tokens = real_tokens(position_ids, doc_ids)

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 
 from shardforge.errors import ConfigError
 from shardforge.models.llama.config import DecoderConfig
-from shardforge.sharding.styles import ReplicateParallel
+from shardforge.sharding.styles import ReplicateParallel, WholeSequenceParallel
 
 
 def check_tensor_parallel(cfg: DecoderConfig, tp: int) -> None:
@@ -31,8 +31,11 @@ def check_tensor_parallel(cfg: DecoderConfig, tp: int) -> None:
         "num_heads (query heads)": cfg.num_heads,
         "num_kv_heads (key/value heads)": cfg.num_kv_heads,
         "hidden_size": cfg.hidden_size,
-        "intermediate_size (MLP width)": cfg.intermediate_size,
     }
+    if len(cfg.moe_layers) < cfg.num_layers:  # dense MLPs are split by channels
+        rules["intermediate_size (MLP width)"] = cfg.intermediate_size
+    if cfg.shared_expert_intermediate_size and cfg.moe_layers:  # so is an MoE layer's shared expert
+        rules["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     for what, value in rules.items():
         if value % tp:
             hint = ""
@@ -65,9 +68,7 @@ def tensor_parallel_plan(cfg: DecoderConfig, tp: int, sequence_parallel: bool) -
         "layers.*.attn.v_proj": ColwiseParallel(),
         "layers.*.attn.o_proj": RowwiseParallel(output_layouts=stream),
         "layers.*.post_attn_norm": norm(),
-        "layers.*.mlp.gate_proj": ColwiseParallel(),
-        "layers.*.mlp.up_proj": ColwiseParallel(),
-        "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=stream),
+        **_mlp_plan(cfg, stream),
         # The head scores only target positions, picked from whole rows: gather the stream before the final
         # norm (run replicated), then project to vocabulary shards for the parallel cross-entropy.
         "norm": ReplicateParallel(input_layout=stream),
@@ -79,10 +80,39 @@ def tensor_parallel_plan(cfg: DecoderConfig, tp: int, sequence_parallel: bool) -
         plan["lm_head"] = ReplicateParallel()
     if sequence_parallel:
         plan["layers.*.attn"] = gather_input(5)  # (x, cos, sin, attention context, sliding)
-        plan["layers.*.mlp"] = gather_input(1)
+        for layer in _dense_mlps(cfg):
+            plan[f"{layer}.mlp"] = gather_input(1)
     if cfg.qk_norm:
         # Qwen3's q/k norms are shared by all heads while each rank holds some heads: as DTensors split over
         # the head dimension, their weight gradients are summed over the TP ranks.
         plan["layers.*.attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["layers.*.attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _dense_mlps(cfg: DecoderConfig) -> list[str]:
+    """The blocks whose MLP is dense, as a pattern over all of them when none is an MoE layer."""
+    if not cfg.moe_layers:
+        return ["layers.*"]
+    return [f"layers.{i}" for i in range(cfg.num_layers) if not cfg.is_moe(i)]
+
+
+def _mlp_plan(cfg: DecoderConfig, stream: Placement) -> dict[str, ParallelStyle]:
+    """Dense MLPs split by channels (gate/up columns, down rows). An MoE layer runs on the whole sequence
+    on every rank with its router and experts replicated (`WholeSequenceParallel`); its shared expert is
+    split like a dense MLP (its input is the gathered stream, its output reduced whole), its gate
+    replicated. Expert parallel, not TP, is what splits the experts."""
+    plan: dict[str, ParallelStyle] = {}
+    for block in _dense_mlps(cfg):
+        plan[f"{block}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"{block}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"{block}.mlp.down_proj"] = RowwiseParallel(output_layouts=stream)
+    for i in cfg.moe_layers:
+        plan[f"layers.{i}.mlp"] = WholeSequenceParallel(stream, ("gate", "experts"))
+        if cfg.shared_expert_intermediate_size:
+            shared = f"layers.{i}.mlp.shared_expert"
+            plan[f"{shared}.gate_proj"] = ColwiseParallel()
+            plan[f"{shared}.up_proj"] = ColwiseParallel()
+            plan[f"{shared}.down_proj"] = RowwiseParallel()
+            plan[f"layers.{i}.mlp.shared_expert_gate"] = ReplicateParallel()
     return plan
