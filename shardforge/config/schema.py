@@ -145,6 +145,15 @@ class MoESection(Section):
     bias_rate: float = Field(default=1e-3, gt=0)  # balance=bias: the bias's step per update
     capacity_factor: float | None = Field(default=None, gt=0)  # None: dropless
 
+    @model_validator(mode="after")
+    def _one_balance(self) -> MoESection:
+        if self.balance != "aux_loss" and self.aux_loss_coef:
+            raise ValueError(
+                f"method.moe.aux_loss_coef={self.aux_loss_coef} is set, but method.moe.balance="
+                f"{self.balance} uses no auxiliary loss: set balance: aux_loss, or remove aux_loss_coef"
+            )
+        return self
+
 
 class MethodSection(Section):
     stage: Literal["pt", "sft", "rm", "dpo", "kto"] = "sft"

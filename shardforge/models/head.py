@@ -104,6 +104,8 @@ class _TargetLogprobs(torch.autograd.Function):
         dh = (grad_h * -grad_out[:, None].to(grad_h.dtype)) if need_h else None
         if not need_w:
             return dh, None, None, None
+        if grad_w is not None and grad_out.numel() == 0:  # nothing scored here (a chunk without targets)
+            return dh, grad_w.to(weight.dtype), None, None
         if grad_w is not None and bool((grad_out == grad_out[0]).all()):
             return dh, grad_w.mul_(-grad_out[0]).to(weight.dtype), None, None
         device, enabled, dtype = ctx.autocast

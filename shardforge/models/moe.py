@@ -5,7 +5,8 @@ Parameters keep transformers 5's fused layout and names (`gate.weight` [E, H]; `
 [E, 2I, H], gate rows first; `experts.down_proj` [E, H, I]; `shared_expert.*`, `shared_expert_gate`), so an HF
 checkpoint maps onto it one key to one key. The router is each family's: a softmax in fp32 over all experts,
 the top k, renormalized to sum to 1 when the family says so (Mixtral always; Qwen2/3-MoE with
-`norm_topk_prob`). No parallel code here: expert parallel is applied from outside.
+`norm_topk_prob`). Expert parallel is applied from outside (the experts' `exchange`); the one collective
+here sums the balancing statistics over the ranks that split a micro-batch's tokens (`stats_group`).
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ class Routing:
 
 
 class Router(nn.Module):
-    """Softmax in fp32 over all experts, the top k (chosen with the aux-loss-free `bias` added, which is zero
-    unless that balancing is on; the weights are the unbiased probabilities), renormalized if the family
-    says so."""
+    """Softmax in fp32 over all experts, the top k chosen with the aux-loss-free `bias` added (zero unless
+    that balancing trained it; kept in fp32 whatever the weights' dtype), weighted by the unbiased
+    probabilities, renormalized if the family says so."""
 
     def __init__(self, shape: MoEShape) -> None:
         super().__init__()
@@ -66,14 +67,17 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape.experts, shape.hidden))
         self.register_buffer("bias", torch.zeros(shape.experts), persistent=True)
 
-    def forward(self, x: torch.Tensor, choose_with_bias: bool = False) -> Routing:
+    def _apply(self, fn, recurse: bool = True) -> Router:
+        out = super()._apply(fn, recurse)
+        if self.bias.dtype != torch.float32:  # its updates are ~1e-3 steps: bf16 would stall them
+            self.bias = self.bias.float()
+        return out
+
+    def forward(self, x: torch.Tensor) -> Routing:
         logits = F.linear(x, local(self.weight))
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        if choose_with_bias:
-            experts = torch.topk(probs + self.bias, self.shape.top_k, dim=-1).indices
-            weights = probs.gather(-1, experts)
-        else:
-            weights, experts = torch.topk(probs, self.shape.top_k, dim=-1)
+        experts = torch.topk(probs + self.bias, self.shape.top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
         if self.shape.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return Routing(logits, weights.to(x.dtype), experts)
@@ -81,33 +85,50 @@ class Router(nn.Module):
 
 @dataclass
 class Dispatch:
-    """A forward's token choices sorted by expert: `token` [rows] the token of each row, `ends` [E] int32
-    each expert's last row + 1, `weights` [rows] the router weights, `dropped` the choices past capacity."""
+    """A forward's token choices as rows sorted by expert: `order` [rows] each row's index among the n x k
+    choices (token = order // k), `counts` [E] rows per expert and `ends` their cumulative sums (int32),
+    `weights` [rows] the router weights, `dropped` (a 0-d tensor) the real tokens' choices past capacity."""
 
-    token: torch.Tensor
+    order: torch.Tensor
+    k: int
+    counts: torch.Tensor
     ends: torch.Tensor
     weights: torch.Tensor
-    counts: torch.Tensor
-    dropped: int = 0
+    dropped: torch.Tensor
+
+    @property
+    def token(self) -> torch.Tensor:
+        return self.order // self.k
 
 
-def sort_by_expert(routing: Routing, experts: int, capacity: int | None = None) -> Dispatch:
-    """Each token's k choices as rows sorted by expert (stable: token order within an expert); with a
-    `capacity`, each expert keeps its first `capacity` rows and the rest are dropped (those choices add
-    nothing: the token keeps its residual and its other experts)."""
+def sort_by_expert(
+    routing: Routing, experts: int, capacity: int | None = None, real: torch.Tensor | None = None
+) -> Dispatch:
+    """Each token's k choices as rows sorted by expert (stable: token order within an expert). With a
+    `capacity`, each expert keeps its first `capacity` rows of real tokens (`real` [n], True: not padding)
+    and the rest are dropped: those choices add nothing (the token keeps its residual and its other
+    experts), and padding takes no capacity. Dropless, padding is computed like any token (no host sync)."""
     k = routing.experts.shape[-1]
     chosen = routing.experts.reshape(-1)
-    order = torch.argsort(chosen, stable=True)
-    counts = torch.bincount(chosen, minlength=experts)
-    dropped = 0
+    dropped = chosen.new_zeros((), dtype=torch.float32)
     if capacity is not None:
+        if real is not None:  # padding's choices go to a group past the last expert, cut off below
+            chosen = torch.where(real.repeat_interleave(k), chosen, experts)
+        order = torch.argsort(chosen, stable=True)
+        counts = torch.bincount(chosen, minlength=experts + 1)[:experts]
         starts = torch.cumsum(counts, 0) - counts
-        rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[chosen[order]]
-        keep = rank_in_expert < capacity
-        dropped = int((~keep).sum())
+        in_expert = chosen[order] < experts
+        rank_in_expert = (
+            torch.arange(order.numel(), device=order.device) - starts[chosen[order].clamp(max=experts - 1)]
+        )
+        keep = in_expert & (rank_in_expert < capacity)
+        dropped = (in_expert & ~keep).sum().float()
         order, counts = order[keep], counts.clamp(max=capacity)
+    else:
+        order = torch.argsort(chosen, stable=True)
+        counts = torch.bincount(chosen, minlength=experts)
     ends = torch.cumsum(counts, 0).to(torch.int32)
-    return Dispatch(order // k, ends, routing.weights.reshape(-1)[order], counts, dropped)
+    return Dispatch(order, k, counts, ends, routing.weights.reshape(-1)[order], dropped)
 
 
 class Experts(nn.Module):
@@ -121,17 +142,29 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self.exchange: Callable[[Experts, torch.Tensor, Dispatch], torch.Tensor] | None = None
+        self.grad_scale = 1.0  # on the weights' gradients (expert parallel: 1 / ep, see expert_parallel.py)
 
     def run(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """rows [S, H] sorted by (this rank's) expert, ends [E_local] int32 -> [S, H]."""
-        gate, up = grouped_linear(rows, local(self.gate_up_proj), ends).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, local(self.down_proj), ends)
+        """rows [S, H] sorted by (this rank's) expert, ends [E_local] int32 -> [S, H]. Under autocast in the
+        autocast dtype (grouped_mm is on none of autocast's lists)."""
+        w1, w2 = local(self.gate_up_proj), local(self.down_proj)
+        if self.grad_scale != 1.0:
+            w1, w2 = _ScaleGrad.apply(w1, self.grad_scale), _ScaleGrad.apply(w2, self.grad_scale)
+        device = rows.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            rows, w1, w2 = rows.to(dtype), w1.to(dtype), w2.to(dtype)
+        gate, up = grouped_linear(rows, w1, ends).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, w2, ends)
 
     def forward(self, x: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
         rows = x[dispatch.token]
         rows = self.run(rows, dispatch.ends) if self.exchange is None else self.exchange(self, rows, dispatch)
         rows = rows * dispatch.weights[:, None]
-        return torch.zeros_like(x).index_add_(0, dispatch.token, rows)
+        # Each token's k results summed in choice order (a deterministic sum, unlike atomic index_add).
+        n, k = x.shape[0], dispatch.k
+        choices = rows.new_zeros(n * k, x.shape[-1]).index_copy(0, dispatch.order, rows)
+        return choices.view(n, k, -1).sum(dim=1).to(x.dtype)
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -184,56 +217,50 @@ class SparseMoE(nn.Module):
             self.shared_expert = SwiGLU(shape.hidden, shape.shared_intermediate)
             self.shared_expert_gate = nn.Linear(shape.hidden, 1, bias=False)
         self.balance: Balance | None = None
-        self.loss_weight = 0.0  # per token: dp / global tokens x the loss scale (set by the loop)
+        self.loss_weight = 0.0  # per token: dp x cp / global tokens x the loss scale (set by the loop)
         self.stats_group: Any = None  # ranks that split this forward's tokens (context parallel)
         self.window: torch.Tensor | None = None
         self.step_picks: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        mask = None if token_mask is None else token_mask.reshape(-1)
         balance = self.balance
-        routing = self.gate(flat, choose_with_bias=balance is not None and balance.bias_rate > 0)
+        routing = self.gate(flat)
         capacity = None
         if balance is not None and balance.capacity_factor is not None:
             n, k, e = flat.shape[0], self.shape.top_k, self.shape.experts
             capacity = max(1, math.ceil(balance.capacity_factor * n * k / e))
-        dispatch = sort_by_expert(routing, self.shape.experts, capacity)
+        dispatch = sort_by_expert(routing, self.shape.experts, capacity, mask)
         out = self.experts(flat, dispatch)
         if self.shape.shared_intermediate:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         if balance is not None and self.training and torch.is_grad_enabled():
-            mask = None if token_mask is None else token_mask.reshape(-1)
             loss, stats = self._balance_loss(routing, mask, dispatch.dropped)
             out = _AttachLoss.apply(out, loss, self, stats)
         return out.reshape(x.shape)
 
     def _balance_loss(
-        self, routing: Routing, mask: torch.Tensor | None, dropped: int
+        self, routing: Routing, mask: torch.Tensor | None, dropped: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's balancing losses as sums over its tokens (aux x tokens, and the z-loss's sum of
         squared log-sum-exps), and its statistics. The aux loss's expert fractions (no gradient) and token
-        count are those of the whole micro-batch: summed over `stats_group` when ranks split its tokens, so
-        each rank's term is its part of the one-process value."""
+        count are those of the whole micro-batch: summed over `stats_group` (one all-reduce) when ranks
+        split its tokens, so each rank's term is its part of the one-process value."""
         balance, e = self.balance, self.shape.experts
         stats = routing_stats([routing], mask)
-        picks, probs, n = stats.picks, stats.probs, stats.rows
-        totals = torch.cat(
-            [picks, probs.detach(), n[None], torch.tensor([float(dropped)], device=picks.device)]
-        )
-        if self.stats_group is not None:
-            totals = _all_reduce(totals, self.stats_group)
-        picks_all, probs_all, n_all, dropped_all = totals[:e], totals[e : 2 * e], totals[2 * e], totals[-1]
-        n_all = n_all.clamp(min=1.0)
-        aux_sum = e * torch.sum(picks_all / n_all * probs)  # = aux x tokens, summed over the group's ranks
         lse = torch.logsumexp(routing.logits.float(), dim=-1)
         z_sum = (lse.pow(2) * (1.0 if mask is None else mask.float())).sum()
-        loss = (balance.aux_loss_coef * aux_sum + balance.z_loss_coef * z_sum) / balance.layers
-        z_all = z_sum.detach()
+        extra = torch.stack([stats.rows, dropped, z_sum.detach()])
+        totals = torch.cat([stats.picks, stats.probs.detach(), extra])
         if self.stats_group is not None:
-            z_all = _all_reduce(z_all.reshape(1), self.stats_group)[0]
-        aux_value = e * torch.sum(picks_all / n_all * probs_all / n_all)
-        stats = torch.cat([picks_all, torch.stack([aux_value * n_all, z_all, n_all, dropped_all])])
-        return loss, stats
+            totals = _all_reduce(totals, self.stats_group)
+        picks, probs, (n, dropped_all, z_all) = totals[:e], totals[e : 2 * e], totals[2 * e :]
+        n = n.clamp(min=1.0)
+        aux_sum = e * torch.sum(picks / n * stats.probs)  # = aux x tokens, summed over the group's ranks
+        loss = (balance.aux_loss_coef * aux_sum + balance.z_loss_coef * z_sum) / balance.layers
+        aux = load_balancing_loss(RoutingStats(picks, probs, n))
+        return loss, torch.cat([picks, torch.stack([aux * n, z_all, n, dropped_all])])
 
     def record(self, stats: torch.Tensor) -> None:
         self.window = stats if self.window is None else self.window + stats
@@ -247,6 +274,19 @@ def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t, group=group)
     return t
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward scales the gradient."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
 
 
 class _AttachLoss(torch.autograd.Function):

@@ -23,6 +23,7 @@ _KEEP = {
     torch.ops._c10d_functional.all_gather_into_tensor.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_to_all_single.default,  # expert parallel's dispatch and combine
 }
 
 

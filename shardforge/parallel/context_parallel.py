@@ -109,6 +109,7 @@ def allgather_kv_attention(
     key_pos: torch.Tensor | None = None,
     doc_ids: torch.Tensor | None = None,
     window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Llama 3's context parallel attention: all-gather K and V over `group`, attend with the local queries.
 
@@ -130,7 +131,7 @@ def allgather_kv_attention(
     _check_doc_ids(doc_ids, q.shape[0], seq)
     k_all = funcol.all_gather_single(k.contiguous(), 2, group)
     v_all = funcol.all_gather_single(v.contiguous(), 2, group)
-    return sdpa(q, k_all, v_all, cp_mask(query_pos, key_pos, doc_ids, window))
+    return sdpa(q, k_all, v_all, cp_mask(query_pos, key_pos, doc_ids, window) if mask is None else mask)
 
 
 def check_ulysses(num_heads: int, num_kv_heads: int, cp: int) -> None:
@@ -155,6 +156,7 @@ def ulysses_attention(
     gathered_pos: torch.Tensor | None = None,
     doc_ids: torch.Tensor | None = None,
     window: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses: all-to-all so each rank holds heads/cp query heads and kv_heads/cp kv heads over the
     whole row, attend, all-to-all back. Shapes as in `allgather_kv_attention`; gathered_pos [S] is the global
@@ -171,12 +173,18 @@ def ulysses_attention(
     _check_doc_ids(doc_ids, q.shape[0], seq)
     to_global = torch.argsort(gathered_pos)
     q_h, k_h, v_h = (_seq_to_heads(t, group, cp).index_select(2, to_global) for t in (q, k, v))
-    mask = None
-    if doc_ids is not None or (window is not None and window < seq):
-        pos = torch.arange(seq, device=q.device)
-        mask = cp_mask(pos, pos, doc_ids, window)
+    if mask is None:
+        mask = ulysses_mask(seq, doc_ids, window, q.device)
     out = sdpa(q_h, k_h, v_h, mask)
     return _heads_to_seq(out.index_select(2, gathered_pos), group, cp)
+
+
+def ulysses_mask(seq: int, doc_ids: torch.Tensor | None, window: int | None, device) -> torch.Tensor | None:
+    """The whole rows' mask after Ulysses' all-to-all (global order): None when plain causal will do."""
+    if doc_ids is None and (window is None or window >= seq):
+        return None
+    pos = torch.arange(seq, device=device)
+    return cp_mask(pos, pos, doc_ids, window)
 
 
 def _seq_to_heads(t: torch.Tensor, group: ProcessGroup, cp: int) -> torch.Tensor:
@@ -223,7 +231,10 @@ class _SplitForward:
     """One forward under context parallel: what `Attention.forward` calls as `ctx.cache.attend`."""
 
     def __init__(self, split: ContextParallel, seq: int, doc_ids, window, position_ids: torch.Tensor) -> None:
-        self.split, self.doc_ids, self.window = split, doc_ids, window
+        self.split, self.doc_ids, self.window, self.seq = split, doc_ids, window, seq
+        self.masks: dict[
+            bool, torch.Tensor | None
+        ] = {}  # made once per forward (full, sliding), not per layer
         index = local_indices(seq, split.cp, split.rank, position_ids.device)
         # Real tokens (not padding), as models.llama.model.real_tokens reads a whole row.
         if doc_ids is not None:
@@ -233,9 +244,18 @@ class _SplitForward:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool):
         s, window = self.split, self.window if sliding else None
+        if sliding not in self.masks:
+            if s.mode == "ulysses":
+                self.masks[sliding] = ulysses_mask(self.seq, self.doc_ids, window, q.device)
+            else:
+                query = local_indices(self.seq, s.cp, s.rank, q.device)
+                self.masks[sliding] = cp_mask(
+                    query, gathered_indices(self.seq, s.cp, q.device), self.doc_ids, window
+                )
+        mask = self.masks[sliding]
         if s.mode == "ulysses":
-            return ulysses_attention(q, k, v, s.group, s.cp, doc_ids=self.doc_ids, window=window)
-        return allgather_kv_attention(q, k, v, s.group, s.cp, s.rank, doc_ids=self.doc_ids, window=window)
+            return ulysses_attention(q, k, v, s.group, s.cp, doc_ids=self.doc_ids, window=window, mask=mask)
+        return allgather_kv_attention(q, k, v, s.group, s.cp, s.rank, doc_ids=self.doc_ids, mask=mask)
 
 
 def split_batch(batch, cp: int, rank: int):

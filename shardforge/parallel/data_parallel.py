@@ -54,7 +54,7 @@ def apply_data_parallel(
         model,
         process_group=dp_mesh.get_group(),
         device_ids=[device.index] if device.type == "cuda" else None,
-        broadcast_buffers=False,  # the only buffers are RoPE frequencies, identical everywhere
+        broadcast_buffers=False,  # RoPE frequencies and MoE expert biases: identical everywhere by design
     )
     _register_compression(ddp, parallel, dp_mesh)
     return ddp
@@ -80,16 +80,15 @@ def _fully_shard_experts(
     precision: str,
     device: torch.device,
 ) -> None:
-    """Each MoE layer's experts as an FSDP2 unit over `mesh` (edp). Their gradients already sum the tokens
-    of the whole ep group (the all-to-all's backward), each scaled by dp x cp / the global count like any
-    rank's loss: FSDP2 sums them over edp, so the average is over all dp x cp ranks, not edp."""
+    """Each MoE layer's experts as an FSDP2 unit over `mesh` (edp), averaging their gradients over it (the
+    experts' own 1 / ep scale makes that the average over all data-parallel ranks; a divide factor would
+    need a pre-multiplied reduction, which gloo lacks)."""
     mp, offload = _policies(parallel, precision, device)
     for block in model.blocks():
         experts = getattr(block.mlp, "experts", None)
         if experts is not None:
             fully_shard(experts, mesh=mesh, reshard_after_forward=dims.zero_stage == 3, mp_policy=mp,
                         offload_policy=offload)  # fmt: skip
-            experts.set_gradient_divide_factor(float(dims.averaged))
 
 
 def _fully_shard(

@@ -62,13 +62,14 @@ class ParallelDims:
                     f"divide {world_size}"
                 )
             shard = world_size // (replicate * rest)
-        if parallel.zero_stage >= 2 and rest == world_size > 1:
+        # Context-parallel ranks join the sharding (FSDP2 over dp_shard x cp).
+        if parallel.zero_stage >= 2 and rest == world_size > 1 and parallel.cp == 1:
             raise ConfigError(
                 f"parallel.zero_stage={parallel.zero_stage}: the {world_size} processes are all used by "
                 f"tp x pp x cp = {rest}, none is left to shard data-parallel states over; use zero_stage=0 "
                 f"or more processes"
             )
-        if parallel.zero_stage >= 2 and shard == 1 and world_size > 1:
+        if parallel.zero_stage >= 2 and shard * parallel.cp == 1 and world_size > 1:
             raise ConfigError(
                 f"parallel.zero_stage={parallel.zero_stage} with dp_shard=1 shards nothing (every rank is a "
                 f"replica): use zero_stage 0 or 1 for pure replication, or a dp_shard above 1"
@@ -83,10 +84,13 @@ class ParallelDims:
             parallel.zero_stage,
             world_size,
         )
-        if parallel.tp > 1 and replicate > 1 and parallel.zero_stage < 2:
+        # Gradients are reduced over replicas and context-parallel ranks: DDP there, unless FSDP2.
+        replicas = replicate * parallel.cp
+        if parallel.tp > 1 and replicas > 1 and parallel.zero_stage < 2:
             raise ConfigError(
-                f"parallel.tp={parallel.tp} with {replicate} data-parallel replicas needs FSDP2: set "
-                f"parallel.zero_stage to 2 or 3 (DDP and ZeRO-1 do not take tensor-parallel parameters)"
+                f"parallel.tp={parallel.tp} with {replicate} data-parallel replicas x cp={parallel.cp} needs "
+                f"FSDP2: set parallel.zero_stage to 2 or 3 (DDP and ZeRO-1 do not take tensor-parallel "
+                f"parameters)"
             )
         if parallel.pp > 1 and replicate > 1 and parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES:
             raise ConfigError(
@@ -94,10 +98,11 @@ class ParallelDims:
                 f"({replicate} replicas here): use 1f1b, gpipe or interleaved_1f1b with "
                 f"parallel.zero_stage 2 or 3, or use all {world_size} processes for pp x tp"
             )
-        if parallel.pp > 1 and replicate > 1 and parallel.zero_stage < 2:
+        if parallel.pp > 1 and replicas > 1 and parallel.zero_stage < 2:
             raise ConfigError(
-                f"parallel.pp={parallel.pp} with {replicate} data-parallel replicas needs FSDP2: set "
-                f"parallel.zero_stage to 2 or 3 (pipeline stages are sharded over the data-parallel ranks)"
+                f"parallel.pp={parallel.pp} with {replicate} data-parallel replicas x cp={parallel.cp} needs "
+                f"FSDP2: set parallel.zero_stage to 2 or 3 (pipeline stages are sharded over the "
+                f"data-parallel ranks)"
             )
         if (shard * parallel.cp) % parallel.ep:
             raise ConfigError(

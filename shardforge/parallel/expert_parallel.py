@@ -5,7 +5,8 @@ The ep ranks are a view of the ranks that already split the data (dp_shard x cp)
 occupy is unflattened into (edp, ep), ep innermost, so an ep group is neighbouring ranks and edp the ranks
 that hold the same experts. Expert weights become DTensors sharded over ep on dimension 0 (the expert
 index; replicated over tp as tensor parallel left them), so checkpoints hold whole [E, ...] tensors and
-resume on any ep; FSDP2 then shards them over edp (`data_parallel.py`). A layer routes its own tokens,
+resume on any ep; FSDP2 then shards them over edp (`data_parallel.py`), and their gradients are scaled by
+1 / ep so that edp's average equals the average over all data-parallel ranks. A layer routes its own tokens,
 sorts the choices by expert, sends each ep rank the rows of its experts, runs its own experts as one grouped
 matmul over what it received, and sends the results back, where the router weights apply.
 """
@@ -32,11 +33,14 @@ def expert_mesh(dims: ParallelDims, mesh: DeviceMesh | None) -> DeviceMesh | Non
     into (edp, ep); None without expert parallel."""
     if dims.ep == 1 or mesh is None:
         return None
-    split = "dp_shard"
-    if dims.cp > 1:
-        split = "dp_shard_cp"
-        mesh["dp_shard", "cp"]._flatten(split)
-    return mesh._unflatten(split, (dims.dp_shard * dims.cp // dims.ep, dims.ep), ("edp", "ep"))
+    sizes = (dims.dp_shard * dims.cp // dims.ep, dims.ep)
+    if dims.cp == 1:
+        return mesh._unflatten("dp_shard", sizes, ("edp", "ep"))
+    names = tuple(n for n in ("dp_shard", "cp") if dims.degrees()[n] > 1)
+    flat = mesh[names] if len(names) > 1 else mesh[names[0]]
+    if len(names) > 1:
+        flat = flat._flatten("_".join(names))
+    return flat._unflatten(flat.mesh_dim_names[0], sizes, ("edp", "ep"))
 
 
 def check_expert_parallel(cfg, dims: ParallelDims) -> None:
@@ -48,6 +52,11 @@ def check_expert_parallel(cfg, dims: ParallelDims) -> None:
         raise ConfigError(
             f"parallel.ep={dims.ep}: the model ({cfg.family}) has no experts to split; expert parallel is "
             f"for mixture-of-experts models (mixtral, qwen2_moe, qwen3_moe): keep parallel.ep=1"
+        )
+    if dims.cp > 1 and dims.tp > 1:
+        raise ConfigError(
+            f"parallel.ep={dims.ep} with both cp={dims.cp} and tp={dims.tp}: not supported (expert parallel "
+            f"composes with either); drop one of them"
         )
     if experts % dims.ep:
         valid = [d for d in range(1, experts + 1) if experts % d == 0 and (dims.dp_shard * dims.cp) % d == 0]
@@ -78,6 +87,10 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh
                                          stride=whole.stride())  # fmt: skip
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         experts.exchange = partial(exchange, group=group, ep=dims.ep)
+        # An expert's gradient sums the tokens of the whole ep group, each scaled like any rank's loss by
+        # dp x cp / the global count; data parallel then averages it over edp = dp x cp / ep ranks. The
+        # 1 / ep makes that the average over all dp x cp ranks, as for every other parameter.
+        experts.grad_scale = 1.0 / dims.ep
     return emesh
 
 
@@ -88,9 +101,11 @@ def exchange(experts: Experts, rows: torch.Tensor, dispatch: Dispatch, group, ep
     local = dispatch.counts.numel() // ep
     send = dispatch.counts.view(ep, local)  # per destination rank, per its expert
     received = funcol.all_to_all_single(send.reshape(-1), None, None, group).view(ep, local)
-    sizes_out, sizes_in = send.sum(1).tolist(), received.sum(1).tolist()
+    sizes = torch.cat([send.sum(1), received.sum(1)]).tolist()  # the one host sync: split sizes
+    sizes_out, sizes_in = sizes[:ep], sizes[ep:]
     arrived = funcol.all_to_all_single(rows, sizes_in, sizes_out, group)  # by source, then expert
-    expert_of = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(received.reshape(-1))
+    expert_of = torch.arange(local, device=rows.device).repeat(ep)
+    expert_of = expert_of.repeat_interleave(received.reshape(-1), output_size=sum(sizes_in))
     order = torch.argsort(expert_of, stable=True)
     ends = torch.cumsum(received.sum(0), 0).to(torch.int32)
     done = experts.run(arrived[order], ends)

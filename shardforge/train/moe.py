@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardforge.config.schema import MoESection
+from shardforge.errors import ConfigError
 from shardforge.models.moe import STAT_FIELDS, Balance, moe_layers
 from shardforge.parallel.dims import ParallelDims
 
@@ -36,11 +37,22 @@ class MoEBalancer:
         )
         for layer in self.layers:
             layer.balance = self.balance
+        # LoRA (linear layers only) and freeze tuning can leave the experts and routers untouched.
+        self.frozen = bool(self.layers) and not any(
+            p.requires_grad for p in self.layers[0].experts.parameters()
+        )
 
     @classmethod
     def build(cls, model: nn.Module, section: MoESection, model_config, dims: ParallelDims):
-        """A balancer for an MoE model; None for a dense one."""
-        return cls(model, section, model_config, dims) if getattr(model_config, "num_experts", 0) else None
+        """A balancer for an MoE model; None for a dense one (where setting method.moe is an error)."""
+        if getattr(model_config, "num_experts", 0):
+            return cls(model, section, model_config, dims)
+        if section != MoESection():
+            raise ConfigError(
+                f"method.moe is set, but the model ({model_config.family}) has no experts: remove it, or use "
+                f"a mixture-of-experts model (mixtral, qwen2_moe, qwen3_moe)"
+            )
+        return None
 
     def describe(self) -> str:
         b = self.balance
@@ -53,7 +65,10 @@ class MoEBalancer:
         )
         capacity = f"capacity factor {b.capacity_factor:g}" if b.capacity_factor else "dropless"
         z = f", z-loss x {b.z_loss_coef:g}" if b.z_loss_coef else ""
-        return f"MoE: {self.experts} experts, top {self.k}, {b.layers} MoE layers; {how}{z}; {capacity}"
+        frozen = "; experts and routers frozen (the method trains other weights)" if self.frozen else ""
+        return (
+            f"MoE: {self.experts} experts, top {self.k}, {b.layers} MoE layers; {how}{z}; {capacity}{frozen}"
+        )
 
     def begin_step(self, global_tokens: int, loss_scale: float | None) -> None:
         weight = self.dims.averaged / max(1, global_tokens) * (loss_scale or 1.0)

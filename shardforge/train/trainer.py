@@ -110,8 +110,8 @@ class Trainer:
         # the loss scaler's business (it lowers the scale); anything else non-finite is a bad step.
         if self.guard.allow(overflow or math.isfinite(grad_norm.item())):  # overflow: the scaler skips
             precision.step(self.optimizer, overflow)
-            if self.run.moe is not None:
-                self.run.moe.end_step(self.engine.dp_sum)
+        if self.run.moe is not None:  # the expert biases' update (also resets the step's loads)
+            self.run.moe.end_step(self.engine.dp_sum)
         if first:  # gradients exist before the step, optimizer states only after it
             self.memory = memory_report(self.engine.inner, self.optimizer) | {"grad_bytes": grads}
         self.step_lr = self.run.scheduler.get_last_lr()[0]  # the rate this step used

@@ -111,6 +111,7 @@ def four_ranks(setup):
     tmp, data, models = setup
     layouts = {
         "ep4_z3": ("many", dict(zero_stage=3, ep=4), 4, 1),
+        "ep2_edp2": ("many", dict(zero_stage=2, ep=2), 4, 1),  # 4 ranks: 2 hold each expert
         "ep2_tp2": ("qwen2", dict(zero_stage=3, ep=2, tp=2), 4, 2),
         "ep2_pp2": ("qwen2_mb2", dict(zero_stage=3, ep=2, pp=2, pp_microbatches=2), 4, 2),
     }
@@ -172,7 +173,7 @@ def test_two_rank_moe_layouts_match_one_process(two_ranks, reference, name):
     _assert_parity(run, reference[ref])
 
 
-@pytest.mark.parametrize("name", ["ep4_z3", "ep2_tp2", "ep2_pp2"])
+@pytest.mark.parametrize("name", ["ep4_z3", "ep2_edp2", "ep2_tp2", "ep2_pp2"])
 def test_four_rank_moe_layouts_match_one_process(four_ranks, reference, name):
     ref, run = four_ranks[0][name]
     assert "ep=" in run["layout"]

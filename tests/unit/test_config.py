@@ -75,9 +75,13 @@ def test_dump_is_resolved_and_reloadable(tmp_path):
     assert load_config(out) == cfg
 
 
-def test_parallel_layouts_not_built_yet_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"parallel.cp=2.*not available in this version"):
-        load_config(_write(tmp_path, GOOD), ["parallel.cp=2"])
+def test_layouts_that_cannot_combine_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"parallel.ep=2 .*zero_stage to 2 or 3"):
+        load_config(_write(tmp_path, GOOD), ["parallel.ep=2"])
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 with HSDP"):
+        load_config(
+            _write(tmp_path, GOOD), ["parallel.cp=2", "parallel.dp_replicate=2", "parallel.zero_stage=3"]
+        )
 
 
 def test_every_key_is_documented():

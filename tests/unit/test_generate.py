@@ -32,6 +32,16 @@ FAMILIES = {
     "mistral": dict(sliding_window=16),
     "qwen2": dict(tie_word_embeddings=True),
     "qwen3": {},  # with its q/k norms
+    # Mixtures of experts: 8 experts, top 2; Qwen2-MoE with its shared expert and a dense first layer
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[0],
+    ),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
 }
 PROMPT_LENGTHS = (5, 11, 20)
 

@@ -121,9 +121,9 @@ def test_expert_bias_steers_the_choice_but_not_the_weights():
     moe = SparseMoE(MoEShape(16, 8, 4, 2, False))
     torch.nn.init.normal_(moe.gate.weight)
     x = torch.randn(32, 16)
-    plain = moe.gate(x, choose_with_bias=True)
+    plain = moe.gate(x)
     moe.gate.bias[3] = 10.0  # expert 3 is now chosen by every token, with its unbiased probability
-    steered = moe.gate(x, choose_with_bias=True)
+    steered = moe.gate(x)
     assert (steered.experts == 3).any(-1).all() and not (plain.experts == 3).any(-1).all()
     probs = torch.softmax(x @ moe.gate.weight.detach().T, -1)
     torch.testing.assert_close(steered.weights, probs.gather(-1, steered.experts))

@@ -49,7 +49,7 @@ def test_global_batch_not_divisible_by_dp(tmp_path):
         ("parallel.offload=params", "offload=params needs sharded states: set parallel.zero_stage to 2 or 3"),
         ("parallel.grad_compression=fp16", None),
         ("parallel.backend=mpi2", "parallel.backend = 'mpi2'"),
-        ("parallel.cp=2", "not available in this version"),
+        ("parallel.cp_mode=ring", "parallel.cp_mode = 'ring'"),
     ],
 )
 def test_bad_parallel_settings(tmp_path, override, message):
@@ -97,3 +97,57 @@ def test_slurm_task_becomes_a_rank(monkeypatch):
     assert already_a_rank()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
     assert os.environ["MASTER_ADDR"] == "10.0.0.7" and os.environ["MASTER_PORT"] == "29500"
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "world", "message"),
+    [
+        ("tiny-llama", ["parallel.ep=2", "parallel.zero_stage=3"], 2,
+         r"no experts to split.*keep parallel\.ep=1"),
+        ("tiny-mixtral", ["parallel.ep=3", "parallel.zero_stage=3"], 3, r"ep=3 does not divide the model's 8 "
+         r"experts \(valid here: 1\)"),
+        ("tiny-mixtral", ["parallel.ep=4", "parallel.zero_stage=3"], 2,
+         r"ep=4 must divide dp_shard \(2\) x cp"),
+        ("tiny-llama", ["parallel.cp=2", "method.stage=dpo"], 2, r"cp=2 with method\.stage=dpo"),
+        ("tiny-llama", ["parallel.cp=2", "data.max_length=126"], 2, r"max_length must be a multiple of 4 "
+         r"\(it is 126; e\.g\. 124\)"),
+        ("tiny-llama", ["parallel.cp=2", "parallel.tp=2", "parallel.zero_stage=3", "data.max_length=100"], 4,
+         r"multiple of 8"),
+        ("tiny-llama", ["parallel.cp=4", "parallel.cp_mode=ulysses"], 4, r"cp_mode: ulysses.*kv"),
+    ],
+)  # fmt: skip
+def test_expert_and_context_parallel_preflight(tmp_path, preset, overrides, world, message):
+    """Checked with the model's shape before any process starts: what does not fit names the key, the value
+    and what would."""
+    from shardforge.models.build import model_source
+    from shardforge.train.layout import check_layout
+
+    base = tiny_config(tmp_path, tmp_path / "x.jsonl", model={"preset": preset})
+    cfg = load_config(None, overrides, base=base)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(cfg, world, model_source(cfg.model)[0])
+
+
+@pytest.mark.parametrize(
+    ("example", "overrides", "world"),
+    [
+        ("moe_qwen3.yaml", [], 1),
+        ("moe_qwen3.yaml", ["parallel.ep=2", "parallel.tp=2"], 4),
+        ("long_context_cp.yaml", [], 2),
+        ("long_context_cp.yaml", ["parallel.cp_mode=ulysses"], 2),
+    ],
+)
+def test_the_moe_and_long_context_examples_pass_their_checks(example, overrides, world):
+    """The example configs as their comments launch them (the runs themselves: the dist tests' layouts)."""
+    from pathlib import Path
+
+    from shardforge.models.build import model_source
+    from shardforge.train.layout import check_layout
+
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config(repo / "examples" / example, overrides)
+    cfg = cfg.model_copy(
+        update={"model": cfg.model.model_copy(update={"tokenizer": str(repo / cfg.model.tokenizer)})}
+    )
+    dims, _, _ = check_layout(cfg, world, model_source(cfg.model)[0])
+    assert dims.world_size == world

@@ -112,7 +112,7 @@ def test_bad_pipeline_config_is_refused_with_the_key(tmp_path, overrides, messag
 
 
 def test_pipeline_with_replicas_needs_fsdp():
-    with pytest.raises(ConfigError, match=r"parallel.pp=2 with 2 data-parallel replicas needs FSDP2"):
+    with pytest.raises(ConfigError, match=r"parallel.pp=2 with 2 data-parallel replicas x cp=1 needs FSDP2"):
         ParallelDims.from_config(ParallelSection(pp=2), 4)
     dims = ParallelDims.from_config(ParallelSection(pp=2, tp=2, zero_stage=2), 8)
     assert dims.describe().startswith("pp=2 x dp_shard=2 x tp=2")

@@ -12,6 +12,7 @@ writes either layout (`per_expert`, the default, or `fused`), and transformers r
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import replace
 
 import torch
@@ -24,7 +25,6 @@ from shardforge.models.llama.model import MLP
 from shardforge.models.moe import MoEShape, SparseMoE
 from shardforge.models.spec import Slot
 
-EXPERT_LAYOUTS = ("per_expert", "fused")
 _PROJECTIONS = {  # per-expert names: (gate, up, down)
     "mixtral": ("w1", "w3", "w2"),
     "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
@@ -141,7 +141,14 @@ def tensors_to_hf(key: str, tensor: torch.Tensor, layout: str, family: str) -> l
     if moe is None:
         return [(hf_adapter.key_to_hf(key), tensor)]
     layer, name = moe.group(1), moe.group(2)
-    if name == "gate.bias":
+    if name == "gate.bias":  # transformers' Mixtral / Qwen MoE routers have no expert bias
+        if tensor.abs().max() > 0:
+            warnings.warn(
+                f"layer {layer}'s router has a trained expert bias (method.moe.balance: bias), which "
+                f"transformers' {family} has no place for: the exported folder chooses experts without it "
+                f"(shardforge's own checkpoints keep it)",
+                stacklevel=2,
+            )
         return []
     if layout == "fused":
         return [(f"model.{key}", tensor)]
