@@ -246,16 +246,22 @@ class _SplitForward:
         s, window = self.split, self.window if sliding else None
         if sliding not in self.masks:
             if s.mode == "ulysses":
-                self.masks[sliding] = ulysses_mask(self.seq, self.doc_ids, window, q.device)
+                mask = ulysses_mask(self.seq, self.doc_ids, window, q.device)
             else:
                 query = local_indices(self.seq, s.cp, s.rank, q.device)
-                self.masks[sliding] = cp_mask(
-                    query, gathered_indices(self.seq, s.cp, q.device), self.doc_ids, window
-                )
+                mask = cp_mask(query, gathered_indices(self.seq, s.cp, q.device), self.doc_ids, window)
+            # Additive, in the queries' dtype: SDPA would otherwise convert a boolean mask in every layer
+            # and keep each converted copy for backward.
+            self.masks[sliding] = None if mask is None else _additive(mask, q.dtype)
         mask = self.masks[sliding]
         if s.mode == "ulysses":
             return ulysses_attention(q, k, v, s.group, s.cp, doc_ids=self.doc_ids, window=window, mask=mask)
         return allgather_kv_attention(q, k, v, s.group, s.cp, s.rank, doc_ids=self.doc_ids, mask=mask)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as SDPA's additive one: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def split_batch(batch, cp: int, rank: int):

@@ -60,7 +60,18 @@ class MetricsWriter:
             self._tb.close()
 
 
-_CONSOLE_KEYS = ("step", "loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "epoch")
+_CONSOLE_KEYS = (
+    "step",
+    "loss",
+    "eval_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "epoch",
+    "moe_aux_loss",
+    "moe_load_max",
+)
 
 
 class MetricsProcessor:
