@@ -182,3 +182,26 @@ def test_training_logs_routing_statistics(tmp_path):
     aux = records["aux"]
     assert aux["moe_aux_loss"] > 1.0 and aux["moe_load_max"] >= 1.0 >= aux["moe_load_min"]
     assert aux["moe_dropped"] == 0.0 and records["capacity"]["moe_dropped"] > 0.05
+
+
+def test_qwen_sparse_step_and_dense_layers_load_as_transformers_builds_them(tmp_path):
+    """decoder_sparse_step=2 makes layers 1 and 3 sparse, mlp_only_layers=[3] keeps 3 dense: our model has
+    dense MLPs exactly where transformers does, the same logits, and exports the same layer set."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        decoder_sparse_step=2, mlp_only_layers=[3],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = Qwen3MoeForCausalLM(config).eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf")
+    assert [type(b.mlp).__name__ for b in ours.layers] == ["MLP", "SparseMoE", "MLP", "MLP"]
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-4)
+    exported = AutoModelForCausalLM.from_pretrained(save_model(ours, tmp_path / "ours")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, theirs(ids).logits, rtol=0, atol=1e-5)
