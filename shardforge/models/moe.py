@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -269,8 +270,6 @@ class SparseMoE(nn.Module):
 
 
 def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
-    import torch.distributed as dist
-
     t = t.clone()
     dist.all_reduce(t, group=group)
     return t

@@ -32,16 +32,6 @@ from shardforge.models.attention import sdpa
 from shardforge.models.llama.model import AttentionContext
 from shardforge.models.moe import moe_layers
 
-__all__ = [
-    "allgather_kv_attention",
-    "check_ulysses",
-    "cp_mask",
-    "gathered_indices",
-    "local_indices",
-    "shard_sequence",
-    "ulysses_attention",
-]
-
 
 def local_indices(seq_len: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The global sequence indices rank `rank` holds, in its local order (int64 [seq_len // cp]): chunks

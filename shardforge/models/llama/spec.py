@@ -1,4 +1,5 @@
-"""Register the Llama-family specs: one model class, four HF flavours."""
+"""Register the Llama-family specs: one model class, seven HF flavours (three of them mixtures of experts,
+whose MLP factory, config fields and expert keys come from moe_adapter)."""
 
 from __future__ import annotations
 
@@ -10,49 +11,31 @@ from shardforge.models.llama.model import Decoder
 from shardforge.models.llama.plan import tensor_parallel_plan
 from shardforge.models.spec import ModelSpec, register
 
-_FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
+_FAMILIES = {  # model_type: (architecture, a mixture of experts)
+    "llama": ("LlamaForCausalLM", False),
+    "mistral": ("MistralForCausalLM", False),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+    "mixtral": ("MixtralForCausalLM", True),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", True),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", True),
 }
 
-for _family, _arch in _FAMILIES.items():
+for _family, (_arch, _moe) in _FAMILIES.items():
+    _adapter = moe_adapter if _moe else hf_adapter
     register(
         ModelSpec(
             name=_family,
             model_type=_family,
             architecture=_arch,
             model_cls=Decoder,
-            config_from_hf=partial(hf_adapter.config_from_hf, family=_family),
-            hf_config_from=partial(hf_adapter.hf_config_from, model_type=_family, architecture=_arch),
-            key_to_hf=hf_adapter.key_to_hf,
-            key_from_hf=hf_adapter.key_from_hf,
+            config_from_hf=partial(_adapter.config_from_hf, family=_family),
+            hf_config_from=partial(_adapter.hf_config_from, model_type=_family, architecture=_arch),
+            key_to_hf=_adapter.key_to_hf,
+            key_from_hf=partial(moe_adapter.key_from_hf, family=_family) if _moe else hf_adapter.key_from_hf,
             costs=costs,
             tp_plan=tensor_parallel_plan,
-        )
-    )
-
-_MOE_FAMILIES = {
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-
-for _family, _arch in _MOE_FAMILIES.items():
-    register(
-        ModelSpec(
-            name=_family,
-            model_type=_family,
-            architecture=_arch,
-            model_cls=Decoder,
-            config_from_hf=partial(moe_adapter.config_from_hf, family=_family),
-            hf_config_from=partial(moe_adapter.hf_config_from, model_type=_family, architecture=_arch),
-            key_to_hf=moe_adapter.key_to_hf,
-            key_from_hf=partial(moe_adapter.key_from_hf, family=_family),
-            costs=costs,
-            tp_plan=tensor_parallel_plan,
-            mlp=moe_adapter.moe_mlp,
-            split_to_hf=partial(moe_adapter.tensors_to_hf, family=_family),
+            mlp=moe_adapter.moe_mlp if _moe else None,
+            split_to_hf=partial(moe_adapter.tensors_to_hf, family=_family) if _moe else None,
         )
     )
