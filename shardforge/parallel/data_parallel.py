@@ -108,10 +108,18 @@ def _fully_shard(
 
 
 def fully_shard_frozen(
-    model: nn.Module, mesh: DeviceMesh, parallel: ParallelSection, precision: str, device: torch.device
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    parallel: ParallelSection,
+    precision: str,
+    device: torch.device,
+    experts_mesh: DeviceMesh | None = None,
 ) -> None:
-    """FSDP2 over a model that never trains (a reference model): ZeRO-3's sharding, every unit resharded
-    after its forward, since no backward will want it gathered."""
+    """FSDP2 over a model that never trains (a reference model): ZeRO-3's sharding (experts over edp under
+    expert parallel), every unit resharded after its forward, since no backward will want it gathered."""
+    if experts_mesh is not None:
+        _fully_shard_experts(model, experts_mesh["edp"], dims, parallel, precision, device)
     _fully_shard(model, mesh, 3, parallel, precision, device)
     model.set_reshard_after_forward(True)  # the root too (the trained model keeps its root gathered)
 

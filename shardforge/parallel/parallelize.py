@@ -76,14 +76,15 @@ def lay_out_frozen(
     model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, config: Config, device: torch.device
 ) -> nn.Module:
     """A model that only runs forward beside the trained one (a reference model), sharded as the trained
-    one is: tensor parallel with the same plan, FSDP2 over the same data-parallel mesh (parameters gathered
-    per block for its forward, freed after), replicated under DDP; no gradients, no optimizer state. Not
-    for a pipeline: its stages run chunks of the batch on parts of the model."""
+    one is: tensor parallel with the same plan, expert parallel, FSDP2 over the same data-parallel mesh
+    (parameters gathered per block for its forward, freed after), replicated under DDP; no gradients, no
+    optimizer state. Not for a pipeline: its stages run chunks of the batch on parts of the model."""
     parallel = config.parallel
     apply_tensor_parallel(model, dims, mesh, parallel)
+    experts_mesh = apply_expert_parallel(model, dims, mesh)
     dp_mesh = dims.dp_mesh(mesh)
     if dims.sharded and dp_mesh is not None:
-        fully_shard_frozen(model, dp_mesh, parallel, config.train.precision, device)
+        fully_shard_frozen(model, dims, dp_mesh, parallel, config.train.precision, device, experts_mesh)
     return model
 
 
