@@ -111,23 +111,21 @@ def sort_by_expert(
     experts), and padding takes no capacity. Dropless, padding is computed like any token (no host sync)."""
     k = routing.experts.shape[-1]
     chosen = routing.experts.reshape(-1)
+    if capacity is not None and real is not None:  # padding's choices: a group past the last expert
+        chosen = torch.where(real.repeat_interleave(k), chosen, experts)
+    order = torch.argsort(chosen, stable=True)
+    counts = torch.bincount(chosen, minlength=experts + 1)[:experts]
     dropped = chosen.new_zeros((), dtype=torch.float32)
-    if capacity is not None:
-        if real is not None:  # padding's choices go to a group past the last expert, cut off below
-            chosen = torch.where(real.repeat_interleave(k), chosen, experts)
-        order = torch.argsort(chosen, stable=True)
-        counts = torch.bincount(chosen, minlength=experts + 1)[:experts]
+    if capacity is not None:  # each expert's first `capacity` rows; padding's group is cut off too
+        sorted_experts = chosen[order]
         starts = torch.cumsum(counts, 0) - counts
-        in_expert = chosen[order] < experts
         rank_in_expert = (
-            torch.arange(order.numel(), device=order.device) - starts[chosen[order].clamp(max=experts - 1)]
+            torch.arange(order.numel(), device=order.device) - starts[sorted_experts.clamp(max=experts - 1)]
         )
+        in_expert = sorted_experts < experts
         keep = in_expert & (rank_in_expert < capacity)
         dropped = (in_expert & ~keep).sum().float()
         order, counts = order[keep], counts.clamp(max=capacity)
-    else:
-        order = torch.argsort(chosen, stable=True)
-        counts = torch.bincount(chosen, minlength=experts)
     ends = torch.cumsum(counts, 0).to(torch.int32)
     return Dispatch(order, k, counts, ends, routing.weights.reshape(-1)[order], dropped)
 
@@ -265,8 +263,9 @@ class SparseMoE(nn.Module):
 
     def record(self, stats: torch.Tensor) -> None:
         self.window = stats if self.window is None else self.window + stats
-        picks = stats[: self.shape.experts]
-        self.step_picks = picks if self.step_picks is None else self.step_picks + picks
+        if self.balance.bias_rate:  # the step's loads, for the expert bias's update
+            picks = stats[: self.shape.experts]
+            self.step_picks = picks if self.step_picks is None else self.step_picks + picks
 
 
 def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch.distributed.distributed_c10d import ProcessGroup
 
 from shardforge.errors import ConfigError
 from shardforge.models.attention import sdpa
-from shardforge.models.llama.model import AttentionContext
+from shardforge.models.llama.model import AttentionContext, real_tokens
 from shardforge.models.moe import moe_layers
 
 
@@ -222,15 +222,10 @@ class _SplitForward:
 
     def __init__(self, split: ContextParallel, seq: int, doc_ids, window, position_ids: torch.Tensor) -> None:
         self.split, self.doc_ids, self.window, self.seq = split, doc_ids, window, seq
-        self.masks: dict[
-            bool, torch.Tensor | None
-        ] = {}  # made once per forward (full, sliding), not per layer
+        self.masks: dict[bool, torch.Tensor | None] = {}  # (full, sliding), made once per forward
         index = local_indices(seq, split.cp, split.rank, position_ids.device)
-        # Real tokens (not padding), as models.llama.model.real_tokens reads a whole row.
-        if doc_ids is not None:
-            self.tokens = doc_ids.index_select(1, index) >= 0
-        else:
-            self.tokens = (position_ids > 0) | (index == 0)[None, :]
+        local_docs = None if doc_ids is None else doc_ids.index_select(1, index)
+        self.tokens = real_tokens(position_ids, local_docs, index)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool):
         s, window = self.split, self.window if sliding else None

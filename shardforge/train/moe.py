@@ -79,12 +79,12 @@ class MoEBalancer:
     def end_step(self, dp_sum: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Aux-loss-free balancing: each layer's bias moves by the rate towards under-loaded experts, from
         the step's loads over all data-parallel ranks (the same on every rank)."""
-        if not self.layers:
+        if not self.balance.bias_rate or not self.layers:
             return
         picks = [layer.step_picks for layer in self.layers]
         for layer in self.layers:
             layer.step_picks = None
-        if not self.balance.bias_rate or any(p is None for p in picks):
+        if any(p is None for p in picks):  # no training forward this step
             return
         loads = dp_sum(torch.stack(picks))
         for layer, load in zip(self.layers, loads, strict=True):

@@ -184,13 +184,17 @@ class AttentionContext:
     tokens: torch.Tensor | None = None  # [b, s] True at real tokens (set for MoE models: real_tokens)
 
 
-def real_tokens(position_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
+def real_tokens(
+    position_ids: torch.Tensor, doc_ids: torch.Tensor | None, columns: torch.Tensor | None = None
+) -> torch.Tensor:
     """Which positions hold tokens rather than padding, as collate lays rows out: padding has document id
-    -1 in packed rows, and position 0 after a row's first column in rows of one document."""
+    -1 in packed rows, and position 0 after a row's first column in rows of one document. `columns`: the
+    positions' columns in their whole rows (a context-parallel rank holds parts of rows)."""
     if doc_ids is not None:
         return doc_ids >= 0
-    column = torch.arange(position_ids.shape[1], device=position_ids.device)
-    return (position_ids > 0) | (column == 0)
+    if columns is None:
+        columns = torch.arange(position_ids.shape[1], device=position_ids.device)
+    return (position_ids > 0) | (columns == 0)
 
 
 def attention_context(

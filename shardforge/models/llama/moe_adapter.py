@@ -138,9 +138,9 @@ def tensors_to_hf(key: str, tensor: torch.Tensor, layout: str, family: str) -> l
     """The HF tensors for one of ours: an expert tensor split per expert in the per-expert layout (under
     Mixtral's `block_sparse_moe`, which also holds its router); the expert-choice bias stays ours."""
     moe = _OURS.match(key)
-    if moe is None:
-        return [(hf_adapter.key_to_hf(key), tensor)]
-    layer, name = moe.group(1), moe.group(2)
+    layer, name = moe.groups()[:2] if moe else (None, None)
+    if moe is None or (layout == "fused" and name != "gate.bias"):
+        return [(key_to_hf(key), tensor)]
     if name == "gate.bias":  # transformers' Mixtral / Qwen MoE routers have no expert bias
         if tensor.abs().max() > 0:
             warnings.warn(
@@ -150,19 +150,19 @@ def tensors_to_hf(key: str, tensor: torch.Tensor, layout: str, family: str) -> l
                 stacklevel=2,
             )
         return []
-    if layout == "fused":
-        return [(f"model.{key}", tensor)]
     block = f"model.layers.{layer}.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}"
     gate, up, down = _PROJECTIONS[family]
-    if name == "experts.gate_up_proj":
-        half = tensor.shape[1] // 2
+    if name == "experts.gate_up_proj":  # per expert: the gate's rows, then the up projection's
         out = []
-        for e in range(tensor.shape[0]):
-            out += [(f"{block}.experts.{e}.{gate}.weight", tensor[e, :half])]
-            out += [(f"{block}.experts.{e}.{up}.weight", tensor[e, half:])]
+        for e, weight in enumerate(tensor):
+            first, second = weight.chunk(2)
+            out += [
+                (f"{block}.experts.{e}.{gate}.weight", first),
+                (f"{block}.experts.{e}.{up}.weight", second),
+            ]
         return out
     if name == "experts.down_proj":
         return [(f"{block}.experts.{e}.{down}.weight", tensor[e]) for e in range(tensor.shape[0])]
     if name == "gate.weight":
         return [(f"{block}.gate.weight", tensor)]
-    return [(f"model.{key}", tensor)]
+    return [(key_to_hf(key), tensor)]
