@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import sys
@@ -21,11 +22,13 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config, args.overrides)  # a bad config fails here, before torch is imported
     if (args.nproc > 1 or args.max_restarts > 0) and not already_a_rank(translate=False):
         from shardforge.models.build import model_source
-        from shardforge.train.layout import check_layout
+        from shardforge.planner.preflight import preflight
 
         # Restarts need the elastic agent, even for a single process.
         # Layout errors surface here, once, before any process starts.
-        check_layout(config, args.nproc, model_source(config.model)[0])
+        _, dims, _, _, estimate = preflight(config, args.nproc, model_source(config.model)[0])
+        if config.parallel.auto:
+            console.print(f"parallel: auto chose {estimate.layout.describe()} on {dims.world_size} ranks")
         argv = (["--debug"] if args.debug else []) + ["train", args.config, *args.overrides]
         return launch_local(args.nproc, args.max_restarts, argv)
     from shardforge.train.trainer import train
@@ -37,6 +40,46 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         f"run folder {result.run_dir}"
     )
     return 0
+
+
+def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    import json
+
+    from shardforge.config import load_config
+    from shardforge.planner.hardware import PRESETS
+
+    if args.list_hardware:
+        for name, d in PRESETS.items():
+            peaks = ", ".join(f"{k} {v / 1e12:.4g}" for k, v in d.peak.items())
+            console.print(f"{name:<12} {d.description}; TFLOP/s {peaks}", highlight=False)
+        return 0
+    if args.config is None:
+        raise SystemExit("shardforge plan: give a config (or --list-hardware)")
+    from shardforge.models.build import check_model_source, load_tokenizer
+    from shardforge.planner.hardware import cluster_for
+    from shardforge.planner.report import as_json, table
+    from shardforge.planner.search import Planner
+
+    overrides = [*args.overrides]
+    flags = {"preset": args.hardware, "nodes": args.nodes, "devices_per_node": args.devices_per_node}
+    overrides += [f"hardware.{k}={v}" for k, v in flags.items() if v is not None]
+    config = load_config(args.config, overrides)
+    shape = check_model_source(config.model, weights=False)  # the shape is all a plan needs
+    if config.model.preset is not None:
+        shape = dataclasses.replace(shape, vocab_size=len(load_tokenizer(config.model)))
+    hardware = config.hardware
+    world = hardware.nodes * (hardware.devices_per_node or args.nproc)
+    plan = Planner(config, shape, cluster_for(hardware, world)).search(keep=args.top)
+    if args.json:
+        print(json.dumps(as_json(plan), indent=1))
+    elif not plan.ranked:
+        console.print(f"[red]no layout fits[/]: {plan.rejected}")
+        for kind, c in plan.examples.items():
+            console.print(f"  {kind}: {c.layout.describe()}: {c.rejected}", highlight=False)
+        return 1
+    else:
+        table(plan, console)
+    return 0 if plan.ranked else 1
 
 
 def _cmd_export(args: argparse.Namespace, console: Console) -> int:
@@ -74,7 +117,7 @@ def _cmd_env(args: argparse.Namespace, console: Console) -> int:
 
     from shardforge import __version__
     from shardforge.models import preset_names, supported
-    from shardforge.train.peak import peak_flops
+    from shardforge.planner.peak import peak_flops
 
     rows = [
         ("shardforge", __version__),
@@ -259,6 +302,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=_at_least(0), default=0, help="restart the job this often after a failure"
     )
     p_train.set_defaults(func=_cmd_train)
+    p_plan = sub.add_parser(
+        "plan",
+        help="choose a parallel layout: memory and step time of the best ones, and why (docs/planner.md)",
+    )
+    p_plan.add_argument("config", nargs="?", help="path to the YAML config")
+    p_plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.max_length=8192")
+    p_plan.add_argument("--hardware", help="a device preset (see --list-hardware); default: this machine's")
+    p_plan.add_argument("--nodes", type=_at_least(1), help="nodes of the cluster planned for")
+    p_plan.add_argument("--devices-per-node", type=_at_least(1), help="devices per node")
+    p_plan.add_argument("--nproc", type=_at_least(1), default=1, help="processes here, without --nodes")
+    p_plan.add_argument("--top", type=_at_least(1), default=5, help="layouts shown")
+    p_plan.add_argument("--json", action="store_true", help="machine-readable output")
+    p_plan.add_argument("--list-hardware", action="store_true", help="the device presets and their figures")
+    p_plan.set_defaults(func=_cmd_plan)
     p_export = sub.add_parser(
         "export", help="write a training checkpoint (any layout) as a Hugging Face folder, in one process"
     )

@@ -188,8 +188,11 @@ ZERO_BUBBLE_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
 
 
 class ParallelSection(Section):
-    """Parallel layout. Degrees multiply to the world size; -1 on dp_shard means "the rest of the world"."""
+    """Parallel layout. Degrees multiply to the world size; -1 on dp_shard means "the rest of the world".
+    auto: the planner chooses every degree, ZeRO stage, checkpointing, offload and the micro-batch (for the
+    same global batch) at launch; `parallel: auto` in YAML is short for `parallel: {auto: true}`."""
 
+    auto: bool = False
     dp_replicate: int = Field(default=1, ge=1)
     dp_shard: int = Field(default=-1, ge=-1)
     tp: int = Field(default=1, ge=1)
@@ -321,13 +324,30 @@ class LogSection(Section):
 
 
 class HardwareSection(Section):
+    """The devices a run uses, and the cluster the planner plans for (planner/hardware.py): a preset's
+    figures (None: the device this process sees), with any of them overridden."""
+
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_flops: float | None = Field(default=None, gt=0)
     threads: int | None = Field(default=None, ge=1)
+    preset: str | None = None  # h100, h200, a100-40, a100-80, l40s, h20, ascend-910b, cpu
+    nodes: int = Field(default=1, ge=1)
+    devices_per_node: int | None = Field(default=None, ge=1)  # None: the processes / nodes
+    memory_gib: float | None = Field(default=None, gt=0)  # per device
+    intra_node_gbps: float | None = Field(default=None, gt=0)  # GB/s per device and direction
+    inter_node_gbps: float | None = Field(default=None, gt=0)
 
 
 class Config(Section):
     output_dir: str = "runs/default"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parallel_auto(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("parallel") == "auto":
+            return {**data, "parallel": {"auto": True}}
+        return data
+
     model: ModelSection
     data: DataSection
     method: MethodSection = MethodSection()

@@ -23,9 +23,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def check_model_source(model: ModelSection) -> Any:
+def check_model_source(model: ModelSection, weights: bool = True) -> Any:
     """Fail fast (before the data is read) on a missing folder, a missing config.json, an unsupported family
-    or an unknown preset. Returns the model's shape (our config; a preset's vocabulary is not known yet)."""
+    or an unknown preset. Returns the model's shape (our config; a preset's vocabulary is not known yet).
+    `weights=False`: the shape is all that is needed (planning), config.json alone will do."""
     if model.preset is not None:
         return preset_config(model.preset, vocab_size=1)
     folder = Path(model.path)
@@ -34,7 +35,8 @@ def check_model_source(model: ModelSection) -> Any:
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"))
     try:  # a folder with config.json alone is a clear error here, not a surprise later
-        weight_files(folder)
+        if weights:
+            weight_files(folder)
     except ModelError as exc:
         raise ModelError(
             f"model.path: {exc} (a model folder needs its weights besides config.json)"

@@ -49,9 +49,18 @@ class ActivationBytes:
     per_token: float  # the blocks, the embedding output, RoPE tables, the final norm
     per_scored: float  # the fused LM head and log-probabilities (models/head.py), per scored position
     fixed: float = 0.0  # whatever the batch: the fused head's weight gradient, made in the forward
+    layers: tuple[float, ...] = ()  # per token, each decoder layer's share of per_token (pipeline stages)
+    tail: float = 0.0  # per token, the final norm's share (the last pipeline stage's)
 
     def total(self, tokens: int, scored: int) -> float:
         return tokens * self.per_token + scored * self.per_scored + self.fixed
+
+    def stage(self, layers: tuple[int, ...], last: bool) -> ActivationBytes:
+        """What a pipeline stage holding these decoder layers keeps (each stage makes its own RoPE tables;
+        the last one runs the final norm and the head)."""
+        shared = self.per_token - sum(self.layers) - self.tail
+        per_token = shared + sum(self.layers[i] for i in layers) + self.tail * last
+        return ActivationBytes(per_token, self.per_scored * last, self.fixed * last, (), 0.0)
 
 
 def causal_pairs(lengths: Iterable[int]) -> int:

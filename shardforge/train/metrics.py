@@ -136,6 +136,8 @@ class MetricsProcessor:
             **memory_bytes(self.device),
             **self.first_record,
         )
+        if "planned_step_time_s" in self.first_record:
+            record["step_time_ratio"] = record["step_time_s"] / self.first_record["planned_step_time_s"]
         self.first_record = {}
         if mfu > 1:
             self.warn(

@@ -44,11 +44,11 @@ from shardforge.parallel.engine import Engine
 from shardforge.parallel.parallelize import lay_out_frozen, parallelize
 from shardforge.parallel.pipeline_plan import PipelinePlan, split_for_pipeline
 from shardforge.parallel.tensor_parallel import padded_vocab
-from shardforge.train.layout import check_layout
+from shardforge.planner.peak import model_gemm_shapes, peak_flops
+from shardforge.planner.preflight import preflight
 from shardforge.train.metrics import MetricsProcessor, MetricsWriter
 from shardforge.train.moe import MoEBalancer
 from shardforge.train.optim import build_optimizer, build_scheduler
-from shardforge.train.peak import peak_flops
 from shardforge.train.precision import Precision
 from shardforge.train.reference import precompute_reference
 from shardforge.train.runtime import pick_device, seed_everything
@@ -105,6 +105,7 @@ class Run:
     costs: CostModel  # the family's cost model of this model (parameters, FLOPs)
     trained: float = 1.0  # the share of the parameters that train (LoRA adapters, unfrozen layers)
     moe: MoEBalancer | None = None  # an MoE model's balancing and routing statistics
+    estimate: Any = None  # the planner's estimate of this layout (planner.search.Candidate), where it has one
 
 
 def build_run(config: Config, console: Console, objective: Objective | None = None) -> Run:
@@ -112,7 +113,8 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     cfg = config
     world = world_size_from_env()
     shape, tokenizer = model_source(cfg.model)
-    dims, grad_accum, plan = check_layout(cfg, world, shape)
+    auto = cfg.parallel.auto
+    cfg, dims, grad_accum, plan, estimate = preflight(cfg, world, shape)
     device = pick_device(cfg.hardware.device, local_rank_from_env())
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
@@ -126,6 +128,10 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     mesh = dims.build_mesh(device.type, datetime.timedelta(minutes=cfg.parallel.timeout_minutes))
     is_main = not dist.is_initialized() or dist.get_rank() == 0
     console = console if is_main else console_for(quiet=True)
+    if auto:
+        console.print(
+            f"parallel: auto chose {estimate.layout.describe()} ({' '.join(estimate.layout.overrides())})"
+        )
     seed_everything(cfg.train.seed)
     if is_main:
         dump_config(cfg, run_dir / "config.yaml")
@@ -196,7 +202,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout, warn)
     # Only rank 0 logs MFU, so only it probes: the other ranks wait at their first collective meanwhile
     # instead of competing for the cores the probe measures.
-    shapes = _gemm_shapes(model_config, cfg.train.micro_batch * cfg.data.max_length, dims.tp)
+    shapes = model_gemm_shapes(model_config, cfg.train.micro_batch * cfg.data.max_length, dims.tp)
     peak = (
         peak_flops(device, precision.dtype, cfg.hardware.peak_flops, shapes)
         if is_main
@@ -206,6 +212,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         cfg, console, run_dir, device, dims, mesh, plan, is_main, owns, tokenizer, objective, precision,
         train_rows, eval_rows, model_config, engine, optimizer, scheduler, checkpoints, source, grad_accum,
         global_batch, total, multiple, peak, spec_for(model_config.family).costs(model_config), trained, moe,
+        estimate,
     )  # fmt: skip
 
 
@@ -353,12 +360,6 @@ def _encoding_identity(tokenizer: Any, objective: Objective, cfg: Config) -> dic
         "objective": (objective.name, objective.group_size, objective.reads_text, cfg.method.model_dump()),
         "code": code_fingerprint(code),
     }
-
-
-def _gemm_shapes(model_config: Any, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """(m, k, n) of the model's main matmuls for a micro-batch on one rank: where the CPU peak is measured."""
-    h, i = model_config.hidden_size, model_config.intermediate_size // tp
-    return [(tokens, h, i), (tokens, i, h), (tokens, h, h // tp)]
 
 
 def _describe_rows(rows: RowSet, cfg: Config) -> str:

@@ -19,6 +19,7 @@ from shardforge.data.batch_source import GlobalBatchLoader
 from shardforge.objectives import Objective
 from shardforge.parallel.distributed import shutdown
 from shardforge.parallel.memory import memory_report
+from shardforge.planner.compare import planned_vs_measured
 from shardforge.train.evaluation import evaluate
 from shardforge.train.guard import NonFiniteGuard
 from shardforge.train.metrics import progress_bar
@@ -177,10 +178,8 @@ class Trainer:
                 self.step, is_last = step, step == self.total_steps
                 self._phase("waiting for this step's batch (data preparation)")
                 sums, grad_norm, counts = self.train_step()
-                if step == self.start_step + 1:  # measured in the first step; logged in the first record
-                    mib = {k: f"{v / 2**20:.1f} MiB" for k, v in self.memory.items()}
-                    self.console.print(f"model-state memory on rank 0 after step {step}: {mib}")
-                    metrics.first_record.update(self.memory)
+                if step == self.start_step + 1:  # measured in the first step, next to the planner's estimate
+                    metrics.first_record.update(planned_vs_measured(run.estimate, self.memory, self.console))
                 metrics.add(sums, counts)
                 self._fire("step_end", sums)
                 progress.advance(task)

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from shardforge.train import peak
-from shardforge.train.peak import cache_path, datasheet_peak, mfu, peak_flops
+from shardforge.planner import peak
+from shardforge.planner.peak import cache_path, datasheet_peak, mfu, peak_flops
 
 CPU = torch.device("cpu")
 SHAPES = [(256, 384, 1024), (256, 384, 384)]  # tokens x hidden x intermediate, tokens x hidden x hidden

@@ -112,13 +112,14 @@ def activation_bytes(
     final = norm(h, 1)  # on the whole (gathered) stream; its input is the last block's output
     output_mask = 1  # bool, kept by the head's indexing
     # The embedding output is the first block's input, counted there.
-    layers = sum(layer_bytes(cfg.is_moe(i)) for i in range(cfg.num_layers))
-    per_token = layers + rope + final + output_mask
+    layers = tuple(layer_bytes(cfg.is_moe(i)) for i in range(cfg.num_layers))
+    per_token = sum(layers) + rope + final + output_mask
+    detail = {"layers": layers, "tail": final + output_mask}
     if tp == 1:  # the fused head keeps its input and its input's gradient (a row per scored position), the
         # targets (int64); its fp32 weight gradient is made in the forward (counted when the head trains)
-        return ActivationBytes(per_token, per_scored=2 * b * h + 8, fixed=FP32 * vocab * h)
+        return ActivationBytes(per_token, per_scored=2 * b * h + 8, fixed=FP32 * vocab * h, **detail)
     # a vocabulary-sharded head: its input, the targets and the log-softmax of its logit shards
-    return ActivationBytes(per_token, per_scored=b * h + 8 + FP32 * vocab / tp)
+    return ActivationBytes(per_token, per_scored=b * h + 8 + FP32 * vocab / tp, **detail)
 
 
 def costs(cfg: DecoderConfig) -> CostModel:

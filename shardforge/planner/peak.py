@@ -14,6 +14,7 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +39,10 @@ _DATASHEET: list[tuple[str, str, dict[str, float]]] = [
         "L40S",
         {"bf16": 362.05e12, "fp16": 362.05e12, "fp8": 733e12, "tf32": 183e12, "fp32": 91.6e12},
     ),
+    (r"\bH20\b", "H20", {"bf16": 148e12, "fp16": 148e12, "fp8": 296e12, "tf32": 74e12, "fp32": 44e12}),
+    # Huawei's published FP16 figure for the 910B series (bins differ by ~10%); fp32 (not published as a
+    # matrix rate) taken as half of it. torch_npu names the device e.g. "Ascend910B3".
+    (r"Ascend ?910B", "Ascend 910B", {"bf16": 320e12, "fp16": 320e12, "fp32": 160e12}),
     (r"\bL4\b", "L4", {"bf16": 121e12, "fp16": 121e12, "fp8": 242.5e12, "tf32": 60e12, "fp32": 30.3e12}),
     # AWS's A10G has no NVIDIA datasheet; it is the A10's chip (GA102), whose figures are used.
     (r"\bA10G?\b", "A10", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
@@ -47,6 +52,8 @@ _DATASHEET: list[tuple[str, str, dict[str, float]]] = [
         {"bf16": 165.2e12, "fp16": 165.2e12, "fp8": 330.3e12, "tf32": 82.6e12, "fp32": 82.6e12},
     ),
 ]
+
+DATASHEETS = {label: table for _, label, table in _DATASHEET}  # the planner's device presets read these
 
 _DTYPE_KEYS = {
     torch.bfloat16: "bf16",
@@ -69,6 +76,12 @@ def datasheet_peak(name: str, dtype: torch.dtype, tf32: bool = False) -> tuple[f
         if re.search(pattern, name) and key in table:
             return table[key], f"datasheet: {label} {key}"
     return None
+
+
+def model_gemm_shapes(model_config: Any, tokens: int, tp: int) -> list[Shape]:
+    """(m, k, n) of the model's main matmuls for a micro-batch on one rank: where the CPU peak is measured."""
+    h, i = model_config.hidden_size, model_config.intermediate_size // tp
+    return [(tokens, h, i), (tokens, i, h), (tokens, h, h // tp)]
 
 
 def default_shapes(device: torch.device, dtype: torch.dtype) -> list[Shape]:

@@ -1,0 +1,150 @@
+"""A layout as data: every choice the planner makes, read from a config or written back into one."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from shardforge.config.schema import Config, ParallelSection
+from shardforge.errors import ConfigError
+
+# The parallel keys a layout sets; the rest of the section (backend, timeouts, compression) is the user's.
+LAYOUT_KEYS = (
+    "dp_replicate",
+    "dp_shard",
+    "tp",
+    "sequence_parallel",
+    "pp",
+    "pp_schedule",
+    "pp_virtual",
+    "pp_microbatches",
+    "pp_layers",
+    "cp",
+    "ep",
+    "zero_stage",
+    "activation_checkpoint",
+    "offload",
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    zero_stage: int
+    sequence_parallel: bool
+    activation_checkpoint: str
+    offload: str
+    micro_batch: int  # rows per data-parallel rank per micro-step
+    grad_accum: int
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    pp_microbatches: int | None = None
+    pp_layers: str | None = None  # decoder layers per stage; None: balanced by cost at launch
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Pipeline micro-batches per micro-step (torch's n_microbatches)."""
+        return self.pp_microbatches or self.pp * self.pp_virtual
+
+    def parallel_section(self, base: ParallelSection) -> ParallelSection:
+        """`base` with this layout's keys (validated: a bad combination is a ConfigError)."""
+        values = base.model_dump() | {k: getattr(self, k) for k in LAYOUT_KEYS} | {"auto": False}
+        if self.pp == 1:  # pipeline keys must stay at their defaults without a pipeline
+            values |= {"pp_schedule": "1f1b", "pp_virtual": 1, "pp_microbatches": None, "pp_layers": None}
+        try:
+            return ParallelSection(**values)
+        except ValidationError as exc:  # its first message, as the config loader reports it
+            raise ConfigError(exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+
+    def apply(self, cfg: Config) -> Config:
+        """The config that runs this layout: its parallel section, micro-batch and accumulation."""
+        train = cfg.train.model_copy(update={"micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                                             "global_batch": None})  # fmt: skip
+        return cfg.model_copy(update={"parallel": self.parallel_section(cfg.parallel), "train": train})
+
+    def overrides(self) -> list[str]:
+        """The same layout as CLI overrides (`key=value`), for the report and for relaunching."""
+        keys = [
+            f"parallel.{k}={getattr(self, k)}" for k in LAYOUT_KEYS if self.pp > 1 or not k.startswith("pp_")
+        ]
+        keys = [
+            k.replace("=True", "=true").replace("=False", "=false").replace("=None", "=null") for k in keys
+        ]
+        return [*keys, f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}"]
+
+    def describe(self) -> str:
+        parts = [
+            f"{k}={v}"
+            for k, v in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
+            if v > 1
+        ]
+        if self.dp > 1:
+            kind = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[self.zero_stage]
+            rep = f"{self.dp_replicate}x" if self.dp_replicate > 1 and self.zero_stage >= 2 else ""
+            parts.insert(0, f"dp={rep}{self.dp_shard if self.zero_stage >= 2 else self.dp} {kind}")
+        if self.tp > 1 and self.sequence_parallel:
+            parts.append("sp")
+        if self.pp > 1:
+            parts.append(f"{self.pp_schedule}" + (f" v={self.pp_virtual}" if self.pp_virtual > 1 else "")
+                         + f" m={self.pipeline_microbatches}")  # fmt: skip
+        if self.activation_checkpoint != "none":
+            parts.append(f"ckpt={self.activation_checkpoint}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        parts.append(f"mb={self.micro_batch}x{self.grad_accum}")
+        return " ".join(parts) or "single process"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def global_batch(cfg: Config, dp: int | None = None) -> int:
+    """The rows per optimizer step the planner keeps fixed: train.global_batch, else micro_batch x grad_accum
+    x the data-parallel degree given (1 when planning from scratch: the batch one process would see)."""
+    if cfg.train.global_batch is not None:
+        return cfg.train.global_batch
+    return cfg.train.micro_batch * cfg.train.grad_accum * (dp or 1)
+
+
+def resolve_grad_accum(cfg: Config, dp: int) -> int:
+    """grad_accum, or the one implied by train.global_batch = micro_batch x grad_accum x dp."""
+    t = cfg.train
+    if t.global_batch is None:
+        return t.grad_accum
+    per_step = t.micro_batch * dp
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not divisible by train.micro_batch ({t.micro_batch}) x "
+            f"data-parallel size ({dp}) = {per_step}"
+        )
+    return t.global_batch // per_step
+
+
+def layout_of(cfg: Config, world: int) -> Layout:
+    """The explicit layout a config asks for on `world` processes (dp_shard=-1 resolved; the degrees and
+    the batch split checked as the launcher checks them)."""
+    from shardforge.parallel.dims import ParallelDims
+
+    p = cfg.parallel
+    dims = ParallelDims.from_config(p, world)
+    grad_accum = resolve_grad_accum(cfg, dims.dp)
+    return Layout(
+        dims.dp_replicate, dims.dp_shard, p.tp, p.pp, p.cp, p.ep, p.zero_stage, p.sequence_parallel,
+        p.activation_checkpoint, p.offload, cfg.train.micro_batch, grad_accum, p.pp_schedule, p.pp_virtual,
+        p.pp_microbatches, p.pp_layers,
+    )  # fmt: skip

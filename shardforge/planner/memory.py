@@ -1,0 +1,407 @@
+"""Memory per device: model states counted tensor by tensor, activations from the family's cost model, and
+the buffers and margin around them.
+
+Model states are counted, not estimated: the planner lists the model's parameters (built on the meta
+device, with the run's LoRA / freeze transform), and for a layout and a rank applies the same splits the
+engine applies: the tensor-parallel plan's dimension (the vocabulary padded to a multiple of tp), expert
+parallel's dimension 0 over ep, FSDP2's dimension-0 chunks over the sharding ranks (torch.chunk sizes, so
+uneven on the last ranks), ZeroRedundancyOptimizer's greedy partition for ZeRO-1, and AdamW's two moments
+plus a 4-byte step per trained tensor. So the estimate equals `parallel.memory_report` exactly on CPU
+(tests/dist/test_planner_memory.py). The ZeRO paper's per-parameter accounting is `zero_model_states`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from functools import cached_property
+
+import torch
+
+from shardforge.config.schema import Config
+from shardforge.models.spec import ActivationBytes, CostModel, spec_for
+from shardforge.planner.layout import Layout
+from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 1 << 30
+STEP_BYTES = 4  # AdamW's per-tensor step counter (fp32)
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's block sizes: codes per scale, scales per fp32 factor
+
+
+def zero_model_states(
+    params: float, stage: int, n: int, weights: float, grads: float, states: float
+) -> float:
+    """Model-state bytes per device under ZeRO stage `stage` over `n` data-parallel ranks, for `params`
+    parameters with `weights`, `grads` and `states` bytes each. Rajbhandari et al., "ZeRO: Memory
+    Optimizations Toward Training Trillion Parameter Models" (SC 2020), Figure 1: with Adam in mixed
+    precision (2 + 2 + 12 bytes) that is 16 unsharded, 4 + 12/N (P_os), 2 + 14/N (P_os+g), 16/N (P_os+g+p)."""
+    sharded = {0: 0.0, 1: states, 2: grads + states, 3: weights + grads + states}[stage]
+    return params * (weights + grads + states - sharded + sharded / n)
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:  # fmt: skip
+    """Activation bytes one transformer layer keeps, fp16 activations, per Korthikanti et al., "Reducing
+    Activation Recomputation in Large Transformer Models" (MLSys 2023), Table 2: s sequence, b micro-batch,
+    h hidden, a heads, t tensor-parallel degree. No parallelism sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht));
+    TP + SP sbh/t (34 + 5as/h); selective recomputation (with TP + SP) 34 sbh/t, without SP sbh(10 + 24/t);
+    full recomputation 2sbh (the layer input only)."""
+    if recompute == "full":
+        return 2 * s * b * h
+    attention_core = 0 if recompute == "selective" else 5 * a * s / h
+    if sp:
+        return s * b * h / t * (34 + attention_core)
+    return s * b * h * (10 + 24 / t + attention_core / t)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor as the engine will split it."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: float  # bytes per element (an NF4 weight: its codes and scales per element)
+    trained: bool
+    tp_dim: int | None  # the dimension tensor parallel splits; None: whole on every tp rank
+    expert: bool  # dimension 0 split over ep
+    vocab: bool  # dimension 0 padded to a multiple of tp
+    layer: int | None  # its decoder layer; None: embedding (first stage) or final norm / head (last)
+    first: bool  # on the first pipeline stage (embedding) rather than the last (final norm, head)
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """parallelize_module's matching: `*` stands for one path segment."""
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatch(p, a) for a, p in zip(atoms, parts, strict=True))
+
+
+def _tp_dims(model: torch.nn.Module, plan: dict) -> dict[str, int | None]:
+    """Parameter name -> the dimension its module's TP style splits (the styles the family plans use)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    dims: dict[str, int | None] = {}
+    for mod_name, module in model.named_modules():
+        style = next((s for k, s in plan.items() if _matches(k, mod_name)), None)
+        if not isinstance(style, ColwiseParallel | RowwiseParallel):
+            continue
+        colwise = isinstance(style, ColwiseParallel)
+        if hasattr(module, ADAPTER):
+            table = {
+                k: (p.dim if hasattr(p, "dim") else None)
+                for k, p in (COLWISE if colwise else ROWWISE).items()
+            }
+        elif isinstance(module, torch.nn.Embedding):
+            table = {"weight": 1 if colwise else 0}
+        else:
+            table = {"weight": 0 if colwise else 1, "bias": 0 if colwise else None}
+        for pname, _ in module.named_parameters(recurse=False):
+            dims[f"{mod_name}.{pname}"] = table.get(pname)
+    return dims
+
+
+def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
+    """The run's parameters in `model.parameters()` order, with how the engine splits each."""
+    from shardforge.adapters.apply import apply_finetuning
+
+    spec = spec_for(shape.family)
+    if cfg.method.stage == "rm" and not getattr(shape, "num_labels", 0):
+        shape = shape.with_score_head(1)
+    with torch.device("meta"):
+        model = spec.build(shape)
+        apply_finetuning(model, cfg.method, cfg.train.seed, None)
+    plan = spec.tp_plan(shape, 1, True) if spec.tp_plan is not None else {}
+    tp_dims = _tp_dims(model, plan)
+    itemsize = DTYPE_BYTES[cfg.model.dtype]
+    nf4 = cfg.model.quantize == "nf4"
+    from shardforge.models.quantize import QUANTIZED
+
+    out = []
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else None
+        size = itemsize
+        if nf4 and not p.requires_grad and QUANTIZED.match(name):
+            size = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+        vocab = parts[0] in ("embed_tokens", "lm_head") and not getattr(shape, "num_labels", 0)
+        split = tp_dims.get(name)
+        first = parts[0] == "embed_tokens"
+        out.append(
+            ParamSpec(
+                name, tuple(p.shape), size, p.requires_grad, split, "experts" in parts, vocab, layer, first
+            )
+        )
+    if getattr(shape, "tie_embeddings", False):  # a pipeline's last stage holds its own copy of the head
+        embed = next(p for p in out if p.first)
+        out.append(dataclasses.replace(embed, name="lm_head.weight", first=False))
+    return out
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where one rank sits: its pipeline rank, its index among the FSDP2 sharding ranks (dp_shard x cp) and,
+    for experts, among the expert-sharding ranks (edp), and its data-parallel index (ZeRO-1)."""
+
+    pp: int = 0
+    shard: int = 0
+    expert_shard: int = 0
+    dp: int = 0
+
+
+def coords_of(layout: Layout, rank: int) -> Coords:
+    """A global rank's coordinates on the mesh (order pp, dp_replicate, dp_shard, cp, tp, innermost last)."""
+    sizes = [layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp]
+    idx = []
+    for size in reversed(sizes):
+        idx.append(rank % size)
+        rank //= size
+    _, cp_i, shard_i, rep_i, pp_i = idx  # the tp index does not change what a rank holds
+    flat = shard_i * layout.cp + cp_i  # FSDP2 over (dp_shard, cp) flattened
+    return Coords(pp_i, flat, flat // layout.ep, rep_i * layout.dp_shard + shard_i)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """One rank's model states (what memory_report measures), and where they live."""
+
+    params: int
+    frozen: int
+    grads: int
+    optimizer: int
+    on_host: int  # the part of the above held in host memory (offload)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+class StateCounter:
+    """Counts the model states of any rank of any layout over one model's parameter list."""
+
+    def __init__(self, params: list[ParamSpec], tied: bool) -> None:
+        self.params = params
+        self.tied = tied  # the head is the embedding (one tensor) unless a pipeline splits them
+
+    def stage_params(
+        self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, pp_rank: int
+    ) -> list[ParamSpec]:
+        """The parameters a pipeline rank holds (all of them without a pipeline)."""
+        if layout.pp == 1 or stages is None:
+            return [p for p in self.params if not (self.tied and p.name == "lm_head.weight")]
+        mine = [s for s in range(len(stages)) if _rank_of(s, layout) == pp_rank]
+        layers = {i for s in mine for i in stages[s]}
+        first, last = 0 in mine, len(stages) - 1 in mine
+        keep = []
+        for p in self.params:
+            if p.layer is not None:
+                if p.layer in layers:
+                    keep.append(p)
+            elif (p.first and first) or (not p.first and last):
+                keep.append(p)
+        return keep
+
+    @staticmethod
+    def local_numel(p: ParamSpec, layout: Layout, coords: Coords) -> int:
+        shape = list(p.shape)
+        if p.vocab and layout.tp > 1:
+            shape[0] = math.ceil(shape[0] / layout.tp) * layout.tp
+        if p.tp_dim is not None and layout.tp > 1:
+            shape[p.tp_dim] //= layout.tp
+        if p.expert and layout.ep > 1:
+            shape[0] //= layout.ep
+        if layout.zero_stage >= 2:
+            n = layout.dp_shard * layout.cp // (layout.ep if p.expert else 1)
+            index = coords.expert_shard if p.expert else coords.shard
+            chunk = math.ceil(shape[0] / n)
+            shape[0] = max(0, min(chunk, shape[0] - index * chunk))
+        return math.prod(shape)
+
+    def count(self, layout: Layout, coords: Coords, stages: tuple[tuple[int, ...], ...] | None) -> StateBytes:
+        held = self.stage_params(layout, stages, coords.pp)
+        numel = [self.local_numel(p, layout, coords) for p in held]
+        sizes = [n * p.itemsize for n, p in zip(numel, held, strict=True)]
+        params = int(sum(sizes))
+        frozen = int(sum(s for s, p in zip(sizes, held, strict=True) if not p.trained))
+        grads = params - frozen
+        trained = [(n, p) for n, p in zip(numel, held, strict=True) if p.trained]
+        if layout.zero_stage == 1 and layout.dp > 1:
+            trained = _zero1_share(trained, layout.dp, coords.dp)
+        if layout.offload == "optimizer":  # fp32 masters and both moments on the host
+            optimizer = sum(12 * n + STEP_BYTES for n, _ in trained)
+        else:
+            optimizer = int(sum(2 * n * p.itemsize + STEP_BYTES for n, p in trained))
+        host = optimizer if layout.offload != "none" else 0
+        if layout.offload == "params":
+            host = params + grads + optimizer
+        return StateBytes(params, frozen, grads, optimizer, host)
+
+
+def _rank_of(stage: int, layout: Layout) -> int:
+    """The pipeline rank running `stage`: round robin, or V-shaped for zbv/dualpipev."""
+    if layout.pp_schedule in ("zbv", "dualpipev"):
+        return stage if stage < layout.pp else 2 * layout.pp - 1 - stage
+    return stage % layout.pp
+
+
+def _zero1_share(trained: list[tuple[int, ParamSpec]], dp: int, rank: int) -> list[tuple[int, ParamSpec]]:
+    """The tensors ZeroRedundancyOptimizer gives `rank`: per parameter group (matrices, then vectors), the
+    largest first, each to the rank with the fewest elements so far (ties: the lowest rank)."""
+    sizes = [(0, r) for r in range(dp)]  # a heap of (elements, rank)
+    mine = []
+    for group in ([t for t in trained if len(t[1].shape) >= 2], [t for t in trained if len(t[1].shape) < 2]):
+        for n, p in sorted(group, key=lambda t: t[0], reverse=True):
+            size, r = heapq.heappop(sizes)
+            if r == rank:
+                mine.append((n, p))
+            heapq.heappush(sizes, (size + n, r))
+    return mine
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-device bytes of one layout, for its fullest rank."""
+
+    states: StateBytes
+    activations: float
+    reference: float  # a frozen reference model's parameters (dpo/kto with a full copy)
+    buffers: float  # FSDP2's gathered parameters, DDP's buckets, the head's logits chunk
+    margin: float  # the allocator's fragmentation and the runtime's context
+
+    @property
+    def device_bytes(self) -> float:
+        return (
+            self.states.total
+            - self.states.on_host
+            + self.activations
+            + self.reference
+            + self.buffers
+            + self.margin
+        )
+
+    def breakdown(self) -> dict[str, float]:
+        s = self.states
+        return {
+            "params": s.params - (s.params if s.on_host > s.optimizer else 0),
+            "grads": s.grads - (s.grads if s.on_host > s.optimizer else 0),
+            "optimizer": s.optimizer - (s.optimizer if s.on_host else 0),
+            "activations": self.activations,
+            "reference": self.reference,
+            "buffers": self.buffers,
+            "margin": self.margin,
+            "host": s.on_host,
+        }
+
+
+class MemoryModel:
+    """Memory of any layout for one model, method and batch shape."""
+
+    def __init__(self, cfg: Config, shape: object, costs: CostModel) -> None:
+        self.cfg, self.shape, self.costs = cfg, shape, costs
+        params = inventory(shape, cfg)
+        self.counter = StateCounter(params, getattr(shape, "tie_embeddings", False))
+        self._states: dict[tuple, tuple[StateBytes, float]] = {}
+        self._per_token_cache: dict[tuple, ActivationBytes] = {}
+
+    @cached_property
+    def act_dtype_bytes(self) -> int:
+        return 2 if self.cfg.train.precision != "fp32" else DTYPE_BYTES[self.cfg.model.dtype]
+
+    def activations(self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None) -> float:
+        """The fullest pipeline rank's activations: each in-flight micro-batch of each of its stages."""
+        per = self._per_token(layout)
+        seq = self.cfg.data.max_length
+        if layout.pp == 1 or stages is None:
+            rows = layout.micro_batch
+            return per.total(rows * seq // layout.cp, rows * seq // layout.cp) + self._cp_extra(layout, rows)
+        m = layout.pipeline_microbatches
+        rows = layout.micro_batch / m
+        tokens = rows * seq / layout.cp
+        worst = 0.0
+        for r in range(layout.pp):
+            mine = [s for s in range(len(stages)) if _rank_of(s, layout) == r]
+            total = 0.0
+            for s in mine:
+                stage = per.stage(stages[s], s == len(stages) - 1)
+                total += stage.total(tokens, tokens) * in_flight(layout, r, m)
+            worst = max(worst, total)
+        return worst
+
+    def _cp_extra(self, layout: Layout, rows: int) -> float:
+        """All-gather context parallel keeps each layer's gathered keys and values (the whole sequence)."""
+        if (
+            layout.cp == 1
+            or self.cfg.parallel.cp_mode != "allgather"
+            or layout.activation_checkpoint == "full"
+        ):
+            return 0.0
+        s = self.shape
+        kv = s.num_kv_heads * s.head_dim / layout.tp
+        tokens = rows * self.cfg.data.max_length
+        return s.num_layers * 2 * kv * self.act_dtype_bytes * tokens * (1 - 1 / layout.cp)
+
+    def states(self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None) -> tuple[StateBytes, float]:
+        """The fullest rank's model states and buffers (cached: they depend on neither checkpointing nor the
+        micro-batch)."""
+        key = (layout.tp, layout.pp, layout.pp_virtual, layout.pp_schedule, layout.cp, layout.ep,
+               layout.zero_stage, layout.dp_shard, layout.dp_replicate, layout.offload, stages)  # fmt: skip
+        if key not in self._states:
+            states = max(
+                (self.counter.count(layout, Coords(pp=r), stages) for r in range(layout.pp)),
+                key=lambda s: s.total - s.on_host,
+            )
+            self._states[key] = states, self._buffers(layout, stages)
+        return self._states[key]
+
+    def _per_token(self, layout: Layout) -> ActivationBytes:
+        key = (layout.activation_checkpoint, layout.tp, layout.sequence_parallel)
+        if key not in self._per_token_cache:
+            self._per_token_cache[key] = self.costs.activation_bytes(
+                layout.activation_checkpoint, self.act_dtype_bytes, layout.tp, layout.sequence_parallel
+            )
+        return self._per_token_cache[key]
+
+    def estimate(self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, on_gpu: bool) -> Memory:
+        worst, buffers = self.states(layout, stages)
+        reference = 0.0
+        method = self.cfg.method
+        if method.stage in ("dpo", "kto") and method.finetuning != "lora" and method.pref.ref == "auto":
+            reference = worst.params  # a frozen copy of the starting weights, sharded as the policy is
+        memory = Memory(worst, self.activations(layout, stages), reference, buffers, 0.0)
+        if on_gpu:  # the CUDA context and NCCL's buffers, and the caching allocator's fragmentation (a tenth)
+            memory = dataclasses.replace(memory, margin=GIB + 0.1 * memory.device_bytes)
+        return memory
+
+    def _buffers(self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None) -> float:
+        """Transient memory at the peak: gathered FSDP2 parameters (ZeRO-3: the layer in use and the next
+        one prefetched; ZeRO-2: every layer of the stage, kept from forward to backward), DDP's gradient
+        buckets (a copy of the gradients), the fused head's logits chunk (16 MiB) and its gradient."""
+        held = self.counter.stage_params(layout, stages, 0)
+        compute = 2 if self.cfg.train.precision != "fp32" else DTYPE_BYTES[self.cfg.model.dtype]
+        whole = Coords()
+        unsharded = dataclasses.replace(layout, zero_stage=0)
+        layer_elems = sum(self.counter.local_numel(p, unsharded, whole) for p in held if p.layer is not None)
+        n_layers = max(1, len({p.layer for p in held if p.layer is not None}))
+        head = 2 * (16 << 20)
+        if layout.zero_stage == 3:
+            return 2 * layer_elems / n_layers * compute + head
+        if layout.zero_stage == 2:
+            return layer_elems * compute + head
+        if layout.dp > 1:
+            grads = sum(self.counter.local_numel(p, unsharded, whole) * p.itemsize for p in held if p.trained)
+            return grads + head
+        return head
+
+
+def in_flight(layout: Layout, pp_rank: int, m: int) -> float:
+    """Micro-batches whose activations a pipeline rank's stage holds at its peak: GPipe all m; 1F1B pp - r
+    (the warm-up depth); interleaved schedules their warm-up depth spread over the rank's v stages."""
+    pp, v = layout.pp, layout.pp_virtual
+    if layout.pp_schedule == "gpipe":
+        return m
+    if v == 1:
+        return min(m, pp - pp_rank)
+    warmup = (pp - pp_rank - 1) * 2 + (v - 1) * pp + 1
+    return min(m * v, warmup) / v

@@ -1,0 +1,294 @@
+"""The search: every layout of the cluster's devices that the engine can build, checked by the same rules the
+launcher applies (divisibility, combinations), by topology (TP, CP and EP inside a node) and by memory, then
+ranked by estimated step time for the same global batch. Offload is tried only when nothing fits without it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shardforge.config.schema import Config
+from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.models.spec import spec_for
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.pipeline_plan import PipelinePlan, balance_layers, plan_pipeline
+from shardforge.planner.hardware import GIB, Cluster, Device
+from shardforge.planner.layout import Layout, global_batch
+from shardforge.planner.memory import Memory, MemoryModel
+from shardforge.planner.timing import StepTime, TimeModel
+
+MAX_MICRO_BATCH = 64
+# Context parallel is searched for long sequences only: below this, chunks of a few hundred tokens per rank
+# run attention kernels far below their efficiency and unbalanced, which the time model does not price
+# (Megatron's guidance is the same); TP and PP split the activations of shorter rows.
+MIN_CP_LENGTH = 8192
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: Memory | None = None
+    time: StepTime | None = None
+    rejected: str | None = None  # why it cannot run
+    kind: str = ""  # rules | topology | memory
+
+    @property
+    def fits(self) -> bool:
+        return self.rejected is None
+
+
+@dataclass
+class Plan:
+    """The ranked layouts that fit, and what was rejected and why."""
+
+    cluster: Cluster
+    batch: int
+    ranked: list[Candidate]
+    rejected: Counter = field(default_factory=Counter)  # kind -> count
+    examples: dict[str, Candidate] = field(default_factory=dict)  # kind -> the rejected layout nearest to fit
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Candidate:
+        return self.ranked[0]
+
+
+def cpu_device(cfg: Config, shape: Any, cluster: Cluster) -> Device:
+    """The CPU preset with this machine's matmul rate per process (planner/peak.py's cached probe at the
+    model's shapes), the processes sharing the cores: `hardware.threads` each, or cores / processes."""
+    import os
+
+    import torch
+
+    from shardforge.planner.peak import model_gemm_shapes, peak_flops
+
+    per_node = cluster.devices_per_node
+    cores = os.cpu_count() or 1
+    threads = cfg.hardware.threads or max(1, cores // per_node)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+    shapes = model_gemm_shapes(shape, cfg.train.micro_batch * cfg.data.max_length, cfg.parallel.tp)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rate, _ = peak_flops(torch.device("cpu"), dtype, None, shapes)
+    finally:
+        torch.set_num_threads(before)
+    rate *= min(1.0, cores / (threads * per_node))  # more processes than cores share them
+    return replace(cluster.device, peak={k: rate for k in cluster.device.peak})
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class Planner:
+    """Memory, time and rules of one model, method and batch shape on one cluster."""
+
+    def __init__(self, cfg: Config, shape: Any, cluster: Cluster) -> None:
+        if cluster.device.name == "cpu" and cfg.hardware.peak_flops is None:
+            cluster = replace(cluster, device=cpu_device(cfg, shape, cluster))
+        self.cfg, self.shape, self.cluster = cfg, shape, cluster
+        self.costs = spec_for(shape.family).costs(shape)
+        self.memory = MemoryModel(cfg, shape, self.costs)
+        self.timing = TimeModel(cfg, shape, self.costs, cluster)
+        self._stages: dict[int, str] = {}  # pipeline stages -> the balanced split, "3,4,4,3"
+
+    # ---- one layout ---------------------------------------------------------------------------------------
+    def rules(self, layout: Layout) -> tuple[Config, PipelinePlan | None]:
+        """The config of this layout after every rule the launcher applies (a ConfigError names the first
+        broken one); the pipeline split is balanced once per stage count."""
+        from shardforge.parallel.context_parallel import check_context_parallel
+        from shardforge.parallel.expert_parallel import check_expert_parallel
+        from shardforge.parallel.tensor_parallel import check_tensor_parallel
+
+        if layout.pp > 1 and layout.pp_layers is None:
+            stages = layout.pp * layout.pp_virtual
+            if stages not in self._stages:
+                counts = balance_layers(self.costs.pipeline(self.cfg.data.max_length), stages)
+                self._stages[stages] = ",".join(map(str, counts))
+            layout = _replace(layout, pp_layers=self._stages[stages])
+        cfg = layout.apply(self.cfg)
+        dims = ParallelDims.from_config(cfg.parallel, layout.world)
+        check_tensor_parallel(self.shape, cfg.parallel)
+        check_expert_parallel(self.shape, dims)
+        check_context_parallel(self.shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)
+        return cfg, plan_pipeline(self.shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
+
+    def topology(self, layout: Layout) -> str | None:
+        """Placement: the collectives of every layer (TP, CP, EP) stay inside a node."""
+        per_node = self.cluster.devices_per_node
+        inner = layout.tp * layout.cp
+        if self.cluster.nodes > 1 and (per_node % layout.tp or layout.tp > per_node):
+            return f"tp={layout.tp} does not fit in a node of {per_node} devices"
+        if self.cluster.nodes > 1 and inner > per_node:
+            return f"tp x cp = {inner} spans nodes (a node has {per_node} devices)"
+        if self.cluster.nodes > 1 and layout.ep * layout.tp > per_node:
+            return f"ep x tp = {layout.ep * layout.tp} spans nodes (a node has {per_node} devices)"
+        return None
+
+    def evaluate(self, layout: Layout) -> Candidate:
+        try:
+            cfg, plan = self.rules(layout)
+        except ShardforgeError as exc:
+            return Candidate(layout, rejected=str(exc), kind="rules")
+        if plan is not None:
+            layout = _replace(layout, pp_layers=cfg.parallel.pp_layers, pp_microbatches=plan.microbatches)
+        stages = plan.layers if plan is not None else None
+        memory = self.memory.estimate(layout, stages, self.cluster.device.name != "cpu")
+        where = self.topology(layout)
+        candidate = Candidate(layout, memory)
+        if where is not None:
+            candidate.rejected, candidate.kind = where, "topology"
+        elif memory.device_bytes > self.cluster.memory_bytes:
+            need, have = memory.device_bytes / GIB, self.cluster.device.memory_gib
+            candidate.rejected, candidate.kind = f"needs {need:.1f} GiB per device of {have:.1f}", "memory"
+        batch = layout.micro_batch * layout.grad_accum * layout.dp
+        candidate.time = self.timing.estimate(layout, memory.states, batch)
+        return candidate
+
+    # ---- the search ---------------------------------------------------------------------------------------
+    def layouts(self, batch: int, offload: bool) -> list[Layout]:
+        """Every layout of the cluster's world worth estimating for `batch` rows per step."""
+        world, per_node, s = self.cluster.world, self.cluster.devices_per_node, self.shape
+        seq = self.cfg.data.max_length
+        out = []
+        experts = getattr(s, "num_experts", 0) or 0
+        for tp in [d for d in divisors(world) if d <= max(per_node, 1) and s.num_kv_heads % d == 0]:
+            cps = [c for c in (1, 2, 4, 8, 16) if (world // tp) % c == 0 and seq % (2 * c * tp) == 0]
+            for cp in [c for c in cps if c == 1 or seq >= MIN_CP_LENGTH]:
+                if cp > 1 and self.cfg.method.stage not in ("pt", "sft"):
+                    continue
+                for pp in [p for p in divisors(world // (tp * cp)) if p <= s.num_layers]:
+                    dp = world // (tp * cp * pp)
+                    if batch % dp:
+                        continue
+                    out += self._data_layouts(tp, cp, pp, dp, batch // dp, experts, offload)
+        return out
+
+    def _data_layouts(self, tp: int, cp: int, pp: int, dp: int, rows: int, experts: int, offload: bool):
+        per_node = self.cluster.devices_per_node
+        shardings = [(dp, 1, z) for z in (0, 1)] if tp == pp == cp == 1 or dp == 1 else []
+        if dp * cp > 1:
+            shardings += [(1, dp, z) for z in (2, 3)]
+            inside = per_node // (tp * cp)  # HSDP: shard inside a node, replicate across
+            if 1 < inside < dp and dp % inside == 0 and cp == 1:
+                shardings += [(dp // inside, inside, z) for z in (2, 3)]
+        if dp == 1 and cp == 1:
+            shardings = [(1, 1, 0)]
+        ckpts = ("none", "selective", "full")
+        offloads = ("optimizer", "params") if offload else ("none",)
+        micro = [m for m in divisors(rows) if m <= MAX_MICRO_BATCH]
+        schedules = [("1f1b", 1)]
+        if pp > 1 and self.shape.num_layers >= 2 * pp:
+            schedules.append(("interleaved_1f1b", 2))
+        out = []
+        for rep, shard, zero in shardings:
+            eps = [1]
+            if experts and zero >= 2 and rep == 1:
+                eps = [e for e in divisors(shard * cp) if experts % e == 0]
+            for ep in eps:
+                for off in offloads:
+                    if off != "none" and zero < 2:
+                        continue
+                    for ckpt in ckpts:
+                        for mb in micro:
+                            for name, v in schedules if pp > 1 else [("1f1b", 1)]:
+                                if pp > 1 and (mb < pp or mb % pp):
+                                    continue
+                                m = mb if pp > 1 else None
+                                out.append(Layout(rep, shard, tp, pp, cp, ep, zero, tp > 1, ckpt, off, mb,
+                                                  rows // mb, name, v, m))  # fmt: skip
+        return out
+
+    def search(self, batch: int | None = None, keep: int = 5) -> Plan:
+        import time
+
+        started = time.perf_counter()
+        batch = batch or global_batch(self.cfg)
+        plan = Plan(self.cluster, batch, [])
+        for offload in (False, True):  # offload only when nothing fits in device memory without it
+            for layout in self.layouts(batch, offload):
+                c = self.evaluate(layout)
+                if c.fits:
+                    plan.ranked.append(c)
+                    continue
+                plan.rejected[c.kind] += 1
+                near = plan.examples.get(c.kind)
+                if near is None or _nearer(c, near):
+                    plan.examples[c.kind] = c
+            if plan.ranked:
+                break
+        plan.ranked.sort(key=lambda c: (c.time.total, _complexity(c.layout)))
+        del plan.ranked[keep:]
+        plan.seconds = time.perf_counter() - started
+        return plan
+
+
+def _nearer(a: Candidate, b: Candidate) -> bool:
+    """The rejected layout to show: the one needing the least memory."""
+    if a.memory is None or b.memory is None:
+        return b.memory is None and a.memory is not None
+    return a.memory.device_bytes < b.memory.device_bytes
+
+
+def _complexity(layout: Layout) -> int:
+    """Among equally fast layouts, prefer fewer moving parts."""
+    return sum(d > 1 for d in (layout.tp, layout.pp, layout.cp, layout.ep)) + (
+        layout.activation_checkpoint != "none"
+    )
+
+
+def _replace(layout: Layout, **changes: Any) -> Layout:
+    return replace(layout, **changes)
+
+
+def check_memory(cfg: Config, layout: Layout, planner: Planner) -> Candidate:
+    """An explicit layout against the device's memory: a ConfigError saying what it needs, and the smallest
+    change that makes it fit (checkpointing, a smaller micro-batch, a higher ZeRO stage, offload)."""
+    c = planner.evaluate(layout)
+    if c.kind != "memory":
+        return c
+    tries = [("parallel.activation_checkpoint", "full", {"activation_checkpoint": "full"})]
+    if layout.micro_batch > 1:
+        rows = layout.grad_accum * layout.micro_batch
+        tries.append(
+            ("train.micro_batch", "1", {"micro_batch": 1, "grad_accum": rows, "pp_microbatches": None})
+        )
+    if layout.dp_shard * layout.cp > 1 and layout.zero_stage < 3:
+        tries.append(("parallel.zero_stage", "3", {"zero_stage": 3}))
+    if layout.zero_stage >= 2:
+        tries.append(("parallel.offload", "optimizer", {"offload": "optimizer"}))
+    hints = []
+    for key, value, change in tries:
+        other = planner.evaluate(_replace(layout, **change))
+        if other.memory is not None and other.kind != "rules":
+            fits = other.memory.device_bytes <= planner.cluster.memory_bytes
+            hints.append(
+                f"with {key}={value} it needs {other.memory.device_bytes / GIB:.1f}"
+                + (" (fits)" if fits else "")
+            )
+    need, device = c.memory.device_bytes / GIB, planner.cluster.device
+    raise ConfigError(
+        f"the layout will not fit: it needs {need:.1f} GiB per device of {device.memory_gib:.1f} "
+        f"({device.name}); "
+        + "; ".join(hints or ["use more devices"])
+        + ". `shardforge plan` ranks the layouts that fit; `parallel: auto` picks one"
+    )
+
+
+def choose(cfg: Config, shape: Any, cluster: Cluster) -> tuple[Config, Plan]:
+    """`parallel: auto`: the best layout that fits, applied to the config (an error when none does)."""
+    planner = Planner(cfg, shape, cluster)
+    plan = planner.search()
+    if not plan.ranked:
+        near = plan.examples.get("memory")
+        detail = f"; the nearest, {near.layout.describe()}, {near.rejected}" if near else ""
+        raise ConfigError(
+            f"parallel.auto: no layout of {cluster.describe()} runs this job for a global batch of "
+            f"{plan.batch} rows{detail}: use more devices, a shorter data.max_length or "
+            f"method.finetuning=lora"
+        )
+    chosen, _ = planner.rules(plan.best.layout)
+    return chosen, plan
