@@ -36,9 +36,12 @@ class Device:
     inter_latency_us: float = 10.0
     max_efficiency: float = 0.75  # share of peak large GEMMs reach
     half_gemm_flops: float = 2.5e10  # a GEMM of this many FLOPs reaches half of that
-    overhead_us: float = 40.0  # fixed cost per decoder layer per pass (launches, norms, elementwise)
+    op_us: float = 5.0  # fixed cost per kernel launched (Python and dispatch, or the launch itself)
+    dtensor_us: float = 100.0  # per tensor-parallel layer and pass: DTensor's sharding propagation
     memory_gbps: float = 3000.0  # what the optimizer step streams its states at
     overlap: float = 0.8  # share of the compute that data-parallel traffic can hide behind
+    host_memory_gib: float = 2048.0  # per node (a DGX H100 has 2 TiB), what offload may fill
+    host_adam_gbps: float = 10.0  # per device: the host's AdamW pass over offloaded states (shared DRAM)
     description: str = ""
 
     def achievable(self, dtype: str, gemm_flops: float) -> float:
@@ -71,9 +74,10 @@ PRESETS: dict[str, Device] = {
                 description="Ascend 910B 64 GB, HCCS 392 GB/s per NPU (both ways), 200 Gb/s RoCE"),
         # This machine's constants, measured (docs/planner.md): one process per core, gloo over loopback;
         # its peak is measured at the model's matmul shapes when a plan is made (planner/peak.py).
-        Device("cpu", 0, {"fp32": 60e9, "bf16": 8e9, "fp16": 8e9}, 1.2, 1.2, 1e9, intra_latency_us=150.0,
-               inter_latency_us=150.0, max_efficiency=1.0, half_gemm_flops=0.0, overhead_us=1500.0,
-               memory_gbps=2.0, overlap=0.0, description="this CPU: gloo over loopback, a process per core"),
+        Device("cpu", 0, {"fp32": 60e9, "bf16": 8e9, "fp16": 8e9}, 0.12, 0.12, 1e9,
+               intra_latency_us=734.0, inter_latency_us=734.0, max_efficiency=1.0, half_gemm_flops=0.0,
+               op_us=51.0, dtensor_us=24650.0, memory_gbps=2.9, overlap=0.0,
+               description="this CPU: gloo over loopback, a process per core"),
     )
 }  # fmt: skip
 
@@ -85,7 +89,7 @@ class Cluster:
     device: Device
     nodes: int = 1
     devices_per_node: int = 1
-    notes: tuple[str, ...] = field(default=())
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)  # the host's (the CPU preset's devices)
 
     @property
     def world(self) -> int:
@@ -95,14 +99,21 @@ class Cluster:
     def memory_bytes(self) -> float:
         return self.device.memory_gib * GIB
 
+    @property
+    def host_bytes_per_device(self) -> float:
+        """The host memory offload may use per device: the node's, shared by its devices."""
+        return self.device.host_memory_gib * GIB / self.devices_per_node
+
     def link(self, group: int, span_nodes: bool) -> tuple[float, float]:
-        """(GB/s per device, latency in seconds) of a collective over `group` ranks, crossing nodes or not."""
+        """(GB/s per device, latency in seconds) of a collective over `group` ranks, crossing nodes or not.
+        Processes that outnumber a CPU's cores wait for one another in every collective."""
         if group <= 1:
             return float("inf"), 0.0
         d = self.device
+        wait = max(1.0, self.devices_per_node / self.cores) if d.name == "cpu" else 1.0
         if span_nodes:
-            return d.inter_gbps * GB, d.inter_latency_us * 1e-6
-        return d.intra_gbps * GB, d.intra_latency_us * 1e-6
+            return d.inter_gbps * GB, d.inter_latency_us * 1e-6 * wait
+        return d.intra_gbps * GB, d.intra_latency_us * 1e-6 * wait
 
     def describe(self) -> str:
         return (
@@ -156,7 +167,7 @@ def cluster_for(hardware: HardwareSection, world: int, required: bool = True) ->
             f"but the run has {world} processes: make them agree (or leave devices_per_node unset)"
         )
     if name == "cpu":  # the host's memory, shared by the processes on it
-        device = replace(device, memory_gib=host_memory_gib() / per_node)
+        device = replace(device, memory_gib=host_memory_gib() / per_node, host_memory_gib=host_memory_gib())
     overrides = {
         "memory_gib": hardware.memory_gib,
         "intra_gbps": hardware.intra_node_gbps,

@@ -21,7 +21,7 @@ from functools import cached_property
 
 import torch
 
-from shardforge.config.schema import Config
+from shardforge.config.schema import LINEAR_TARGETS, Config
 from shardforge.models.spec import ActivationBytes, CostModel, spec_for
 from shardforge.planner.layout import Layout
 from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
@@ -29,6 +29,7 @@ from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
 STEP_BYTES = 4  # AdamW's per-tensor step counter (fp32)
+FP32_BYTES = 4
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's block sizes: codes per scale, scales per fp32 factor
 
 
@@ -226,6 +227,13 @@ class StateCounter:
         params = int(sum(sizes))
         frozen = int(sum(s for s, p in zip(sizes, held, strict=True) if not p.trained))
         grads = params - frozen
+        if not self.tied and layout.tp > 1 and layout.zero_stage < 2:
+            # An untied embedding's gradient comes back from DTensor's embedding backward replicated over tp:
+            # the whole padded vocabulary on every rank, tp times its shard (measured; a tied one is summed
+            # with the head's sharded gradient and stays sharded).
+            for n, p in zip(numel, held, strict=True):
+                if p.first and p.trained:
+                    grads += int(n * p.itemsize) * (layout.tp - 1)
         trained = [(n, p) for n, p in zip(numel, held, strict=True) if p.trained]
         if layout.zero_stage == 1 and layout.dp > 1:
             trained = _zero1_share(trained, layout.dp, coords.dp)
@@ -309,13 +317,19 @@ class MemoryModel:
     def act_dtype_bytes(self) -> int:
         return 2 if self.cfg.train.precision != "fp32" else DTYPE_BYTES[self.cfg.model.dtype]
 
-    def activations(self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None) -> float:
-        """The fullest pipeline rank's activations: each in-flight micro-batch of each of its stages."""
+    def activations(
+        self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, scored: float = 1.0
+    ) -> float:
+        """The fullest pipeline rank's activations: each in-flight micro-batch of each of its stages. Rows are
+        full (packed) and a share `scored` of their positions reach the LM head: all of them for pretraining,
+        an upper bound for SFT, whose targets are the responses only."""
         per = self._per_token(layout)
         seq = self.cfg.data.max_length
         if layout.pp == 1 or stages is None:
             rows = layout.micro_batch
-            return per.total(rows * seq // layout.cp, rows * seq // layout.cp) + self._cp_extra(layout, rows)
+            tokens = rows * seq // layout.cp
+            masks = self._mask(layout, rows, self.shape.num_layers)
+            return per.total(tokens, tokens * scored) + self._cp_extra(layout, rows) + masks
         m = layout.pipeline_microbatches
         rows = layout.micro_batch / m
         tokens = rows * seq / layout.cp
@@ -325,9 +339,22 @@ class MemoryModel:
             total = 0.0
             for s in mine:
                 stage = per.stage(stages[s], s == len(stages) - 1)
-                total += stage.total(tokens, tokens) * in_flight(layout, r, m)
+                held = stage.total(tokens, tokens * scored) + self._mask(layout, rows, len(stages[s]))
+                total += held * in_flight(layout, r, m)
             worst = max(worst, total)
         return worst
+
+    def _mask(self, layout: Layout, rows: float, layers: int) -> float:
+        """Packed rows shorter than 512 tokens attend through a block-diagonal mask (data/batching.py:
+        use_per_document): the boolean mask [rows, s, s], and, without checkpointing, each layer's copy of it
+        in the activation dtype that SDPA keeps for backward. Longer rows attend per document (no mask)."""
+        seq = self.cfg.data.max_length
+        if not self.cfg.data.packing or seq >= 512 or layout.cp > 1:
+            return 0.0
+        square = rows * seq * seq
+        return square + (
+            layers * square * self.act_dtype_bytes if layout.activation_checkpoint == "none" else 0
+        )
 
     def _cp_extra(self, layout: Layout, rows: int) -> float:
         """All-gather context parallel keeps each layer's gathered keys and values (the whole sequence)."""
@@ -358,10 +385,27 @@ class MemoryModel:
     def _per_token(self, layout: Layout) -> ActivationBytes:
         key = (layout.activation_checkpoint, layout.tp, layout.sequence_parallel)
         if key not in self._per_token_cache:
-            self._per_token_cache[key] = self.costs.activation_bytes(
+            per = self.costs.activation_bytes(
                 layout.activation_checkpoint, self.act_dtype_bytes, layout.tp, layout.sequence_parallel
             )
+            self._per_token_cache[key] = self._adapted(per, layout)
         return self._per_token_cache[key]
+
+    def _adapted(self, per: ActivationBytes, layout: Layout) -> ActivationBytes:
+        """LoRA freezes the norms and the head: a frozen RMSNorm keeps its input only (not the normalized
+        copy its weight's gradient needs, nor the per-row rsqrt), the head makes no weight gradient; each
+        adapter keeps its rank-r product (measured: benchmarks/planner_accuracy.py)."""
+        if self.cfg.method.finetuning != "lora":
+            return per
+        b, h, lora = self.act_dtype_bytes, self.shape.hidden_size, self.cfg.method.lora
+        split = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+        frozen_norm = (b * h + FP32_BYTES) / split
+        targets = len(LINEAR_TARGETS) if lora.targets == "all" else len(lora.targets)
+        layer = targets * lora.rank * b - 2 * frozen_norm if layout.activation_checkpoint == "none" else 0.0
+        tail = b * h + FP32_BYTES  # the final norm runs on the whole (gathered) stream
+        layers = tuple(x + layer for x in per.layers)
+        per_token = per.per_token + layer * len(layers) - tail
+        return ActivationBytes(per_token, per.per_scored, 0.0, layers, per.tail - tail)
 
     def estimate(self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, on_gpu: bool) -> Memory:
         worst, buffers = self.states(layout, stages)

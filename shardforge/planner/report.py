@@ -30,10 +30,14 @@ def reason(plan: Plan) -> str:
             for k in set(time.parts) | set(other.time.parts)
         }
         key = min(diffs, key=diffs.get)
-        parts.append(
-            f"the next best, {other.layout.describe()}, takes {other.time.total / time.total:.3f}x as long, "
-            f"mostly in {key} ({other.time.parts.get(key, 0):.3g} s against {time.parts.get(key, 0):.3g} s)"
-        )
+        if other.time.total <= time.total * 1.0005:
+            parts.append(f"{other.layout.describe()} is as fast; the one with fewer moving parts comes first")
+        else:
+            parts.append(
+                f"the next best, {other.layout.describe()}, takes {other.time.total / time.total:.3f}x as "
+                f"long, mostly in {key} ({other.time.parts.get(key, 0):.3g} s against "
+                f"{time.parts.get(key, 0):.3g} s)"
+            )
     for kind, example in plan.examples.items():
         what = f"{plan.rejected[kind]} layout(s) rejected by {kind}"
         parts.append(f"{what}, e.g. {example.layout.describe()}: {example.rejected}")

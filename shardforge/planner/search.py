@@ -75,8 +75,10 @@ def cpu_device(cfg: Config, shape: Any, cluster: Cluster) -> Device:
         rate, _ = peak_flops(torch.device("cpu"), dtype, None, shapes)
     finally:
         torch.set_num_threads(before)
-    rate *= min(1.0, cores / (threads * per_node))  # more processes than cores share them
-    return replace(cluster.device, peak={k: rate for k in cluster.device.peak})
+    share = min(1.0, cores / (threads * per_node))  # more processes than cores share them
+    d = cluster.device
+    return replace(d, peak={k: rate * share for k in d.peak}, memory_gbps=d.memory_gbps * share,
+                   op_us=d.op_us / share, dtensor_us=d.dtensor_us / share)  # fmt: skip
 
 
 def divisors(n: int) -> list[int]:
@@ -144,6 +146,10 @@ class Planner:
         elif memory.device_bytes > self.cluster.memory_bytes:
             need, have = memory.device_bytes / GIB, self.cluster.device.memory_gib
             candidate.rejected, candidate.kind = f"needs {need:.1f} GiB per device of {have:.1f}", "memory"
+        elif memory.states.on_host > self.cluster.host_bytes_per_device:
+            need, have = memory.states.on_host / GIB, self.cluster.host_bytes_per_device / GIB
+            candidate.rejected = f"offloads {need:.1f} GiB per device to a host with {have:.1f} per device"
+            candidate.kind = "memory"
         batch = layout.micro_batch * layout.grad_accum * layout.dp
         candidate.time = self.timing.estimate(layout, memory.states, batch)
         return candidate

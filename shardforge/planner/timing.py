@@ -11,6 +11,7 @@ point-to-point traffic at the ends of the schedule.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shardforge.config.schema import Config
@@ -20,6 +21,7 @@ from shardforge.planner.layout import Layout
 from shardforge.planner.memory import DTYPE_BYTES, StateBytes
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DDP_BUCKET = 25 << 20  # DDP's default bucket_cap_mb
 
 
 @dataclass
@@ -60,68 +62,116 @@ def _span(layout: Layout, dims: tuple[str, ...], cluster: Cluster) -> bool:
     return stride * size > cluster.devices_per_node
 
 
-def _ring(cluster: Cluster, n: int, nbytes: float, cross: bool, factor: float) -> float:
-    """A ring collective over n ranks moving `factor` x (n-1)/n x nbytes per device, plus n-1 latencies."""
+def _ring(cluster: Cluster, n: int, nbytes: float, cross: bool, factor: float, count: float = 1) -> float:
+    """`count` ring collectives over n ranks moving `factor` x (n-1)/n x nbytes per device in all, each
+    paying n-1 latencies."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     bandwidth, latency = cluster.link(n, cross)
-    return factor * (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+    return factor * (n - 1) / n * nbytes / bandwidth + count * (n - 1) * latency
+
+
+OPS_PER_LAYER = (
+    28  # kernels one decoder layer launches per pass (norms, projections, RoPE, attention, SwiGLU)
+)
+OPS_PER_ADAPTER = 5  # a LoRA adapter's: dropout, A, B, scale, add
+OPS_PER_MOE = 25  # an MoE layer's routing, sort, gather, grouped matmuls and scatter beyond a dense MLP's
 
 
 class TimeModel:
+    """Step time of any layout for one model, method and batch shape on one cluster."""
+
     def __init__(self, cfg: Config, shape: object, costs: CostModel, cluster: Cluster) -> None:
         self.cfg, self.shape, self.costs, self.cluster = cfg, shape, costs, cluster
-        self.dtype = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[cfg.train.precision]
+        self.dtype = cfg.train.precision
         self.act = 2 if cfg.train.precision != "fp32" else DTYPE_BYTES[cfg.model.dtype]
-        self.trained = 1.0 if cfg.method.finetuning == "full" else 0.0
+        self.trained = {"full": 1.0, "lora": 0.0, "freeze": 0.5}[cfg.method.finetuning]
         layer = costs.layer_flops
         moe = [i for i in range(len(layer)) if getattr(shape, "is_moe", lambda _: False)(i)]
         self.moe_share = sum(layer[i] for i in moe) / max(sum(layer), 1.0)
+        adapted = self._adapted_linears()
+        self.ops = (
+            OPS_PER_LAYER + OPS_PER_ADAPTER * len(adapted) + OPS_PER_MOE * len(moe) / max(len(layer), 1)
+        )
+        # an adapter's output is added to its base's: per token and layer
+        self.adapter_bytes = sum(out for _, out in adapted) * self.act
+
+    def _adapted_linears(self) -> list[tuple[int, int]]:
+        """(in, out) features of each linear of a layer that carries a LoRA adapter."""
+        if self.cfg.method.finetuning != "lora":
+            return []
+        s = self.shape
+        h, q, kv, i = (
+            s.hidden_size,
+            s.num_heads * s.head_dim,
+            s.num_kv_heads * s.head_dim,
+            s.intermediate_size,
+        )
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        shapes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        targets = self.cfg.method.lora.targets
+        return [shapes[t] for t in (shapes if targets == "all" else targets)]
 
     def estimate(self, layout: Layout, states: StateBytes, batch: int) -> StepTime:
         """`states`: the fullest rank's model states (the memory model's); `batch`: rows per step."""
-        cfg, c, cl = self.cfg, self.costs, self.cluster
+        cfg, c, cl, d = self.cfg, self.costs, self.cluster, self.cluster.device
         seq = cfg.data.max_length
-        tokens = batch * seq
-        pairs = batch * causal_pairs([seq])
-        trained = self.trained if cfg.method.finetuning != "freeze" else 0.5
-        work = c.train_flops(tokens, tokens, pairs, trained)
+        tokens, pairs = batch * seq, batch * causal_pairs([seq])
         body = tokens * sum(c.layer_flops) + pairs * sum(c.pair_flops)
-        recompute = {"none": 0.0, "full": body, "selective": pairs * sum(c.pair_flops)}[
-            layout.activation_checkpoint
-        ]
+        recompute = {"none": 0.0, "full": body, "selective": pairs * sum(c.pair_flops)}
         # MoE layers run whole on every tp rank (their experts are split by ep, not tp)
         split = layout.world / (1 + self.moe_share * (layout.tp - 1))
-        flops = (work + recompute) / split
+        flops = (
+            c.train_flops(tokens, tokens, pairs, self.trained) + recompute[layout.activation_checkpoint]
+        ) / split
         m = layout.pipeline_microbatches if layout.pp > 1 else 1
-        rows = layout.micro_batch / m  # rows per forward pass
-        mb_tokens = rows * seq / layout.cp
-        width = self.shape.intermediate_size if not self.moe_share else self.shape.moe_intermediate_size
+        mb_tokens = layout.micro_batch / m * seq / layout.cp  # tokens per forward pass on a rank
+        width = self.shape.moe_intermediate_size if self.moe_share else self.shape.intermediate_size
         gemm = 2 * mb_tokens * self.shape.hidden_size * max(1, width // layout.tp)
-        rate = cl.device.achievable(self.dtype, gemm)
         passes = {"none": 3, "selective": 3.5, "full": 4}[layout.activation_checkpoint]
-        layers_here = self.shape.num_layers / layout.pp
-        overhead = cl.device.overhead_us * 1e-6 * layers_here * passes * layout.grad_accum * m
-        parts = {"compute": flops / rate + overhead}
+        forwards = layout.grad_accum * m  # forward passes of each layer a rank runs per step
+        layers = self.shape.num_layers / layout.pp
+        kept = self.costs.activation_bytes("none", self.act, layout.tp, layout.sequence_parallel).per_token
+        kept += self.adapter_bytes * layers / layout.tp
+        mode = layout.activation_checkpoint  # recomputation streams again what it did not keep
+        again = (
+            kept - self.costs.activation_bytes(mode, self.act, layout.tp, layout.sequence_parallel).per_token
+        )
+        parts = {
+            "compute": flops / d.achievable(self.dtype, gemm),
+            # element-wise work streams what the forward keeps: written, read back and its gradient written
+            "elementwise": (3 * kept + again) / layout.pp * mb_tokens * forwards / (d.memory_gbps * 1e9),
+            "overhead": d.op_us * 1e-6 * self.ops * layers * passes * forwards,
+        }
         if layout.pp > 1:
-            parts["pp_bubble"] = (
-                parts["compute"]
-                * (layout.pp - 1)
-                / (layout.pp_virtual * m)
-                * (1 / 3 if layout.pp_schedule in ("zero_bubble", "zbv", "dualpipev") else 1)
-            )
+            busy = parts["compute"] + parts["elementwise"] + parts["overhead"]
+            zero_bubble = layout.pp_schedule in ("zero_bubble", "zbv", "dualpipev")
+            parts["pp_bubble"] = busy * (layout.pp - 1) / (layout.pp_virtual * m) / (3 if zero_bubble else 1)
             msg = (
                 mb_tokens * self.shape.hidden_size * self.act / (layout.tp if layout.sequence_parallel else 1)
             )
             hops = 2 * (m * layout.pp_virtual + layout.pp - 1) * layout.grad_accum
             parts["pp_p2p"] = hops * _ring(cl, 2, msg, _span(layout, ("pp",), cl), 2.0)
-        parts.update(self._layer_collectives(layout, mb_tokens, layout.grad_accum * m))
+        parts.update(self._layer_collectives(layout, mb_tokens, forwards))
         parts.update(self._data_parallel(layout, states.params, states.grads, parts["compute"]))
-        # AdamW reads weights, gradients and both moments and writes weights and moments
-        parts["optimizer"] = 7 * states.grads / (cl.device.memory_gbps * 1e9)
-        model_flops = c.train_flops(tokens, tokens, pairs, trained)
-        peak = cl.device.peak.get(self.dtype, cl.device.peak["fp32"])
-        return StepTime(parts, tokens, model_flops, layout.world, peak)
+        if layout.offload == "none":  # AdamW reads weights, gradients, both moments and writes three back
+            parts["optimizer"] = 7 * states.grads / (d.memory_gbps * 1e9)
+        else:
+            parts["offload"] = self._offload(layout, states)
+        model_flops = c.train_flops(tokens, tokens, pairs, self.trained)
+        return StepTime(parts, tokens, model_flops, layout.world, d.peak.get(self.dtype, d.peak["fp32"]))
+
+    def _offload(self, layout: Layout, states: StateBytes) -> float:
+        """Host traffic and the host's optimizer step: gradients down and updated weights up once a step
+        (offload=optimizer); with offload=params the sharded weights also cross before every gather."""
+        d = self.cluster.device
+        host = d.host_gbps * 1e9
+        elems = states.grads / DTYPE_BYTES[self.cfg.model.dtype]
+        seconds = 2 * states.grads / host + 28 * elems / (d.host_adam_gbps * 1e9)  # fp32 AdamW on the host
+        if layout.offload == "params":
+            gathers = (2 if layout.zero_stage == 3 else 1) * layout.grad_accum
+            seconds += gathers * states.params / host
+        return seconds
 
     def _layer_collectives(self, layout: Layout, mb_tokens: float, passes: int) -> dict[str, float]:
         """TP/SP, CP and EP collectives of every layer, forward and backward (full recomputation repeats the
@@ -133,9 +183,11 @@ class TimeModel:
         if layout.tp > 1:
             msg = mb_tokens * s.hidden_size * self.act
             cross = _span(layout, ("tp",), cl)
-            # two reductions per layer per pass: reduce-scatter + all-gather under SP, all-reduce without
-            per = 2 * _ring(cl, layout.tp, msg, cross, 2.0)
-            out["tp_comm"] = per * layers * repeat * passes
+            # two reductions per layer per pass: reduce-scatter + all-gather under SP, all-reduce without;
+            # and the DTensor dispatch of the layer's sharded ops
+            collectives = 2 * _ring(cl, layout.tp, msg, cross, 2.0, 2 if layout.sequence_parallel else 1)
+            dispatch = cl.device.dtensor_us * 1e-6
+            out["tp_comm"] = (collectives + dispatch) * layers * repeat * passes
         if layout.cp > 1:
             cross = _span(layout, ("cp",), cl)
             kv = s.num_kv_heads * s.head_dim / layout.tp
@@ -159,29 +211,32 @@ class TimeModel:
             out["ep_comm"] = per * moe_layers * repeat * passes
         return out
 
-    def _data_parallel(self, layout: Layout, param_bytes: float, state_bytes: float, compute: float) -> dict:
-        """Gradient reduction (and FSDP2's parameter gathers), exposed beyond the compute they overlap."""
+    def _data_parallel(self, layout: Layout, param_bytes: float, grads: float, compute: float) -> dict:
+        """Gradient reduction (and FSDP2's parameter gathers), exposed beyond the compute they overlap.
+        `param_bytes`, `grads`: the fullest rank's local parameter and gradient bytes. DDP reduces 25 MiB
+        buckets; FSDP2 gathers and reduce-scatters each decoder layer (and the root) on its own."""
         cl = self.cluster
         if layout.dp * layout.cp == 1:
             return {}
+        itemsize = DTYPE_BYTES[self.cfg.model.dtype]
         reduce = 4 if self.cfg.parallel.reduce_dtype == "fp32" else 2
-        param_elems = param_bytes / DTYPE_BYTES[self.cfg.model.dtype]
-        compute_bytes = 2 if self.cfg.train.precision != "fp32" else DTYPE_BYTES[self.cfg.model.dtype]
-        grads = state_bytes  # the fullest rank's trained elements' gradient bytes
+        compute_bytes = 2 if self.cfg.train.precision != "fp32" else itemsize
         if layout.zero_stage < 2:
             n = layout.dp_replicate * layout.cp
             cross = _span(layout, ("dp_replicate",), cl)
-            comm = _ring(cl, n, grads, cross, 2.0)
+            buckets = max(1, math.ceil(grads / DDP_BUCKET))
+            comm = _ring(cl, n, grads, cross, 2.0, buckets)
             if layout.zero_stage == 1:  # the updated shards broadcast back
-                comm += _ring(cl, n, param_bytes, cross, 1.0)
+                comm += _ring(cl, n, param_bytes, cross, 1.0, buckets)
             # DDP's buckets reduce while backward (two thirds of the compute) still runs
             return {"dp_comm": max(comm - cl.device.overlap * 2 / 3 * compute, 0.0)}
         n = layout.dp_shard * layout.cp
         cross = _span(layout, ("dp_shard", "cp") if layout.cp > 1 else ("dp_shard",), cl)
-        full = param_elems * n  # the stage's whole parameters: the shards held here are 1/n of them
+        units = self.shape.num_layers / layout.pp + 1  # FSDP2 wraps each layer and the root
         gathers = (2 if layout.zero_stage == 3 else 1) * layout.grad_accum
-        comm = gathers * _ring(cl, n, full * compute_bytes, cross, 1.0)
-        comm += _ring(cl, n, grads / DTYPE_BYTES[self.cfg.model.dtype] * n * reduce, cross, 1.0)
+        whole = param_bytes / itemsize * n  # the stage's elements: the shards held here are 1/n of them
+        comm = _ring(cl, n, whole * compute_bytes, cross, 1.0, units) * gathers
+        comm += _ring(cl, n, grads / itemsize * n * reduce, cross, 1.0, units)
         if layout.dp_replicate > 1:
-            comm += _ring(cl, layout.dp_replicate, grads, _span(layout, ("dp_replicate",), cl), 2.0)
+            comm += _ring(cl, layout.dp_replicate, grads, _span(layout, ("dp_replicate",), cl), 2.0, units)
         return {"dp_comm": max(comm - cl.device.overlap * compute, 0.0)}

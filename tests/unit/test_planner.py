@@ -1,0 +1,430 @@
+"""The layout planner (issue 19) on shapes alone: the papers' memory formulas, searches for public models on
+H100 clusters of 8 to 1024 devices (config.json only, no weights), `shardforge plan`, `parallel: auto` and the
+preflight's memory check, and the model-state counter against torch.chunk and hand-counted parameters."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shardforge.cli import main
+from shardforge.config import load_config
+from shardforge.config.schema import Config
+from shardforge.errors import ConfigError
+from shardforge.models.build import check_model_source, model_source
+from shardforge.planner.hardware import GIB, PRESETS, Cluster
+from shardforge.planner.layout import Layout, layout_of
+from shardforge.planner.memory import (
+    StateCounter,
+    coords_of,
+    inventory,
+    korthikanti_layer_bytes,
+    zero_model_states,
+)
+from shardforge.planner.preflight import preflight
+from shardforge.planner.search import Planner, choose
+from tests.conftest import REPO
+
+DEMO = REPO / "examples" / "demo.yaml"
+
+
+# ---- 1. ZeRO, Figure 1 ------------------------------------------------------------------------------------
+def test_zero_model_states_match_the_paper():
+    """Rajbhandari et al. (2020), Figure 1: Adam in mixed precision keeps 2 + 2 + 12 bytes per parameter;
+    their example is 7.5B parameters over N = 64 data-parallel ranks."""
+    psi, n = 7.5e9, 64
+    expected = {
+        0: 16 * psi,  # baseline (2 + 2 + K) psi, K = 12
+        1: (4 + 12 / n) * psi,  # P_os
+        2: (2 + 14 / n) * psi,  # P_os+g
+        3: 16 * psi / n,  # P_os+g+p
+    }
+    paper_gb = {0: 120, 1: 31.4, 2: 16.6, 3: 1.88}  # the figure's numbers, rounded as printed
+    for stage in range(4):
+        got = zero_model_states(psi, stage, n, 2, 2, 12)
+        assert got == pytest.approx(expected[stage], rel=1e-12), stage
+        assert got / 1e9 == pytest.approx(paper_gb[stage], rel=3e-3), stage
+    # one rank shards nothing: every stage is the baseline
+    assert {zero_model_states(psi, s, 1, 2, 2, 12) for s in range(4)} == {16 * psi}
+
+
+# ---- 2. Korthikanti et al., Table 2 -----------------------------------------------------------------------
+def test_korthikanti_activation_formulas_on_gpt3_175b():
+    """Per-layer activation bytes of GPT-3 175B's shape (s=2048, b=1, h=12288, a=96) at t=8."""
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h  # 25,165,824
+    attn = 5 * a * s / h  # 80: the attention scores, softmax and dropout per sbh
+    assert attn == 80
+    cases = {
+        # (t, sp, recompute): Table 2's row, and the same number worked out by hand
+        (1, False, "none"): (sbh * (34 + attn), 2_868_903_936),  # no parallelism: 114 sbh
+        (t, False, "none"): (sbh * (10 + 24 / t + attn / t), 578_813_952),  # TP: 23 sbh
+        (t, True, "none"): (sbh / t * (34 + attn), 358_612_992),  # TP + SP: 14.25 sbh
+        (t, True, "selective"): (34 * sbh / t, 106_954_752),  # selective, TP + SP: 4.25 sbh
+        (t, False, "selective"): (sbh * (10 + 24 / t), 327_155_712),  # selective, TP only: 13 sbh
+        (t, True, "full"): (2 * sbh, 50_331_648),  # full recomputation: the layer input only
+        (1, False, "full"): (2 * sbh, 50_331_648),
+    }
+    for (tp, sp, recompute), (formula, by_hand) in cases.items():
+        assert formula == by_hand
+        got = korthikanti_layer_bytes(s, b, h, a, tp, sp, recompute)
+        assert got == pytest.approx(by_hand, rel=1e-12), (tp, sp, recompute)
+    # the micro-batch scales every row linearly
+    assert korthikanti_layer_bytes(s, 4, h, a, t, True) == pytest.approx(4 * 358_612_992, rel=1e-12)
+
+
+# ---- 3. public models by shape on H100 clusters -----------------------------------------------------------
+LLAMA3 = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_act": "silu",
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+}
+MODELS = {
+    "llama3-70b": {
+        **LLAMA3,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 80,
+    },
+    "llama3.1-405b": {
+        **LLAMA3,
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 126,
+    },
+    "qwen3-235b-a22b": {  # the keys transformers' Qwen3MoeConfig and models/llama/moe_adapter.py read
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,  # the dense MLP's (no dense layers here: decoder_sparse_step 1)
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1536,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+    },
+}
+# Published sizes (parameters), which the shapes above must reproduce when counted tensor by tensor.
+PUBLISHED = {"llama3-70b": 70.6e9, "llama3.1-405b": 405.9e9, "qwen3-235b-a22b": 235.1e9}
+H100_PER_NODE = 8
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, hf in MODELS.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(hf))
+        out[name] = root / name
+    return out
+
+
+def _config(path, global_batch: int = 1024, **sections) -> Config:
+    train = {"precision": "bf16", "global_batch": global_batch, "micro_batch": 1, **sections.pop("train", {})}
+    return Config(
+        model={"path": str(path)},
+        data={"train": [{"path": "x.jsonl", "format": "alpaca"}], "max_length": 4096},
+        train=train,
+        **sections,
+    )
+
+
+def _h100s(devices: int) -> Cluster:
+    return Cluster(PRESETS["h100"], max(1, devices // H100_PER_NODE), min(devices, H100_PER_NODE))
+
+
+def test_shapes_read_from_config_json(model_dirs):
+    for name, path in model_dirs.items():
+        cfg = _config(path)
+        shape = check_model_source(cfg.model, weights=False)
+        total = sum(math.prod(p.shape) for p in inventory(shape, cfg))
+        assert total == pytest.approx(PUBLISHED[name], rel=5e-3), name
+    moe = check_model_source(_config(model_dirs["qwen3-235b-a22b"]).model, weights=False)
+    assert (moe.num_experts, moe.experts_per_token, moe.moe_intermediate_size) == (128, 8, 1536)
+    assert (moe.head_dim, moe.num_kv_heads, len(moe.moe_layers)) == (128, 4, 94)
+
+
+@pytest.mark.parametrize("devices", [8, 64, 512, 1024])
+@pytest.mark.parametrize("name", ["llama3-70b", "llama3.1-405b", "qwen3-235b-a22b"])
+def test_public_models_on_h100_clusters(model_dirs, name, devices):
+    # 1024 rows of 4096 tokens (4M tokens) a step; 2048 on 1024 devices, so each data-parallel rank has rows
+    cfg = _config(model_dirs[name], global_batch=2048 if devices == 1024 else 1024)
+    shape = check_model_source(cfg.model, weights=False)
+    cluster = _h100s(devices)
+    started = time.perf_counter()
+    planner = Planner(cfg, shape, cluster)
+    plan = planner.search()
+    seconds = time.perf_counter() - started
+    assert seconds < 10, f"{name} on {devices} H100s: the search took {seconds:.1f} s"
+    # ZeRO-3 over every device, 16 bytes a parameter (fp32 weights and gradients, two fp32 moments)
+    states = zero_model_states(PUBLISHED[name], 3, devices, 4, 4, 8)
+    if states > 80 * GIB + cluster.host_bytes_per_device:
+        # more than the devices and their share of the nodes' 2 TiB of host memory hold (405B and 235B on one
+        # node): nothing fits, and the nearest layout says which memory ran out
+        assert not plan.ranked, plan.best.layout.describe()
+        assert "offloads" in plan.examples["memory"].rejected, plan.examples["memory"].rejected
+        no_offload = planner.layouts(plan.batch, offload=False)
+        assert no_offload and not any(planner.evaluate(layout).fits for layout in no_offload)
+        print(f"\n{name} on {cluster.describe()}: nothing fits ({plan.examples['memory'].rejected})")
+        return
+    assert plan.ranked, f"{name} on {devices} H100s: nothing fits: {dict(plan.rejected)} {plan.examples}"
+    best = plan.best
+    lay = best.layout
+    print(
+        f"\n{name} on {cluster.describe()}: searched in {seconds:.2f} s (plan.seconds {plan.seconds:.2f}); "
+        f"best {lay.describe()}; {best.memory.device_bytes / GIB:.1f} GiB/device; "
+        f"step {best.time.total:.3g} s, MFU {best.time.mfu:.1%}; rejected {dict(plan.rejected)}"
+    )
+    for i, c in enumerate(plan.ranked[1:3], 2):
+        print(f"    #{i} {c.layout.describe()}: {c.memory.device_bytes / GIB:.1f} GiB, {c.time.total:.3g} s")
+    assert lay.world == devices
+    assert lay.micro_batch * lay.grad_accum * lay.dp == plan.batch  # the global batch is kept
+    for c in plan.ranked:
+        assert c.fits and c.memory.device_bytes <= 80 * GIB
+        tp, cp, pp = c.layout.tp, c.layout.cp, c.layout.pp
+        assert tp <= H100_PER_NODE and H100_PER_NODE % tp == 0, c.layout.describe()  # TP inside a node
+        assert tp * cp <= H100_PER_NODE, c.layout.describe()
+        assert c.layout.ep * tp <= H100_PER_NODE, c.layout.describe()
+        # pp is the outermost mesh dimension: pipeline neighbours are world/pp ranks apart, on other nodes
+        if pp > 1 and devices > H100_PER_NODE:
+            assert devices // pp >= H100_PER_NODE, c.layout.describe()
+    if states > 80 * GIB:  # more than the device holds: only offload can fit
+        assert lay.offload != "none", lay.describe()
+        host = best.memory.states.on_host
+        print(
+            f"    ZeRO-3 states {states / GIB:.0f} GiB/device:",
+            f"offload={lay.offload}, {host / 1e9:.0f} GB host",
+        )
+    elif states < 0.75 * 80 * GIB:  # room to spare: offload only costs time
+        assert lay.offload == "none", lay.describe()
+    if lay.offload != "none":  # parallel: auto takes the same choice
+        chosen, _ = choose(cfg, shape, cluster)
+        assert not chosen.parallel.auto and chosen.parallel.offload == lay.offload
+
+
+def test_choose_names_what_is_needed_when_nothing_fits(model_dirs):
+    cfg = _config(model_dirs["llama3.1-405b"])
+    shape = check_model_source(cfg.model, weights=False)
+    with pytest.raises(ConfigError) as err:
+        choose(cfg, shape, _h100s(1))
+    message = str(err.value)
+    print(f"\nchoose, 405B on one H100: {message}")
+    assert "no layout of 1 node(s) x 1 h100" in message and "global batch of 1024 rows" in message
+    need = re.search(r"the nearest, (.+?), needs ([\d.]+) GiB per device of 80\.0", message)
+    assert need, message
+    # at least its model states: fp32 weights and gradients, and AdamW's two moments (16 bytes a parameter)
+    assert float(need.group(2)) > zero_model_states(405.8e9, 0, 1, 4, 4, 8) / GIB
+    assert "use more devices" in message and "method.finetuning=lora" in message
+
+
+# ---- 4. `shardforge plan` ---------------------------------------------------------------------------------
+def _plan_json(capsys, *args: str) -> dict:
+    assert main(["plan", str(DEMO), "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_on_this_machine(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)  # the demo's tokenizer path is relative to the repository
+    out = _plan_json(capsys)
+    assert (
+        out["cluster"]["preset"] == "cpu"
+        and out["cluster"]["nodes"] * out["cluster"]["devices_per_node"] == 1
+    )
+    assert out["global_batch"] == 4  # the demo's micro_batch 4 x grad_accum 1
+    ranked = out["ranked"]
+    assert 1 <= len(ranked) <= 5
+    steps = [c["step_seconds"]["total"] for c in ranked]
+    assert steps == sorted(steps)  # ranked by estimated step time
+    assert ranked[0]["describe"] in out["reason"] and "shortest estimated step" in out["reason"]
+    assert out["overrides"] and all("=" in o for o in out["overrides"])
+
+
+def test_plan_for_two_nodes_of_h100(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    out = _plan_json(capsys, "--hardware", "h100", "--nodes", "2", "--devices-per-node", "8")
+    assert out["cluster"] == {"preset": "h100", "nodes": 2, "devices_per_node": 8, "memory_gib": 80}
+    assert out["ranked"] and out["reason"]
+    for c in out["ranked"]:
+        lay = c["layout"]
+        assert lay["dp_replicate"] * lay["dp_shard"] * lay["cp"] * lay["tp"] * lay["pp"] == 16, c["describe"]
+        assert lay["micro_batch"] * lay["grad_accum"] * lay["dp_replicate"] * lay["dp_shard"] == 4
+        assert c["memory_bytes"]["total"] <= 80 * GIB
+
+
+def test_plan_list_hardware(capsys):
+    assert main(["plan", "--list-hardware"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list(PRESETS)
+    h100 = next(line for line in lines if line.startswith("h100"))
+    assert "80 GB" in h100 and "bf16 989.4" in h100
+
+
+def test_plan_unknown_preset_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert main(["plan", str(DEMO), "--hardware", "tpu9"]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.out + captured.err
+    assert "hardware.preset='tpu9' is not a preset; valid: " in captured.err
+    assert all(name in captured.err for name in PRESETS)
+
+
+# ---- 5. `parallel: auto` ----------------------------------------------------------------------------------
+def test_parallel_auto_shorthand(tmp_path):
+    text = DEMO.read_text()
+    short, long = tmp_path / "short.yaml", tmp_path / "long.yaml"
+    short.write_text(text + "parallel: auto\n")
+    long.write_text(text + "parallel: {auto: true}\n")
+    a, b = load_config(short), load_config(long)
+    assert a.parallel.auto is True
+    assert a == b
+    assert load_config(DEMO).parallel.auto is False
+
+
+def test_preflight_resolves_auto_on_two_processes(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg = load_config(DEMO, ["parallel.auto=true"])
+    shape = model_source(cfg.model)[0]
+    resolved, dims, grad_accum, _, estimate = preflight(cfg, 2, shape)
+    p = resolved.parallel
+    print(f"\ndemo, parallel: auto on 2 processes: {estimate.layout.describe()}")
+    assert p.auto is False
+    assert p.dp_replicate * p.dp_shard * p.tp * p.pp * p.cp == 2 == dims.world_size
+    assert resolved.train.micro_batch * grad_accum * dims.dp == 4  # the demo's global batch
+    assert estimate.fits
+    # what it resolved to is an explicit layout the preflight accepts as it is
+    again, dims2, _, _, _ = preflight(resolved, 2, shape)
+    assert again.parallel == p and dims2 == dims
+
+
+# ---- 6. the preflight's memory check ----------------------------------------------------------------------
+def test_preflight_explicit_layout_that_cannot_fit(model_dirs):
+    cfg = _config(
+        model_dirs["llama3-70b"], global_batch=None, train={"micro_batch": 8}, hardware={"preset": "h100"}
+    )
+    shape = check_model_source(cfg.model, weights=False)
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg, 1, shape)
+    message = str(err.value)
+    print(f"\n70B on one H100, micro_batch 8: {message}")
+    need = re.search(r"will not fit: it needs ([\d.]+) GiB per device of 80\.0 \(h100\)", message)
+    assert need, message
+    full = re.search(r"with parallel\.activation_checkpoint=full it needs ([\d.]+)", message)
+    assert full, message
+    assert float(full.group(1)) < float(need.group(1))
+    # the planner's own estimate of that layout, and at least 16 bytes of states per parameter
+    estimate = Planner(cfg, shape, _h100s(1)).evaluate(layout_of(cfg, 1))
+    assert need.group(1) == f"{estimate.memory.device_bytes / GIB:.1f}"
+    assert float(need.group(1)) > 16 * 70.5e9 / GIB
+
+
+# ---- 7. counting model states on shapes alone -------------------------------------------------------------
+def _demo(vocab: int | None = None):
+    cfg = load_config(DEMO)
+    shape = check_model_source(cfg.model, weights=False)
+    shape = replace(shape, vocab_size=vocab or 1024)  # 1024: the bundled tokenizer's vocabulary
+    return cfg, shape
+
+
+def _by_hand(shape, vocab: int) -> tuple[int, int]:
+    """(elements TP splits, elements it replicates) of a Llama decoder with a tied head, counted by hand."""
+    h, i, n = shape.hidden_size, shape.intermediate_size, shape.num_layers
+    kv = shape.num_kv_heads * shape.head_dim
+    q = shape.num_heads * shape.head_dim
+    split = vocab * h + n * (h * q + 2 * h * kv + q * h + 3 * h * i)  # embedding, q k v o, gate up down
+    replicated = n * 2 * h + h  # two norms a layer and the final one
+    return split, replicated
+
+
+@pytest.mark.parametrize("vocab", [1024, 1023])
+def test_zero3_shards_sum_to_the_whole(vocab):
+    cfg, shape = _demo(vocab)
+    assert shape.tie_embeddings and cfg.model.dtype == "float32"
+    params = inventory(shape, cfg)
+    counter = StateCounter(params, True)
+    layout = Layout(1, 4, 1, 1, 1, 1, 3, False, "none", "none", 1, 1)
+    split, replicated = _by_hand(shape, vocab)
+    whole = 4 * (split + replicated)
+    per_rank = [counter.count(layout, coords_of(layout, r), None).params for r in range(4)]
+    assert sum(per_rank) == whole
+    # each rank holds FSDP2's dimension-0 chunk of every tensor (the tied head is the embedding)
+    for r in range(4):
+        expected = 0
+        for p in params:
+            if p.name == "lm_head.weight":
+                continue
+            chunks = torch.chunk(torch.empty(p.shape, device="meta"), 4, dim=0)
+            expected += 4 * (chunks[r].numel() if r < len(chunks) else 0)
+        assert per_rank[r] == expected, r
+    if vocab % 4:  # uneven: the last rank's embedding chunk is shorter
+        assert per_rank[3] < per_rank[0]
+
+
+@pytest.mark.parametrize("vocab", [1024, 1023])
+def test_tensor_parallel_halves_split_tensors(vocab):
+    cfg, shape = _demo(vocab)
+    full = inventory(shape, cfg)
+    assert full[-1].name == "lm_head.weight"  # the tied head's copy, held apart only by a pipeline
+    params = full[:-1]
+    splits = {p.name.split(".")[-2] for p in params if p.tp_dim is not None}
+    assert splits == {
+        "embed_tokens",
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    assert all("norm" in p.name for p in params if p.tp_dim is None)
+    counter = StateCounter(full, True)
+    layout = Layout(1, 1, 2, 1, 1, 1, 0, True, "none", "none", 1, 1)
+    padded = math.ceil(vocab / 2) * 2  # the vocabulary padded to a multiple of tp
+    split, replicated = _by_hand(shape, padded)
+    for r in range(2):
+        states = counter.count(layout, coords_of(layout, r), None)
+        assert states.params == 4 * (split // 2 + replicated), r
+        assert states.grads == states.params and states.frozen == 0
+
+
+# ---- offload costs host traffic ----------------------------------------------------------------------------
+@pytest.mark.parametrize("offload", ["optimizer", "params"])
+def test_offload_pays_for_the_host_link(model_dirs, offload):
+    cfg = _config(model_dirs["llama3-70b"])
+    shape = check_model_source(cfg.model, weights=False)
+    cluster = _h100s(8)
+    planner = Planner(cfg, shape, cluster)
+    on_device = planner.evaluate(Layout(1, 8, 1, 1, 1, 1, 3, False, "selective", "none", 1, 128))
+    moved = planner.evaluate(Layout(1, 8, 1, 1, 1, 1, 3, False, "selective", offload, 1, 128))
+    # at the least, each step's gradients go to the host and the updated parameters come back
+    states = moved.memory.states
+    floor = (states.grads + states.params) / (cluster.device.host_gbps * 1e9)
+    assert moved.time.total >= on_device.time.total + floor
