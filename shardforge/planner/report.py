@@ -45,33 +45,27 @@ def reason(plan: Plan) -> str:
 
 
 def table(plan: Plan, console: Console) -> None:
+    """The ranked layouts as numbered lines, then one column per layout: memory and time by part."""
     cluster = plan.cluster
-    console.print(
-        f"planning for {cluster.describe()}, global batch {plan.batch} rows; "
-        f"{len(plan.ranked)} best shown, searched in {plan.seconds:.2f} s",
-        highlight=False,
-    )
-    t = Table(title="layouts by estimated step time (per device: GiB; per step: seconds)")
-    t.add_column("", justify="right")
-    t.add_column("layout")
-    memory_keys = ["params", "grads", "optimizer", "activations", "reference", "buffers", "margin"]
-    for k in ["total GiB", *memory_keys]:
-        t.add_column(k, justify="right")
-    time_keys = sorted({k for c in plan.ranked for k in c.time.parts})
-    for k in ["step s", *time_keys, "tokens/s", "MFU"]:
-        t.add_column(k, justify="right")
-    for i, c in enumerate(plan.ranked):
-        b = c.memory.breakdown()
-        t.add_row(
-            str(i + 1),
-            c.layout.describe(),
-            _gib(c.memory.device_bytes),
-            *[_gib(b[k]) for k in memory_keys],
-            f"{c.time.total:.3g}",
-            *[f"{c.time.parts.get(k, 0):.3g}" for k in time_keys],
-            f"{c.time.tokens_per_s:,.0f}",
-            f"{c.time.mfu:.1%}",
-        )
+    what = f"planning for {cluster.describe()}, global batch {plan.batch} rows"
+    console.print(f"{what}; searched in {plan.seconds:.2f} s", highlight=False)
+    for i, c in enumerate(plan.ranked, 1):
+        console.print(f"  #{i}  {c.layout.describe()}", highlight=False)
+    t = Table(title="per device (GiB) and per step (seconds)", title_justify="left")
+    t.add_column("")
+    for i in range(len(plan.ranked)):
+        t.add_column(f"#{i + 1}", justify="right")
+    memory_keys = ["params", "grads", "optimizer", "activations", "reference", "buffers", "margin", "host"]
+    breakdowns = [c.memory.breakdown() for c in plan.ranked]
+    t.add_row("memory GiB", *[_gib(c.memory.device_bytes) for c in plan.ranked], style="bold")
+    for k in memory_keys:
+        if any(b[k] for b in breakdowns):
+            t.add_row(f"  {k}", *[_gib(b[k]) for b in breakdowns])
+    t.add_row("step s", *[f"{c.time.total:.3g}" for c in plan.ranked], style="bold")
+    for k in sorted({k for c in plan.ranked for k in c.time.parts}):
+        t.add_row(f"  {k}", *[f"{c.time.parts.get(k, 0):.3g}" for c in plan.ranked])
+    t.add_row("tokens/s", *[f"{c.time.tokens_per_s:,.0f}" for c in plan.ranked])
+    t.add_row("MFU", *[f"{c.time.mfu:.1%}" for c in plan.ranked])
     console.print(t)
     console.print(f"chosen: {reason(plan)}", highlight=False)
     console.print("run it with: " + " ".join(plan.best.layout.overrides()), highlight=False)
