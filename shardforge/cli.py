@@ -27,9 +27,11 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         # Restarts need the elastic agent, even for a single process.
         # Layout errors surface here, once, before any process starts.
         _, dims, _, _, estimate = preflight(config, args.nproc, model_source(config.model)[0])
-        if config.parallel.auto:
+        overrides = list(args.overrides)
+        if config.parallel.auto:  # the ranks run the layout chosen here (their own searches could differ)
             console.print(f"parallel: auto chose {estimate.layout.describe()} on {dims.world_size} ranks")
-        argv = (["--debug"] if args.debug else []) + ["train", args.config, *args.overrides]
+            overrides += ["parallel.auto=false", *estimate.layout.overrides()]
+        argv = (["--debug"] if args.debug else []) + ["train", args.config, *overrides]
         return launch_local(args.nproc, args.max_restarts, argv)
     from shardforge.train.trainer import train
 

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from shardforge.config.schema import Config
+from shardforge.config.schema import Config, expand_shorthands
 from shardforge.errors import ConfigError
 
 
@@ -162,6 +162,7 @@ def load_config(
                 f"{path}: the top level must be a mapping of sections, got {type(loaded).__name__}"
             )
         tree = loaded or _LineDict({}, {})
+    tree = expand_shorthands(tree)
     applied: dict[str, str] = {}
     for text in overrides or []:
         parts, value = parse_override(text)

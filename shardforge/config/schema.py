@@ -338,15 +338,20 @@ class HardwareSection(Section):
     inter_node_gbps: float | None = Field(default=None, gt=0)
 
 
+def expand_shorthands(tree: object) -> object:
+    """`parallel: auto` is `parallel: {auto: true}` (so dotted overrides can reach into it); in place."""
+    if isinstance(tree, dict) and tree.get("parallel") == "auto":
+        tree["parallel"] = {"auto": True}
+    return tree
+
+
 class Config(Section):
     output_dir: str = "runs/default"
 
     @model_validator(mode="before")
     @classmethod
     def _parallel_auto(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("parallel") == "auto":
-            return {**data, "parallel": {"auto": True}}
-        return data
+        return expand_shorthands(dict(data)) if isinstance(data, dict) else data
 
     model: ModelSection
     data: DataSection

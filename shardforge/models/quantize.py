@@ -117,6 +117,13 @@ def quantize_model(model: nn.Module) -> None:
             set_nf4(model, key, param.detach())
 
 
+def nf4_storage_bytes(numel: int, itemsize: int) -> int:
+    """What `nf4` makes of a weight of `numel` elements computing in a dtype of `itemsize` bytes: 4-bit codes,
+    an int8 scale per block, a factor per scale block and the 16 levels (as `nf4_bytes` counts them)."""
+    scales = numel // BLOCK
+    return numel // 2 + scales + scales // _scaler_block(scales) * itemsize + 16 * itemsize
+
+
 def nf4_bytes(tensor: torch.Tensor) -> int:
     """The storage an NF4 weight takes: codes, scales, factors."""
     parts = (tensor.quantized_data, tensor.quantized_scalers, tensor.quantization_factor, tensor.nf4)

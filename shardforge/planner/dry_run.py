@@ -36,7 +36,6 @@ import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -44,13 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig
 
 from shardforge.adapters.apply import apply_finetuning
 from shardforge.config import Config
 from shardforge.errors import ModelError
-from shardforge.models.build import load_tokenizer
-from shardforge.models.io import read_config_json
+from shardforge.models.build import check_model_source, load_tokenizer
 from shardforge.models.presets import preset_config
 from shardforge.models.spec import spec_for
 from shardforge.objectives import build_objective
@@ -94,9 +91,7 @@ def model_shape(config: Config) -> Any:
         except ModelError:
             vocab = FALLBACK_VOCAB
         return preset_config(model.preset, vocab)
-    meta = read_config_json(Path(model.path))
-    spec = spec_for(meta.get("model_type"), meta.get("architectures"))
-    return spec.config_from_hf(AutoConfig.from_pretrained(model.path))
+    return check_model_source(model, weights=False)
 
 
 def dry_run(config: Config, world: int, ranks: Iterable[int] | None = None) -> DryRun:

@@ -21,7 +21,9 @@ from functools import cached_property
 
 import torch
 
+from shardforge.adapters.apply import apply_finetuning
 from shardforge.config.schema import LINEAR_TARGETS, Config
+from shardforge.models.quantize import QUANTIZED, nf4_storage_bytes
 from shardforge.models.spec import ActivationBytes, CostModel, spec_for
 from shardforge.planner.layout import Layout
 from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
@@ -30,7 +32,6 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
 STEP_BYTES = 4  # AdamW's per-tensor step counter (fp32)
 FP32_BYTES = 4
-NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # QLoRA's block sizes: codes per scale, scales per fp32 factor
 
 
 def zero_model_states(
@@ -106,8 +107,6 @@ def _tp_dims(model: torch.nn.Module, plan: dict) -> dict[str, int | None]:
 
 def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
     """The run's parameters in `model.parameters()` order, with how the engine splits each."""
-    from shardforge.adapters.apply import apply_finetuning
-
     spec = spec_for(shape.family)
     if cfg.method.stage == "rm" and not getattr(shape, "num_labels", 0):
         shape = shape.with_score_head(1)
@@ -118,15 +117,13 @@ def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
     tp_dims = _tp_dims(model, plan)
     itemsize = DTYPE_BYTES[cfg.model.dtype]
     nf4 = cfg.model.quantize == "nf4"
-    from shardforge.models.quantize import QUANTIZED
-
     out = []
     for name, p in model.named_parameters():
         parts = name.split(".")
         layer = int(parts[1]) if parts[0] == "layers" else None
         size = itemsize
         if nf4 and not p.requires_grad and QUANTIZED.match(name):
-            size = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
+            size = nf4_storage_bytes(p.numel(), itemsize) / p.numel()
         vocab = parts[0] in ("embed_tokens", "lm_head") and not getattr(shape, "num_labels", 0)
         split = tp_dims.get(name)
         first = parts[0] == "embed_tokens"
@@ -172,11 +169,23 @@ class StateBytes:
     frozen: int
     grads: int
     optimizer: int
-    on_host: int  # the part of the above held in host memory (offload)
+    offload: str = "none"  # parallel.offload: optimizer states (and masters), or everything, on the host
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def on_device(self) -> dict[str, int]:
+        return {
+            "params": self.params * (self.offload != "params"),
+            "grads": self.grads * (self.offload != "params"),
+            "optimizer": self.optimizer * (self.offload == "none"),
+        }
+
+    @property
+    def on_host(self) -> int:
+        return self.total - sum(self.on_device.values())
 
 
 class StateCounter:
@@ -241,10 +250,7 @@ class StateCounter:
             optimizer = sum(12 * n + STEP_BYTES for n, _ in trained)
         else:
             optimizer = int(sum(2 * n * p.itemsize + STEP_BYTES for n, p in trained))
-        host = optimizer if layout.offload != "none" else 0
-        if layout.offload == "params":
-            host = params + grads + optimizer
-        return StateBytes(params, frozen, grads, optimizer, host)
+        return StateBytes(params, frozen, grads, optimizer, layout.offload)
 
 
 def _rank_of(stage: int, layout: Layout) -> int:
@@ -290,16 +296,14 @@ class Memory:
         )
 
     def breakdown(self) -> dict[str, float]:
-        s = self.states
+        """Device bytes by part, and what offload keeps on the host."""
         return {
-            "params": s.params - (s.params if s.on_host > s.optimizer else 0),
-            "grads": s.grads - (s.grads if s.on_host > s.optimizer else 0),
-            "optimizer": s.optimizer - (s.optimizer if s.on_host else 0),
+            **self.states.on_device,
             "activations": self.activations,
             "reference": self.reference,
             "buffers": self.buffers,
             "margin": self.margin,
-            "host": s.on_host,
+            "host": self.states.on_host,
         }
 
 

@@ -38,11 +38,12 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
 
 
 def preflight(
-    cfg: Config, world: int, shape: Any
+    cfg: Config, world: int, shape: Any, measure: bool = True
 ) -> tuple[Config, ParallelDims, int, PipelinePlan | None, Any]:
     """The run's config with `parallel: auto` resolved, its checked layout, and the planner's estimate of it
     (a `search.Candidate`; None where the device has no preset). A layout that breaks a rule, or needs more
-    memory than the device has, is a ConfigError naming the key and what would fit."""
+    memory than the device has, is a ConfigError naming the key and what would fit. `measure=False`: on the
+    CPU, time with the preset's nominal matmul rate instead of the measured one (no probe)."""
     from shardforge.planner.layout import layout_of
     from shardforge.planner.search import Planner, check_memory, choose
 
@@ -50,7 +51,7 @@ def preflight(
         raise ConfigError(f"--nproc {world}: a run needs at least one process")
     cluster = cluster_for(cfg.hardware, world, required=cfg.parallel.auto)
     if cfg.parallel.auto:
-        cfg, _ = choose(cfg, shape, cluster)
+        cfg, _ = choose(cfg, shape, cluster, measure)
     dims, grad_accum, plan = check_layout(cfg, world, shape)
     estimate = None
     if cluster is not None:
@@ -58,5 +59,5 @@ def preflight(
         if plan is not None:  # the split the launcher will use
             layout = replace(layout, pp_microbatches=plan.microbatches,
                              pp_layers=",".join(str(len(s)) for s in plan.layers))  # fmt: skip
-        estimate = check_memory(cfg, layout, Planner(cfg, shape, cluster))
+        estimate = check_memory(cfg, layout, Planner(cfg, shape, cluster, measure))
     return cfg, dims, grad_accum, plan, estimate

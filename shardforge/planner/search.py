@@ -88,8 +88,8 @@ def divisors(n: int) -> list[int]:
 class Planner:
     """Memory, time and rules of one model, method and batch shape on one cluster."""
 
-    def __init__(self, cfg: Config, shape: Any, cluster: Cluster) -> None:
-        if cluster.device.name == "cpu" and cfg.hardware.peak_flops is None:
+    def __init__(self, cfg: Config, shape: Any, cluster: Cluster, measure: bool = True) -> None:
+        if cluster.device.name == "cpu" and cfg.hardware.peak_flops is None and measure:
             cluster = replace(cluster, device=cpu_device(cfg, shape, cluster))
         self.cfg, self.shape, self.cluster = cfg, shape, cluster
         self.costs = spec_for(shape.family).costs(shape)
@@ -284,9 +284,9 @@ def check_memory(cfg: Config, layout: Layout, planner: Planner) -> Candidate:
     )
 
 
-def choose(cfg: Config, shape: Any, cluster: Cluster) -> tuple[Config, Plan]:
+def choose(cfg: Config, shape: Any, cluster: Cluster, measure: bool = True) -> tuple[Config, Plan]:
     """`parallel: auto`: the best layout that fits, applied to the config (an error when none does)."""
-    planner = Planner(cfg, shape, cluster)
+    planner = Planner(cfg, shape, cluster, measure)
     plan = planner.search()
     if not plan.ranked:
         near = plan.examples.get("memory")

@@ -113,9 +113,13 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     cfg = config
     world = world_size_from_env()
     shape, tokenizer = model_source(cfg.model)
-    auto = cfg.parallel.auto
-    cfg, dims, grad_accum, plan, estimate = preflight(cfg, world, shape)
+    auto, owns = cfg.parallel.auto, False
     device = pick_device(cfg.hardware.device, local_rank_from_env())
+    if auto and world > 1:  # under torchrun or srun (the shardforge launcher passes its choice to the ranks)
+        owns = init_distributed(pick_backend(cfg.parallel.backend, device), cfg.parallel.timeout_minutes)
+        cfg = _auto_from_rank_0(cfg, world, shape)
+    main = int(os.environ.get("RANK", "0")) == 0  # the other ranks need no measured peak (rank 0 logs)
+    cfg, dims, grad_accum, plan, estimate = preflight(cfg, world, shape, measure=main)
     if cfg.hardware.threads:
         torch.set_num_threads(cfg.hardware.threads)
     run_dir = Path(cfg.output_dir)
@@ -124,7 +128,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     except OSError as exc:
         raise ConfigError(f"output_dir {str(run_dir)!r} cannot be created: {exc.strerror}") from None
 
-    owns = init_distributed(pick_backend(cfg.parallel.backend, device), cfg.parallel.timeout_minutes)
+    owns = init_distributed(pick_backend(cfg.parallel.backend, device), cfg.parallel.timeout_minutes) or owns
     mesh = dims.build_mesh(device.type, datetime.timedelta(minutes=cfg.parallel.timeout_minutes))
     is_main = not dist.is_initialized() or dist.get_rank() == 0
     console = console if is_main else console_for(quiet=True)
@@ -214,6 +218,22 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         global_batch, total, multiple, peak, spec_for(model_config.family).costs(model_config), trained, moe,
         estimate,
     )  # fmt: skip
+
+
+def _auto_from_rank_0(cfg: Config, world: int, shape: Any) -> Config:
+    """`parallel: auto` on ranks started by torchrun or srun: rank 0 searches and every rank takes its layout
+    (searches on different machines, or with differently measured peaks, could choose differently). Rank
+    0's error, when nothing fits, is every rank's."""
+    message: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            message[0] = preflight(cfg, world, shape)[0].model_dump()
+        except ConfigError as exc:
+            message[0] = str(exc)
+    dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], str):
+        raise ConfigError(message[0])
+    return Config.model_validate(message[0])
 
 
 def _finetuning(cfg: Config) -> dict | None:

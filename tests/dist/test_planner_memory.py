@@ -75,3 +75,36 @@ def test_model_state_count_equals_every_ranks_measurement(tmp_path, world, layou
             measured = per_rank[rank][i]["memory"]
             got = {k: measured.get(k, 0) for k in ("param_bytes", "grad_bytes", "optim_bytes")}
             assert got == expected[rank], (name, rank, got, expected[rank])
+
+
+def _auto_on_ranks(configs: list[dict]) -> list:
+    """Each config's resolved parallel section on this rank, or its error (ranks started without the
+    shardforge launcher, as torchrun starts them)."""
+    from shardforge.errors import ConfigError
+    from shardforge.train.trainer import Trainer
+
+    out = []
+    for cfg in configs:
+        trainer = Trainer(load_config(None, base=cfg))
+        try:
+            result = trainer.train()
+        except ConfigError as exc:
+            out.append(str(exc))
+            continue
+        out.append((trainer.run.config.parallel.model_dump(), result.steps))
+    return out
+
+
+def test_parallel_auto_under_torchrun_takes_rank_0s_choice(tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", alpaca_records(40, seed=3))
+    runs = [tiny_config(tmp_path / name, data, checkpoint={"save_final": False}) for name in ("small", "ok")]
+    for cfg in runs:
+        cfg.update(parallel="auto")
+        cfg["train"].update(steps=1, micro_batch=2, global_batch=4)
+    runs[0]["hardware"]["memory_gib"] = 1e-4  # nothing fits in 100 KiB: rank 0's error on every rank
+    per_rank = run_ranks(_auto_on_ranks, 2, runs, timeout=600)
+    for rank in (0, 1):
+        assert "no layout of 1 node(s) x 2 cpu" in per_rank[rank][0], per_rank[rank][0]
+    assert per_rank[0][1] == per_rank[1][1]  # one layout, the same on both ranks
+    parallel, steps = per_rank[0][1]
+    assert not parallel["auto"] and steps == 1

@@ -14,7 +14,7 @@ from shardforge.adapters.peft_format import merged_state
 from shardforge.config import load_config
 from shardforge.config.schema import LoraSection
 from shardforge.errors import ConfigError
-from shardforge.models.quantize import NF4_LEVELS, QUANTIZED, is_nf4, nf4
+from shardforge.models.quantize import NF4_LEVELS, QUANTIZED, is_nf4, nf4, nf4_storage_bytes
 from shardforge.parallel.memory import memory_report
 from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
@@ -39,6 +39,9 @@ def test_the_nf4_base_is_a_quarter_of_bf16_and_only_the_block_linears(base):
     others = sum(p.numel() * 2 for k, p in full.named_parameters() if k not in linears)
     nf4 = memory_report(quantized)["param_bytes"] - others
     assert 0.25 < nf4 / bf16 < 0.30  # 4 bits + an 8-bit scale per 64 values + fp32 factors per scale block
+    # the planner's count of the same storage, from the shapes alone
+    planned = sum(nf4_storage_bytes(p.numel(), 2) for k, p in full.named_parameters() if k in linears)
+    assert planned == nf4
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # NF4 is lossy but close: measured 12% relative error of the logits, cosine 0.993
         a, b = full(ids).float(), quantized(ids).float()
