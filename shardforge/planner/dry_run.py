@@ -3,7 +3,7 @@ weights, data or compute.
 
 For each rank asked for, torch.distributed starts at that rank and world size on torch's fake process group
 (backend `fake`: every collective returns at once and moves nothing), and the run's own code builds the
-rank's model as `train/setup.py: build_run` does: `check_layout` (planner/preflight.py: degrees, batch
+rank's model as `train/setup.py: build_run` does: `check_layout` (planner/layout.py: degrees, batch
 split, shape rules, the pipeline plan), the DeviceMesh, the family's model on the meta device pruned to the
 rank's pipeline stages, `apply_finetuning` (LoRA / freeze), then the real `parallelize` (TP/SP -> EP -> CP
 -> activation checkpointing -> pipeline stages -> FSDP2/DDP). Each rank's mesh coordinates, stages and the
@@ -56,7 +56,7 @@ from shardforge.parallel.dims import MESH_ORDER, ParallelDims
 from shardforge.parallel.expert_parallel import expert_mesh
 from shardforge.parallel.parallelize import parallelize
 from shardforge.parallel.pipeline_plan import PipelinePlan, split_for_pipeline
-from shardforge.planner.preflight import check_layout
+from shardforge.planner.layout import check_layout
 
 FALLBACK_VOCAB = 32000  # a preset's vocabulary when its tokenizer folder cannot be read
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

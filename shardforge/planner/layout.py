@@ -1,4 +1,5 @@
-"""A layout as data: every choice the planner makes, read from a config or written back into one."""
+"""A layout as data: every choice the planner makes, read from a config or written back into one, and the
+rules a layout must keep (`check_layout`: the launcher's, the preflight's and the search's)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from pydantic import ValidationError
 
 from shardforge.config.schema import Config, ParallelSection
 from shardforge.errors import ConfigError
+from shardforge.parallel.context_parallel import check_context_parallel
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.expert_parallel import check_expert_parallel
+from shardforge.parallel.pipeline_plan import PipelinePlan, plan_pipeline
+from shardforge.parallel.tensor_parallel import check_tensor_parallel
 
 # The parallel keys a layout sets; the rest of the section (backend, timeouts, compression) is the user's.
 LAYOUT_KEYS = (
@@ -138,8 +144,6 @@ def resolve_grad_accum(cfg: Config, dp: int) -> int:
 def layout_of(cfg: Config, world: int) -> Layout:
     """The explicit layout a config asks for on `world` processes (dp_shard=-1 resolved; the degrees and
     the batch split checked as the launcher checks them)."""
-    from shardforge.parallel.dims import ParallelDims
-
     p = cfg.parallel
     dims = ParallelDims.from_config(p, world)
     grad_accum = resolve_grad_accum(cfg, dims.dp)
@@ -148,3 +152,22 @@ def layout_of(cfg: Config, world: int) -> Layout:
         p.activation_checkpoint, p.offload, cfg.train.micro_batch, grad_accum, p.pp_schedule, p.pp_virtual,
         p.pp_microbatches, p.pp_layers,
     )  # fmt: skip
+
+
+def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int, PipelinePlan | None]:
+    """Degrees against the world size, the batch split, the model's TP shape rules (`shape`: the model's
+    config, from `model_source`) and the pipeline plan. Returns (dims, grad_accum, pipeline plan)."""
+    if world < 1:
+        raise ConfigError(f"--nproc {world}: a run needs at least one process")
+    if world == 1 and cfg.parallel.offload != "none":
+        raise ConfigError(
+            f"parallel.offload={cfg.parallel.offload} offloads sharded states: it needs several processes "
+            f"(--nproc N); a single process shards nothing"
+        )
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    grad_accum = resolve_grad_accum(cfg, dims.dp)
+    check_tensor_parallel(shape, cfg.parallel)
+    check_expert_parallel(shape, dims)
+    check_context_parallel(shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)
+    plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
+    return dims, grad_accum, plan

@@ -12,10 +12,9 @@ from typing import Any
 from shardforge.config.schema import Config
 from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.models.spec import spec_for
-from shardforge.parallel.dims import ParallelDims
-from shardforge.parallel.pipeline_plan import PipelinePlan, balance_layers, plan_pipeline
+from shardforge.parallel.pipeline_plan import PipelinePlan, balance_layers
 from shardforge.planner.hardware import GIB, Cluster, Device
-from shardforge.planner.layout import Layout, global_batch
+from shardforge.planner.layout import Layout, check_layout, global_batch
 from shardforge.planner.memory import Memory, MemoryModel
 from shardforge.planner.timing import StepTime, TimeModel
 
@@ -101,10 +100,6 @@ class Planner:
     def rules(self, layout: Layout) -> tuple[Config, PipelinePlan | None]:
         """The config of this layout after every rule the launcher applies (a ConfigError names the first
         broken one); the pipeline split is balanced once per stage count."""
-        from shardforge.parallel.context_parallel import check_context_parallel
-        from shardforge.parallel.expert_parallel import check_expert_parallel
-        from shardforge.parallel.tensor_parallel import check_tensor_parallel
-
         if layout.pp > 1 and layout.pp_layers is None:
             stages = layout.pp * layout.pp_virtual
             if stages not in self._stages:
@@ -112,11 +107,7 @@ class Planner:
                 self._stages[stages] = ",".join(map(str, counts))
             layout = _replace(layout, pp_layers=self._stages[stages])
         cfg = layout.apply(self.cfg)
-        dims = ParallelDims.from_config(cfg.parallel, layout.world)
-        check_tensor_parallel(self.shape, cfg.parallel)
-        check_expert_parallel(self.shape, dims)
-        check_context_parallel(self.shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)
-        return cfg, plan_pipeline(self.shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
+        return cfg, check_layout(cfg, layout.world, self.shape)[2]
 
     def topology(self, layout: Layout) -> str | None:
         """Placement: the collectives of every layer (TP, CP, EP) stay inside a node."""

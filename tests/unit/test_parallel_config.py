@@ -120,7 +120,7 @@ def test_expert_and_context_parallel_preflight(tmp_path, preset, overrides, worl
     """Checked with the model's shape before any process starts: what does not fit names the key, the value
     and what would."""
     from shardforge.models.build import model_source
-    from shardforge.planner.preflight import check_layout
+    from shardforge.planner.layout import check_layout
 
     base = tiny_config(tmp_path, tmp_path / "x.jsonl", model={"preset": preset})
     cfg = load_config(None, overrides, base=base)
@@ -142,7 +142,7 @@ def test_the_moe_and_long_context_examples_pass_their_checks(example, overrides,
     from pathlib import Path
 
     from shardforge.models.build import model_source
-    from shardforge.planner.preflight import check_layout
+    from shardforge.planner.layout import check_layout
 
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(repo / "examples" / example, overrides)
