@@ -336,6 +336,7 @@ class HardwareSection(Section):
     memory_gib: float | None = Field(default=None, gt=0)  # per device
     intra_node_gbps: float | None = Field(default=None, gt=0)  # GB/s per device and direction
     inter_node_gbps: float | None = Field(default=None, gt=0)
+    figures: dict[str, float] = {}  # any other preset figure by name, e.g. {host_gbps: 25, overlap: 0.5}
 
 
 def expand_shorthands(tree: object) -> object:

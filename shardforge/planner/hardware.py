@@ -13,7 +13,7 @@ GEMM efficiency is.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from shardforge.config.schema import HardwareSection
@@ -176,4 +176,11 @@ def cluster_for(hardware: HardwareSection, world: int, required: bool = True) ->
     device = replace(device, **{k: v for k, v in overrides.items() if v is not None})
     if hardware.peak_flops is not None:
         device = replace(device, peak={k: hardware.peak_flops for k in device.peak})
-    return Cluster(device, nodes, per_node)
+    names = {f.name for f in fields(Device)} - {"name", "peak", "description"}
+    unknown = sorted(set(hardware.figures) - names)
+    if unknown:
+        raise ConfigError(
+            f"hardware.figures: unknown figure {', '.join(map(repr, unknown))}; "
+            f"valid: {', '.join(sorted(names))}"
+        )
+    return Cluster(replace(device, **hardware.figures), nodes, per_node)

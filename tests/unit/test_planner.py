@@ -428,3 +428,18 @@ def test_offload_pays_for_the_host_link(model_dirs, offload):
     states = moved.memory.states
     floor = (states.grads + states.params) / (cluster.device.host_gbps * 1e9)
     assert moved.time.total >= on_device.time.total + floor
+
+
+def test_any_preset_figure_can_be_overridden_by_name():
+    from shardforge.config.schema import HardwareSection
+    from shardforge.planner.hardware import cluster_for
+
+    hw = HardwareSection(
+        preset="h100", nodes=2, devices_per_node=8, figures={"host_gbps": 25, "overlap": 0.5}
+    )
+    cluster = cluster_for(hw, 16)
+    assert (cluster.device.host_gbps, cluster.device.overlap, cluster.device.memory_gib) == (25, 0.5, 80)
+    with pytest.raises(ConfigError, match=r"hardware.figures: unknown figure 'nvlink'; valid: .*host_gbps"):
+        cluster_for(HardwareSection(preset="h100", figures={"nvlink": 1.0}), 8)
+    with pytest.raises(ConfigError, match=r"hardware.nodes=2 x hardware.devices_per_node=8 = 16 devices"):
+        cluster_for(HardwareSection(preset="h100", nodes=2, devices_per_node=8), 8)
