@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 from shardforge.config.schema import Config
 from shardforge.models.spec import CostModel, causal_pairs
+from shardforge.parallel.dims import MESH_ORDER
 from shardforge.planner.hardware import Cluster
 from shardforge.planner.layout import Layout
 from shardforge.planner.memory import DTYPE_BYTES, StateBytes
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DDP_BUCKET = 25 << 20  # DDP's default bucket_cap_mb
 
 
@@ -53,13 +53,8 @@ def _span(layout: Layout, dims: tuple[str, ...], cluster: Cluster) -> bool:
     degrees = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
                "cp": layout.cp, "tp": layout.tp}  # fmt: skip
     inner = MESH_ORDER[MESH_ORDER.index(dims[-1]) + 1 :]
-    stride = 1
-    for d in inner:
-        stride *= degrees[d]
-    size = 1
-    for d in dims:
-        size *= degrees[d]
-    return stride * size > cluster.devices_per_node
+    spanned = math.prod(degrees[d] for d in inner) * math.prod(degrees[d] for d in dims)
+    return spanned > cluster.devices_per_node
 
 
 def _ring(cluster: Cluster, n: int, nbytes: float, cross: bool, factor: float, count: float = 1) -> float:
