@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 import sys
@@ -57,7 +56,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
         return 0
     if args.config is None:
         raise SystemExit("shardforge plan: give a config (or --list-hardware)")
-    from shardforge.models.build import check_model_source, load_tokenizer
+    from shardforge.models.build import planning_shape
     from shardforge.planner.hardware import cluster_for
     from shardforge.planner.report import as_json, table
     from shardforge.planner.search import Planner
@@ -66,9 +65,7 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     flags = {"preset": args.hardware, "nodes": args.nodes, "devices_per_node": args.devices_per_node}
     overrides += [f"hardware.{k}={v}" for k, v in flags.items() if v is not None]
     config = load_config(args.config, overrides)
-    shape = check_model_source(config.model, weights=False)  # the shape is all a plan needs
-    if config.model.preset is not None:
-        shape = dataclasses.replace(shape, vocab_size=len(load_tokenizer(config.model)))
+    shape = planning_shape(config.model)  # no weights needed
     hardware = config.hardware
     world = hardware.nodes * (hardware.devices_per_node or args.nproc)
     plan = Planner(config, shape, cluster_for(hardware, world)).search(keep=args.top)

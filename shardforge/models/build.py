@@ -66,6 +66,15 @@ def load_tokenizer(model: ModelSection) -> Any:
     return tokenizer
 
 
+def planning_shape(model: ModelSection) -> Any:
+    """The model's shape where no weights are needed (planning, dry runs): config.json alone for a folder; a
+    preset with its tokenizer's vocabulary."""
+    shape = check_model_source(model, weights=False)
+    if model.preset is not None:
+        shape = dataclasses.replace(shape, vocab_size=len(load_tokenizer(model)))
+    return shape
+
+
 def model_source(model: ModelSection) -> tuple[Any, Any]:
     """(the model's shape, its tokenizer), each checked in that order: a bad folder is reported as such
     before the tokenizer is looked for in it. A preset's vocabulary is its tokenizer's."""

@@ -72,14 +72,14 @@ def _with_adapters(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     adapted = {}
     for name, module in model.named_modules():
         if hasattr(module, ADAPTER):
-            key = next((k for k in plan if _matches(k, name)), None)
+            key = next((k for k in plan if matches_plan_key(k, name)), None)
             if key is not None:
                 adapted[name] = for_adapter(plan[key])
     if not adapted:
         return plan
     rest = {}
     for key, style in plan.items():  # the pattern's other modules, by name (a pattern would take them all)
-        names = [n for n, _ in model.named_modules() if _matches(key, n)]
+        names = [n for n, _ in model.named_modules() if matches_plan_key(key, n)]
         if any(n in adapted for n in names):
             rest.update({n: style for n in names if n not in adapted})
         else:
@@ -87,7 +87,7 @@ def _with_adapters(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     return rest | adapted
 
 
-def _matches(pattern: str, name: str) -> bool:
+def matches_plan_key(pattern: str, name: str) -> bool:
     """parallelize_module's matching: segment by segment, `*` and globs within a segment."""
     parts, names = pattern.split("."), name.split(".")
     return len(parts) == len(names) and all(fnmatch(n, p) for p, n in zip(parts, names, strict=True))

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from shardforge.adapters.apply import apply_finetuning
 from shardforge.config import Config
 from shardforge.errors import ModelError
-from shardforge.models.build import check_model_source, load_tokenizer
+from shardforge.models.build import planning_shape
 from shardforge.models.presets import preset_config
 from shardforge.models.spec import spec_for
 from shardforge.objectives import build_objective
@@ -84,14 +84,12 @@ class DryRun:
 def model_shape(config: Config) -> Any:
     """The model's config (our DecoderConfig) from config.json alone (no weights needed), or a preset's
     shape with its tokenizer's vocabulary (`FALLBACK_VOCAB` when the tokenizer folder cannot be read)."""
-    model = config.model
-    if model.preset is not None:
-        try:
-            vocab = len(load_tokenizer(model))
-        except ModelError:
-            vocab = FALLBACK_VOCAB
-        return preset_config(model.preset, vocab)
-    return check_model_source(model, weights=False)
+    try:
+        return planning_shape(config.model)
+    except ModelError:
+        if config.model.preset is None:
+            raise
+        return preset_config(config.model.preset, FALLBACK_VOCAB)
 
 
 def dry_run(config: Config, world: int, ranks: Iterable[int] | None = None) -> DryRun:

@@ -13,7 +13,7 @@ GEMM efficiency is.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from shardforge.config.schema import HardwareSection
@@ -89,7 +89,6 @@ class Cluster:
     device: Device
     nodes: int = 1
     devices_per_node: int = 1
-    cores: int = field(default_factory=lambda: os.cpu_count() or 1)  # the host's (the CPU preset's devices)
 
     @property
     def world(self) -> int:
@@ -105,15 +104,13 @@ class Cluster:
         return self.device.host_memory_gib * GIB / self.devices_per_node
 
     def link(self, group: int, span_nodes: bool) -> tuple[float, float]:
-        """(GB/s per device, latency in seconds) of a collective over `group` ranks, crossing nodes or not.
-        Processes that outnumber a CPU's cores wait for one another in every collective."""
+        """(GB/s per device, latency in seconds) of a collective over `group` ranks, crossing nodes or not."""
         if group <= 1:
             return float("inf"), 0.0
         d = self.device
-        wait = max(1.0, self.devices_per_node / self.cores) if d.name == "cpu" else 1.0
         if span_nodes:
-            return d.inter_gbps * GB, d.inter_latency_us * 1e-6 * wait
-        return d.intra_gbps * GB, d.intra_latency_us * 1e-6 * wait
+            return d.inter_gbps * GB, d.inter_latency_us * 1e-6
+        return d.intra_gbps * GB, d.intra_latency_us * 1e-6
 
     def describe(self) -> str:
         return (

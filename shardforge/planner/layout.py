@@ -58,6 +58,11 @@ class Layout:
     def world(self) -> int:
         return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
+    def degrees(self) -> dict[str, int]:
+        """Mesh dimension -> degree, as `ParallelDims.degrees` names them."""
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp}  # fmt: skip
+
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
@@ -85,12 +90,8 @@ class Layout:
 
     def overrides(self) -> list[str]:
         """The same layout as CLI overrides (`key=value`), for the report and for relaunching."""
-        keys = [
-            f"parallel.{k}={getattr(self, k)}" for k in LAYOUT_KEYS if self.pp > 1 or not k.startswith("pp_")
-        ]
-        keys = [
-            k.replace("=True", "=true").replace("=False", "=false").replace("=None", "=null") for k in keys
-        ]
+        keys = [k for k in LAYOUT_KEYS if self.pp > 1 or not k.startswith("pp_")]
+        keys = [f"parallel.{k}={_yaml(getattr(self, k))}" for k in keys]
         return [*keys, f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}"]
 
     def describe(self) -> str:
@@ -119,12 +120,19 @@ class Layout:
         return asdict(self)
 
 
-def global_batch(cfg: Config, dp: int | None = None) -> int:
+def global_batch(cfg: Config) -> int:
     """The rows per optimizer step the planner keeps fixed: train.global_batch, else micro_batch x grad_accum
-    x the data-parallel degree given (1 when planning from scratch: the batch one process would see)."""
+    (the batch one process would see)."""
     if cfg.train.global_batch is not None:
         return cfg.train.global_batch
-    return cfg.train.micro_batch * cfg.train.grad_accum * (dp or 1)
+    return cfg.train.micro_batch * cfg.train.grad_accum
+
+
+def _yaml(value: Any) -> str:
+    """A value as an override spells it (YAML's true, false, null)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
 
 
 def resolve_grad_accum(cfg: Config, dp: int) -> int:

@@ -16,8 +16,6 @@ import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
-from fnmatch import fnmatch
-from functools import cached_property
 
 import torch
 
@@ -25,6 +23,9 @@ from shardforge.adapters.apply import apply_finetuning
 from shardforge.config.schema import LINEAR_TARGETS, Config
 from shardforge.models.quantize import QUANTIZED, nf4_storage_bytes
 from shardforge.models.spec import ActivationBytes, CostModel, spec_for
+from shardforge.parallel.dims import MESH_ORDER
+from shardforge.parallel.pipeline_plan import PipelinePlan
+from shardforge.parallel.tensor_parallel import matches_plan_key
 from shardforge.planner.layout import Layout
 from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
 
@@ -32,6 +33,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
 STEP_BYTES = 4  # AdamW's per-tensor step counter (fp32)
 FP32_BYTES = 4
+
+
+def activation_itemsize(cfg: Config) -> int:
+    """Bytes of an activation: the autocast / FSDP2 compute dtype under mixed precision, else the weights'."""
+    return 2 if cfg.train.precision != "fp32" else DTYPE_BYTES[cfg.model.dtype]
 
 
 def zero_model_states(
@@ -75,19 +81,13 @@ class ParamSpec:
     first: bool  # on the first pipeline stage (embedding) rather than the last (final norm, head)
 
 
-def _matches(pattern: str, name: str) -> bool:
-    """parallelize_module's matching: `*` stands for one path segment."""
-    atoms, parts = pattern.split("."), name.split(".")
-    return len(atoms) == len(parts) and all(fnmatch(p, a) for a, p in zip(atoms, parts, strict=True))
-
-
 def _tp_dims(model: torch.nn.Module, plan: dict) -> dict[str, int | None]:
     """Parameter name -> the dimension its module's TP style splits (the styles the family plans use)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     dims: dict[str, int | None] = {}
     for mod_name, module in model.named_modules():
-        style = next((s for k, s in plan.items() if _matches(k, mod_name)), None)
+        style = next((s for k, s in plan.items() if matches_plan_key(k, mod_name)), None)
         if not isinstance(style, ColwiseParallel | RowwiseParallel):
             continue
         colwise = isinstance(style, ColwiseParallel)
@@ -151,12 +151,10 @@ class Coords:
 
 def coords_of(layout: Layout, rank: int) -> Coords:
     """A global rank's coordinates on the mesh (order pp, dp_replicate, dp_shard, cp, tp, innermost last)."""
-    sizes = [layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp]
-    idx = []
-    for size in reversed(sizes):
-        idx.append(rank % size)
-        rank //= size
-    _, cp_i, shard_i, rep_i, pp_i = idx  # the tp index does not change what a rank holds
+    index = {}
+    for name in reversed(MESH_ORDER):  # the tp index does not change what a rank holds
+        rank, index[name] = divmod(rank, layout.degrees()[name])
+    pp_i, rep_i, shard_i, cp_i = (index[n] for n in ("pp", "dp_replicate", "dp_shard", "cp"))
     flat = shard_i * layout.cp + cp_i  # FSDP2 over (dp_shard, cp) flattened
     return Coords(pp_i, flat, flat // layout.ep, rep_i * layout.dp_shard + shard_i)
 
@@ -194,14 +192,16 @@ class StateCounter:
     def __init__(self, params: list[ParamSpec], tied: bool) -> None:
         self.params = params
         self.tied = tied  # the head is the embedding (one tensor) unless a pipeline splits them
+        # without a pipeline, a tied head is the embedding itself
+        self.whole_model = [p for p in params if not (tied and p.name == "lm_head.weight")]
 
     def stage_params(
         self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, pp_rank: int
     ) -> list[ParamSpec]:
         """The parameters a pipeline rank holds (all of them without a pipeline)."""
         if layout.pp == 1 or stages is None:
-            return [p for p in self.params if not (self.tied and p.name == "lm_head.weight")]
-        mine = [s for s in range(len(stages)) if _rank_of(s, layout) == pp_rank]
+            return self.whole_model
+        mine = _stages_of(layout, stages, pp_rank)
         layers = {i for s in mine for i in stages[s]}
         first, last = 0 in mine, len(stages) - 1 in mine
         keep = []
@@ -253,11 +253,12 @@ class StateCounter:
         return StateBytes(params, frozen, grads, optimizer, layout.offload)
 
 
-def _rank_of(stage: int, layout: Layout) -> int:
-    """The pipeline rank running `stage`: round robin, or V-shaped for zbv/dualpipev."""
-    if layout.pp_schedule in ("zbv", "dualpipev"):
-        return stage if stage < layout.pp else 2 * layout.pp - 1 - stage
-    return stage % layout.pp
+def _stages_of(layout: Layout, stages: tuple[tuple[int, ...], ...], pp_rank: int) -> list[int]:
+    """The stages a pipeline rank runs, as the pipeline plan places them (round robin, or V-shaped)."""
+    plan = PipelinePlan(
+        layout.pp_schedule, layout.pp, layout.pp_virtual, layout.pipeline_microbatches, stages
+    )
+    return plan.stages_of(pp_rank)
 
 
 def _zero1_share(trained: list[tuple[int, ParamSpec]], dp: int, rank: int) -> list[tuple[int, ParamSpec]]:
@@ -286,14 +287,8 @@ class Memory:
 
     @property
     def device_bytes(self) -> float:
-        return (
-            self.states.total
-            - self.states.on_host
-            + self.activations
-            + self.reference
-            + self.buffers
-            + self.margin
-        )
+        held = sum(self.states.on_device.values())
+        return held + self.activations + self.reference + self.buffers + self.margin
 
     def breakdown(self) -> dict[str, float]:
         """Device bytes by part, and what offload keeps on the host."""
@@ -316,10 +311,7 @@ class MemoryModel:
         self.counter = StateCounter(params, getattr(shape, "tie_embeddings", False))
         self._states: dict[tuple, tuple[StateBytes, float]] = {}
         self._per_token_cache: dict[tuple, ActivationBytes] = {}
-
-    @cached_property
-    def act_dtype_bytes(self) -> int:
-        return 2 if self.cfg.train.precision != "fp32" else DTYPE_BYTES[self.cfg.model.dtype]
+        self.act_dtype_bytes = activation_itemsize(cfg)
 
     def activations(
         self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, scored: float = 1.0
@@ -339,9 +331,8 @@ class MemoryModel:
         tokens = rows * seq / layout.cp
         worst = 0.0
         for r in range(layout.pp):
-            mine = [s for s in range(len(stages)) if _rank_of(s, layout) == r]
             total = 0.0
-            for s in mine:
+            for s in _stages_of(layout, stages, r):
                 stage = per.stage(stages[s], s == len(stages) - 1)
                 held = stage.total(tokens, tokens * scored) + self._mask(layout, rows, len(stages[s]))
                 total += held * in_flight(layout, r, m)
@@ -427,7 +418,7 @@ class MemoryModel:
         one prefetched; ZeRO-2: every layer of the stage, kept from forward to backward), DDP's gradient
         buckets (a copy of the gradients), the fused head's logits chunk (16 MiB) and its gradient."""
         held = self.counter.stage_params(layout, stages, 0)
-        compute = 2 if self.cfg.train.precision != "fp32" else DTYPE_BYTES[self.cfg.model.dtype]
+        compute = self.act_dtype_bytes  # FSDP2 gathers in the compute dtype
         whole = Coords()
         unsharded = dataclasses.replace(layout, zero_stage=0)
         layer_elems = sum(self.counter.local_numel(p, unsharded, whole) for p in held if p.layer is not None)

@@ -5,6 +5,8 @@ ranked by estimated step time for the same global batch. Offload is tried only w
 
 from __future__ import annotations
 
+import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,30 +56,36 @@ class Plan:
         return self.ranked[0]
 
 
-def cpu_device(cfg: Config, shape: Any, cluster: Cluster) -> Device:
-    """The CPU preset with this machine's matmul rate per process (planner/peak.py's cached probe at the
-    model's shapes), the processes sharing the cores: `hardware.threads` each, or cores / processes."""
+def cpu_device(cfg: Config, shape: Any, cluster: Cluster, measure: bool) -> Device:
+    """The CPU preset for this machine's processes: they share its cores (`hardware.threads` each, or cores
+    / processes), so beyond one process per core memory bandwidth falls and overheads and collective
+    latencies grow by processes / cores. `measure`: the matmul rate is planner/peak.py's cached probe at the
+    model's shapes, shared likewise (else the preset's, or hardware.peak_flops, taken as per process)."""
     import os
 
     import torch
 
     from shardforge.planner.peak import model_gemm_shapes, peak_flops
 
-    per_node = cluster.devices_per_node
+    d, per_node = cluster.device, cluster.devices_per_node
     cores = os.cpu_count() or 1
     threads = cfg.hardware.threads or max(1, cores // per_node)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
-    shapes = model_gemm_shapes(shape, cfg.train.micro_batch * cfg.data.max_length, cfg.parallel.tp)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rate, _ = peak_flops(torch.device("cpu"), dtype, None, shapes)
-    finally:
-        torch.set_num_threads(before)
-    share = min(1.0, cores / (threads * per_node))  # more processes than cores share them
-    d = cluster.device
-    return replace(d, peak={k: rate * share for k in d.peak}, memory_gbps=d.memory_gbps * share,
-                   op_us=d.op_us / share, dtensor_us=d.dtensor_us / share)  # fmt: skip
+    share = min(1.0, cores / (threads * per_node))
+    peak = dict(d.peak)
+    if measure and cfg.hardware.peak_flops is None:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+        shapes = model_gemm_shapes(shape, cfg.train.micro_batch * cfg.data.max_length, cfg.parallel.tp)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            rate, _ = peak_flops(torch.device("cpu"), dtype, None, shapes)
+        finally:
+            torch.set_num_threads(before)
+        peak = dict.fromkeys(peak, rate * share)  # a figure given or assumed is per process already
+    slower = {
+        k: getattr(d, k) / share for k in ("op_us", "dtensor_us", "intra_latency_us", "inter_latency_us")
+    }
+    return replace(d, peak=peak, memory_gbps=d.memory_gbps * share, **slower)
 
 
 def divisors(n: int) -> list[int]:
@@ -88,12 +96,14 @@ class Planner:
     """Memory, time and rules of one model, method and batch shape on one cluster."""
 
     def __init__(self, cfg: Config, shape: Any, cluster: Cluster, measure: bool = True) -> None:
-        if cluster.device.name == "cpu" and cfg.hardware.peak_flops is None and measure:
-            cluster = replace(cluster, device=cpu_device(cfg, shape, cluster))
+        if cluster.device.name == "cpu":
+            cluster = replace(cluster, device=cpu_device(cfg, shape, cluster, measure))
         self.cfg, self.shape, self.cluster = cfg, shape, cluster
         self.costs = spec_for(shape.family).costs(shape)
         self.memory = MemoryModel(cfg, shape, self.costs)
-        self.timing = TimeModel(cfg, shape, self.costs, cluster)
+        sizes = [(math.prod(p.shape), p.trained) for p in self.memory.counter.whole_model]
+        trained = sum(n for n, t in sizes if t) / sum(n for n, _ in sizes)  # as build_run counts it
+        self.timing = TimeModel(cfg, shape, self.costs, cluster, trained)
         self._stages: dict[int, str] = {}  # pipeline stages -> the balanced split, "3,4,4,3"
 
     # ---- one layout ---------------------------------------------------------------------------------------
@@ -105,7 +115,7 @@ class Planner:
             if stages not in self._stages:
                 counts = balance_layers(self.costs.pipeline(self.cfg.data.max_length), stages)
                 self._stages[stages] = ",".join(map(str, counts))
-            layout = _replace(layout, pp_layers=self._stages[stages])
+            layout = replace(layout, pp_layers=self._stages[stages])
         cfg = layout.apply(self.cfg)
         return cfg, check_layout(cfg, layout.world, self.shape)[2]
 
@@ -127,7 +137,7 @@ class Planner:
         except ShardforgeError as exc:
             return Candidate(layout, rejected=str(exc), kind="rules")
         if plan is not None:
-            layout = _replace(layout, pp_layers=cfg.parallel.pp_layers, pp_microbatches=plan.microbatches)
+            layout = replace(layout, pp_layers=cfg.parallel.pp_layers, pp_microbatches=plan.microbatches)
         stages = plan.layers if plan is not None else None
         memory = self.memory.estimate(layout, stages, self.cluster.device.name != "cpu")
         where = self.topology(layout)
@@ -200,8 +210,6 @@ class Planner:
         return out
 
     def search(self, batch: int | None = None, keep: int = 5) -> Plan:
-        import time
-
         started = time.perf_counter()
         batch = batch or global_batch(self.cfg)
         plan = Plan(self.cluster, batch, [])
@@ -237,11 +245,7 @@ def _complexity(layout: Layout) -> int:
     )
 
 
-def _replace(layout: Layout, **changes: Any) -> Layout:
-    return replace(layout, **changes)
-
-
-def check_memory(cfg: Config, layout: Layout, planner: Planner) -> Candidate:
+def check_memory(layout: Layout, planner: Planner) -> Candidate:
     """An explicit layout against the device's memory: a ConfigError saying what it needs, and the smallest
     change that makes it fit (checkpointing, a smaller micro-batch, a higher ZeRO stage, offload)."""
     c = planner.evaluate(layout)
@@ -259,17 +263,15 @@ def check_memory(cfg: Config, layout: Layout, planner: Planner) -> Candidate:
         tries.append(("parallel.offload", "optimizer", {"offload": "optimizer"}))
     hints = []
     for key, value, change in tries:
-        other = planner.evaluate(_replace(layout, **change))
+        other = planner.evaluate(replace(layout, **change))
         if other.memory is not None and other.kind != "rules":
             fits = other.memory.device_bytes <= planner.cluster.memory_bytes
             hints.append(
                 f"with {key}={value} it needs {other.memory.device_bytes / GIB:.1f}"
                 + (" (fits)" if fits else "")
             )
-    need, device = c.memory.device_bytes / GIB, planner.cluster.device
     raise ConfigError(
-        f"the layout will not fit: it needs {need:.1f} GiB per device of {device.memory_gib:.1f} "
-        f"({device.name}); "
+        f"the layout will not fit: it {c.rejected} ({planner.cluster.device.name}); "
         + "; ".join(hints or ["use more devices"])
         + ". `shardforge plan` ranks the layouts that fit; `parallel: auto` picks one"
     )

@@ -19,7 +19,7 @@ from shardforge.models.spec import CostModel, causal_pairs
 from shardforge.parallel.dims import MESH_ORDER
 from shardforge.planner.hardware import Cluster
 from shardforge.planner.layout import Layout
-from shardforge.planner.memory import DTYPE_BYTES, StateBytes
+from shardforge.planner.memory import DTYPE_BYTES, StateBytes, activation_itemsize
 
 DDP_BUCKET = 25 << 20  # DDP's default bucket_cap_mb
 
@@ -50,8 +50,7 @@ class StepTime:
 def _span(layout: Layout, dims: tuple[str, ...], cluster: Cluster) -> bool:
     """Whether a group over these (adjacent) mesh dimensions crosses nodes: ranks are laid out with tp
     innermost, so a group spans stride x size consecutive ranks."""
-    degrees = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
-               "cp": layout.cp, "tp": layout.tp}  # fmt: skip
+    degrees = layout.degrees()
     inner = MESH_ORDER[MESH_ORDER.index(dims[-1]) + 1 :]
     spanned = math.prod(degrees[d] for d in inner) * math.prod(degrees[d] for d in dims)
     return spanned > cluster.devices_per_node
@@ -76,36 +75,34 @@ OPS_PER_MOE = 25  # an MoE layer's routing, sort, gather, grouped matmuls and sc
 class TimeModel:
     """Step time of any layout for one model, method and batch shape on one cluster."""
 
-    def __init__(self, cfg: Config, shape: object, costs: CostModel, cluster: Cluster) -> None:
+    def __init__(
+        self, cfg: Config, shape: object, costs: CostModel, cluster: Cluster, trained: float
+    ) -> None:
+        """`trained`: the share of the parameters that train (their weight gradients are computed)."""
         self.cfg, self.shape, self.costs, self.cluster = cfg, shape, costs, cluster
         self.dtype = cfg.train.precision
-        self.act = 2 if cfg.train.precision != "fp32" else DTYPE_BYTES[cfg.model.dtype]
-        self.trained = {"full": 1.0, "lora": 0.0, "freeze": 0.5}[cfg.method.finetuning]
+        self.act = activation_itemsize(cfg)
+        self.trained = trained
         layer = costs.layer_flops
         moe = [i for i in range(len(layer)) if getattr(shape, "is_moe", lambda _: False)(i)]
         self.moe_share = sum(layer[i] for i in moe) / max(sum(layer), 1.0)
-        adapted = self._adapted_linears()
+        adapted = self._adapter_widths()
         self.ops = (
             OPS_PER_LAYER + OPS_PER_ADAPTER * len(adapted) + OPS_PER_MOE * len(moe) / max(len(layer), 1)
         )
         # an adapter's output is added to its base's: per token and layer
-        self.adapter_bytes = sum(out for _, out in adapted) * self.act
+        self.adapter_bytes = sum(adapted) * self.act
 
-    def _adapted_linears(self) -> list[tuple[int, int]]:
-        """(in, out) features of each linear of a layer that carries a LoRA adapter."""
+    def _adapter_widths(self) -> list[int]:
+        """Output features of each linear of a layer that carries a LoRA adapter."""
         if self.cfg.method.finetuning != "lora":
             return []
         s = self.shape
-        h, q, kv, i = (
-            s.hidden_size,
-            s.num_heads * s.head_dim,
-            s.num_kv_heads * s.head_dim,
-            s.intermediate_size,
-        )
-        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
-        shapes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        h, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": s.intermediate_size}
+        widths |= {"up_proj": s.intermediate_size, "down_proj": h}
         targets = self.cfg.method.lora.targets
-        return [shapes[t] for t in (shapes if targets == "all" else targets)]
+        return [widths[t] for t in (widths if targets == "all" else targets)]
 
     def estimate(self, layout: Layout, states: StateBytes, batch: int) -> StepTime:
         """`states`: the fullest rank's model states (the memory model's); `batch`: rows per step."""
@@ -215,7 +212,6 @@ class TimeModel:
             return {}
         itemsize = DTYPE_BYTES[self.cfg.model.dtype]
         reduce = 4 if self.cfg.parallel.reduce_dtype == "fp32" else 2
-        compute_bytes = 2 if self.cfg.train.precision != "fp32" else itemsize
         if layout.zero_stage < 2:
             n = layout.dp_replicate * layout.cp
             cross = _span(layout, ("dp_replicate",), cl)
@@ -230,7 +226,7 @@ class TimeModel:
         units = self.shape.num_layers / layout.pp + 1  # FSDP2 wraps each layer and the root
         gathers = (2 if layout.zero_stage == 3 else 1) * layout.grad_accum
         whole = param_bytes / itemsize * n  # the stage's elements: the shards held here are 1/n of them
-        comm = _ring(cl, n, whole * compute_bytes, cross, 1.0, units) * gathers
+        comm = _ring(cl, n, whole * self.act, cross, 1.0, units) * gathers
         comm += _ring(cl, n, grads / itemsize * n * reduce, cross, 1.0, units)
         if layout.dp_replicate > 1:
             comm += _ring(cl, layout.dp_replicate, grads, _span(layout, ("dp_replicate",), cl), 2.0, units)
