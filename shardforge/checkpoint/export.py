@@ -33,7 +33,8 @@ def write_model_folder(
     """Write a run's full weights (our names, unpadded) as what its method hands back: an HF folder, or for
     LoRA a PEFT adapter folder (the merged HF folder with `merge`). `state` None: the model's own weights.
     Returns what was written."""
-    state = model.state_dict() if state is None and config.method.finetuning == "lora" else state
+    state = model.state_dict() if state is None else state
+    state = {k: v for k, v in state.items() if not k.startswith("value_head.")}  # PPO's critic stays behind
     merge = merge or getattr(model.config, "num_labels", 0) > 0  # a score head trains whole: not an adapter
     if config.method.finetuning == "lora" and not merge:
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}

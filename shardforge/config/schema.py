@@ -136,6 +136,64 @@ class KTOSection(Section):
     undesirable_weight: float = Field(default=1.0, gt=0)
 
 
+class RewardSpec(Section):
+    """One reward function of an RL stage (objectives/rewards.py): a built-in `name` (math_answer, format,
+    length), an import path `pkg.mod:fn`, or `model`: a reward model folder from stage rm; its `weight` in
+    the sum. `pattern`: the format reward's regex; `cache`: the length reward's soft zone in tokens
+    (DAPO's L_cache; default max_new_tokens / 4)."""
+
+    name: str | None = None
+    model: str | None = None
+    weight: float = 1.0
+    pattern: str | None = None
+    cache: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardSpec:
+        if (self.name is None) == (self.model is None):
+            raise ValueError(
+                "a reward needs either name (math_answer, format, length or pkg.mod:fn) or model"
+            )
+        return self
+
+
+class RLSection(Section):
+    """Stages grpo and ppo: rollouts (group_size completions per prompt, sampled by the inference engine on
+    the training weights), the rewards, and the clipped policy loss with its token aggregation (TRL's
+    definitions of grpo, dapo and dr_grpo). kl_beta > 0 adds the k3 KL estimate against the reference model
+    (method.pref.ref: auto = adapters disabled for LoRA, else a frozen copy)."""
+
+    group_size: int = Field(default=8, ge=1)
+    max_new_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=1.0, gt=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    loss: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    clip: tuple[float, float] = (0.2, 0.28)
+    kl_beta: float = Field(default=0.0, ge=0)
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    epochs_per_rollout: int = Field(default=1, ge=1)
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="math_answer")], min_length=1)
+    filter_groups: bool = False
+
+    @model_validator(mode="after")
+    def _clip_range(self) -> RLSection:
+        low, high = self.clip
+        if not (0 < low < 1 and high > 0):
+            raise ValueError(f"clip={list(self.clip)}: expected [low, high] with 0 < low < 1 and high > 0")
+        return self
+
+
+class PPOSection(Section):
+    """Stage ppo: GAE's gamma and lambda, the value loss's weight and clip range, and the critic: a value
+    head on the policy (`head`), or `auto` (the same)."""
+
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    lam: float = Field(default=0.95, ge=0, le=1)
+    vf_coef: float = Field(default=0.1, ge=0)
+    value_clip: float = Field(default=0.2, gt=0)
+    critic: Literal["auto", "head"] = "auto"
+
+
 class MoESection(Section):
     """How a mixture-of-experts model keeps its experts' loads even (models/moe.py; MoE models only)."""
 
@@ -156,12 +214,14 @@ class MoESection(Section):
 
 
 class MethodSection(Section):
-    stage: Literal["pt", "sft", "rm", "dpo", "kto"] = "sft"
+    stage: Literal["pt", "sft", "rm", "dpo", "kto", "grpo", "ppo"] = "sft"
     finetuning: Literal["full", "freeze", "lora"] = "full"
     lora: LoraSection = LoraSection()
     freeze: FreezeSection = FreezeSection()
     pref: PrefSection = PrefSection()
     kto: KTOSection = KTOSection()
+    rl: RLSection = RLSection()
+    ppo: PPOSection = PPOSection()
     moe: MoESection = MoESection()
 
     @model_validator(mode="after")

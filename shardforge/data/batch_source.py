@@ -1,8 +1,9 @@
 """Where the loop's global batches come from, and the loader that draws them ahead.
 
-The loop pulls one `GlobalBatch` per optimizer step from a `BatchSource`. Today's source is a tokenized data
-set (`DatasetSource`: a seeded global order over groups, split over data-parallel ranks and micro-steps); an
-RL source (rollouts made by the training engine) can take its place without touching the loop. The source's
+The loop pulls one `GlobalBatch` per optimizer step from a `BatchSource`: a tokenized data set
+(`DatasetSource`: a seeded global order over groups, split over data-parallel ranks and micro-steps), a
+streamed corpus (data/stream.py) or RL rollouts made with the training weights (train/rollout.py), without
+the loop knowing which. The source's
 position is what a checkpoint stores, so a resumed run continues with exactly the batches it would have seen.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from shardforge.data.batching import Batch, GlobalOrder, split_global_batch
@@ -29,6 +30,7 @@ class GlobalBatch:
     counts: dict[str, int]
     state: dict  # the source's position once this batch is consumed (JSON-able; "samples": groups so far)
     epoch: float  # epochs of data consumed (for the logs)
+    stats: dict[str, float] = field(default_factory=dict)  # the source's own figures (rollouts: rewards...)
 
 
 class BatchSource(Protocol):
@@ -90,6 +92,7 @@ class GlobalBatchLoader:
         self.source, self.left = source, batches
         self.state: dict = {"samples": 0}
         self.epoch = 0.0
+        self.stats: list[dict[str, float]] = []  # the batches' own figures since take_stats()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardforge-data")
         self._pending: Future | None = None
 
@@ -103,7 +106,16 @@ class GlobalBatchLoader:
         ahead = self.left > 0 and self.source.prefetch
         self._pending = self._pool.submit(self.source.next_batch) if ahead else None
         self.state, self.epoch = batch.state, batch.epoch
+        self.stats.append(batch.stats)
         return batch
+
+    def take_stats(self) -> dict[str, float]:
+        """Each figure the sources' batches reported since the last call, averaged over the batches that
+        reported it (for the log record of a window of steps)."""
+        keys = dict.fromkeys(k for stats in self.stats for k in stats)
+        out = {k: sum(s[k] for s in self.stats if k in s) / sum(k in s for s in self.stats) for k in keys}
+        self.stats = []
+        return out
 
     def state_dict(self) -> dict:
         return dict(self.state)

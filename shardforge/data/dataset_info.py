@@ -110,6 +110,8 @@ def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str
         allowed = {**allowed, "chosen": "chosen", "rejected": "rejected"}
     if labelled:
         allowed = {**allowed, "kto_tag": "label"}
+    if stage == "rl":  # a prompt's reference answer (verifiable rewards)
+        allowed = {**allowed, "answer": "answer"}
     unknown = sorted(set(columns) - set(allowed))
     if unknown:
         raise DataError(f"{where}: unsupported columns {unknown} for {fmt} (supported: {', '.join(allowed)})")

@@ -39,6 +39,7 @@ class Record:
     rejected: str | None = None
     label: bool | None = None  # KTO: True = desirable
     mismatched: str | None = None
+    answer: str | None = None  # RL: the reference answer of a prompt (verifiable rewards)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class FieldMap:
     rejected: str = "rejected"
     completion: str = "completion"  # KTO's reply, beside a prompt
     label: str = "label"  # KTO's desirable flag (LLaMA-Factory's kto_tag column)
+    answer: str = "answer"  # RL: a prompt's reference answer (else its reply, when it has one)
 
 
 def default_fields(fmt: str, text_column: str = "text") -> FieldMap:
@@ -293,6 +295,8 @@ def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, stage: str) -> Recor
     if fmt == "text":
         return Record(src, None, _text(obj, src, f))
     paired = f.chosen in obj and f.rejected in obj
+    if stage == "rl":
+        return _rl_prompt(obj, src, fmt, f)
     if stage == "pref":
         msgs, rejected = _preference(obj, src, fmt, f)
         return Record(src, tuple(msgs), None, rejected)
@@ -413,6 +417,25 @@ def _conversation(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> list[
     if system and msgs[0]["role"] != "system":
         msgs.insert(0, {"role": "system", "content": system})
     return msgs
+
+
+def _rl_prompt(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> Record:
+    """An RL prompt: the conversation up to its last user turn, and the reference answer (the `answer`
+    column, else the reply the record has: alpaca's output, or a final assistant turn; None without)."""
+    answer = obj.get(f.answer)
+    if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
+        raise DataError(f'{src}: "{f.answer}" is {_kind(answer)}; expected a string or a number')
+    if fmt == "alpaca":
+        msgs = _alpaca({**obj, f.output: obj.get(f.output) or ""}, src, f)
+    else:
+        turns = obj.get(f.messages)
+        last = turns[-1] if isinstance(turns, list) and turns and isinstance(turns[-1], dict) else {}
+        if last.get(f.role) in f.user_roles:  # a prompt alone: an empty reply keeps the reader's checks
+            obj = {**obj, f.messages: [*turns, {f.role: f.assistant_roles[0], f.content: ""}]}
+        msgs = _conversation(obj, src, fmt, f)
+    reply = msgs.pop()["content"]
+    reference = str(answer) if answer is not None else reply or None
+    return Record(src, tuple(msgs), None, answer=reference)
 
 
 def _preference(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> tuple[list[Message], str]:

@@ -15,9 +15,9 @@ from shardforge.parallel.distributed import (
     init_distributed,
     local_rank_from_env,
     pick_backend,
+    pick_device,
     world_size_from_env,
 )
-from shardforge.train.runtime import pick_device
 
 
 @contextlib.contextmanager

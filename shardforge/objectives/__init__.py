@@ -8,6 +8,7 @@ from shardforge.objectives.base import Objective
 from shardforge.objectives.preference import DPOObjective, KTOObjective
 from shardforge.objectives.pretrain import PretrainObjective
 from shardforge.objectives.reward import RewardObjective
+from shardforge.objectives.rl import GRPOObjective, PPOObjective
 from shardforge.objectives.sft import SFTObjective
 
 OBJECTIVES: dict[str, type] = {
@@ -16,6 +17,8 @@ OBJECTIVES: dict[str, type] = {
     "rm": RewardObjective,
     "dpo": DPOObjective,
     "kto": KTOObjective,
+    "grpo": GRPOObjective,
+    "ppo": PPOObjective,
 }
 
 

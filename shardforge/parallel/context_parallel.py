@@ -289,7 +289,7 @@ def check_context_parallel(cfg, dims, parallel, stage: str, max_length: int) -> 
     """The rules cp must satisfy, before any process group exists."""
     if dims.cp == 1:
         return
-    if stage in ("dpo", "kto", "rm"):
+    if stage in ("dpo", "kto", "rm", "grpo", "ppo"):
         raise ConfigError(
             f"parallel.cp={dims.cp} with method.stage={stage}: the stage scores whole sequences "
             f"(per-sequence sums), which context parallel splits over ranks; use cp=1 (cp serves pt and sft)"

@@ -71,3 +71,13 @@ def _restart_safe_store(timeout: datetime.timedelta) -> dist.Store | None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def pick_device(choice: str, local_rank: int = 0) -> torch.device:
+    """CUDA (this process's GPU by local rank) when available or asked for, else the CPU."""
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("hardware.device=cuda but no CUDA device is available (use auto or cpu)")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

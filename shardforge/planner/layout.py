@@ -177,5 +177,16 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
     check_tensor_parallel(shape, cfg.parallel)
     check_expert_parallel(shape, dims)
     check_context_parallel(shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)
+    stage = cfg.method.stage
+    if stage in ("grpo", "ppo") and dims.pp > 1:
+        raise ConfigError(
+            f"parallel.pp={dims.pp} with method.stage={stage}: rollouts run the whole model on every rank "
+            f"(generation in the training layout); use tp and/or dp_shard (FSDP) instead of pp"
+        )
+    if stage == "ppo" and dims.tp > 1:
+        raise ConfigError(
+            f"parallel.tp={dims.tp} with method.stage=ppo: the value head is not split by the TP plan; use "
+            f"data parallel (DDP or FSDP, parallel.dp_shard) for ppo, or stage grpo (it runs under tp)"
+        )
     plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
     return dims, grad_accum, plan

@@ -71,6 +71,10 @@ _CONSOLE_KEYS = (
     "epoch",
     "moe_aux_loss",
     "moe_load_max",
+    "reward_mean",
+    "kl",
+    "response_length_mean",
+    "rollout_tokens_per_s",
 )
 
 
@@ -136,6 +140,10 @@ class MetricsProcessor:
             **memory_bytes(self.device),
             **self.first_record,
         )
+        if "time/rollout_s" in record:  # an RL step: the rest of the step trained
+            record["time/training_s"] = (
+                record["step_time_s"] - record["time/rollout_s"] - record["time/scoring_s"]
+            )
         if "planned_step_time_s" in self.first_record:
             record["step_time_ratio"] = record["step_time_s"] / self.first_record["planned_step_time_s"]
         self.first_record = {}

@@ -1,4 +1,4 @@
-"""Process-level facts the loop needs: device, threads, seeds, memory in use (the peak FLOP/s: peak.py)."""
+"""Process-level facts the loop needs: seeds and memory in use (the device: parallel/distributed.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,6 @@ import random
 
 import numpy as np
 import torch
-
-from shardforge.errors import ConfigError
-
-
-def pick_device(choice: str, local_rank: int = 0) -> torch.device:
-    """CUDA (this process's GPU by local rank) when available or asked for, else the CPU."""
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("hardware.device=cuda but no CUDA device is available (use auto or cpu)")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def seed_everything(seed: int) -> None:

@@ -29,15 +29,18 @@ from shardforge.data.cache import DatasetCache, code_fingerprint, default_root, 
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.data.stream import StreamSource, stream_shards
 from shardforge.errors import ConfigError
+from shardforge.infer.sampling import GenerationDefaults
 from shardforge.models.build import build_model, model_source
 from shardforge.models.spec import CostModel, spec_for
 from shardforge.objectives import Objective, build_objective
+from shardforge.objectives.rewards import build_rewards
 from shardforge.parallel.context_parallel import row_multiple
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.distributed import (
     init_distributed,
     local_rank_from_env,
     pick_backend,
+    pick_device,
     world_size_from_env,
 )
 from shardforge.parallel.engine import Engine
@@ -51,7 +54,8 @@ from shardforge.train.moe import MoEBalancer
 from shardforge.train.optim import build_optimizer, build_scheduler
 from shardforge.train.precision import Precision
 from shardforge.train.reference import precompute_reference
-from shardforge.train.runtime import pick_device, seed_everything
+from shardforge.train.rollout import RolloutSource, load_prompts
+from shardforge.train.runtime import seed_everything
 
 
 def console_for(quiet: bool = False) -> Console:
@@ -142,7 +146,8 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
 
     objective = objective or build_objective(cfg.method)
     precision = Precision(cfg.train.precision, device)
-    train_rows, eval_rows = build_data(cfg, tokenizer, objective, console)
+    rl = _reader_stage(objective) == "rl"  # its rows are rollouts: no data set to encode
+    train_rows, eval_rows = (None, None) if rl else build_data(cfg, tokenizer, objective, console)
 
     # A pipeline rank builds only its stages' part of the model (pruned on the meta device).
     pp_rank = dims.pp_rank(mesh)
@@ -171,7 +176,8 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         bind_reduce(engine.dp_sum)
 
     global_batch = cfg.train.micro_batch * grad_accum * dims.dp
-    groups = train_rows.num_groups if train_rows is not None else math.inf  # a stream does not end
+    prompts = _rl_prompts(cfg, tokenizer, console) if rl else []
+    groups = train_rows.num_groups if train_rows is not None else len(prompts) or math.inf  # a stream: inf
     total = math.ceil(cfg.train.epochs * groups / global_batch) if cfg.train.epochs else cfg.train.steps
     if global_batch > groups:
         console.print(
@@ -191,14 +197,21 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         multiple = math.lcm(multiple, max(1, cfg.data.max_length // 8))
     split = (cfg.train.micro_batch, grad_accum, dims.dp, dims.dp_rank(mesh))
     collate = (objective.collate, tokenizer.pad_token_id, multiple)
-    source: BatchSource = (
-        DatasetSource(train_rows, cfg.train.seed, *split, *collate)
-        if train_rows is not None
-        else StreamSource(
+    source: BatchSource
+    if rl:
+        defaults = GenerationDefaults.from_folder(cfg.model.path, tokenizer.eos_token_id)
+        rewards = build_rewards(cfg.method.rl.rewards, cfg.method.rl.max_new_tokens, device)
+        source = RolloutSource(
+            prompts, cfg.method.rl, rewards, tokenizer, defaults, objective, engine, dims, mesh,
+            precision.autocast, cfg.train.seed, split, multiple,
+        )  # fmt: skip
+    elif train_rows is not None:
+        source = DatasetSource(train_rows, cfg.train.seed, *split, *collate)
+    else:
+        source = StreamSource(
             cfg.data, _reader_stage(objective), objective.encoder(tokenizer, cfg.data), cfg.train.seed, split,
             *collate,
-        )
-    )  # fmt: skip
+        )  # fmt: skip
     data_id = len(train_rows.rows) if train_rows is not None else source.identity()
     sig = signature(model_config, vocab_rows, global_batch, data_id, cfg.train.seed, _finetuning(cfg))
     parts = (engine.model, optimizer, scheduler, precision)
@@ -218,6 +231,17 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         global_batch, total, multiple, peak, spec_for(model_config.family).costs(model_config), trained, moe,
         estimate,
     )  # fmt: skip
+
+
+def _rl_prompts(cfg: Config, tokenizer: Any, console: Console) -> list:
+    """An RL stage's prompts, with how many did not leave room for max_new_tokens."""
+    room = cfg.data.max_length - cfg.method.rl.max_new_tokens
+    prompts, too_long = load_prompts(cfg.data, tokenizer, room)
+    console.print(
+        f"train prompts: {len(prompts)}, {cfg.method.rl.group_size} completions each per rollout"
+        + (f"; {too_long} left out (longer than {room} tokens)" if too_long else "")
+    )
+    return prompts
 
 
 def _auto_from_rank_0(cfg: Config, world: int, shape: Any) -> Config:

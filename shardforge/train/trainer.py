@@ -215,6 +215,7 @@ class Trainer:
         # The epoch of the batches handed out, not the source's: the loader has already drawn the next one.
         epoch = round(self.loader.epoch, 4)
         fields = {"lr": self.step_lr, "grad_norm": grad_norm.item(), "epoch": epoch}
+        fields.update(self.loader.take_stats())  # the source's own figures (an RL step's rewards, times)
         if self.guard.bad_steps:
             fields["bad_steps"] = self.guard.bad_steps
         if self.run.moe is not None:

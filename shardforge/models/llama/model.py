@@ -254,9 +254,21 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, mlp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.num_labels or cfg.vocab_size, bias=False)
+        self.value_head: nn.Linear | None = None  # PPO's critic on the policy (add_value_head); not exported
         self.tie_weights()
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.reset_rope()
+
+    def add_value_head(self, seed: int = 0) -> None:
+        """A scalar value head on the final hidden states, as TRL's `...WithValueHead` puts on the policy
+        (PPO's critic sharing the policy's body): weights N(0, 0.02) drawn from `seed`, bias 0."""
+        ref = self.norm.weight
+        head = nn.Linear(self.config.hidden_size, 1, device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            draw = torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+            head.weight.copy_(draw)
+            head.bias.zero_()
+        self.value_head = head
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the checkpoint says so (again after `to_empty`). A
@@ -385,14 +397,15 @@ class Decoder(nn.Module):
         return_hidden: bool = False,
         targets: torch.Tensor | None = None,
         summed: bool = False,
-    ) -> torch.Tensor:
+        values: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`x`: token ids [b, s], or the residual stream [b, s, hidden] where there is no embedding (a later
         pipeline stage). Returns logits; the stream after the blocks where there is no head (an earlier
         stage); with `return_hidden` the final normed hidden states (for reward and value heads); or with
         `targets` (one per position `output_mask` keeps) their log-probabilities [n], computed a chunk at a
         time without the batch's full logits (models/head.py; `summed`: the caller sums them, as a token
-        loss does). With `cache`, this forward's keys and values are added to it and attention covers all
-        it holds."""
+        loss does), and with `values` also the value head's estimates there. With `cache`, this forward's
+        keys and values are added to it and attention covers all it holds."""
         if position_ids is None:
             start = cache.filled if cache is not None else 0
             b, s = x.shape[:2]
@@ -406,5 +419,10 @@ class Decoder(nn.Module):
         if self.lm_head is None:
             return h
         if targets is not None:
-            return target_logprobs(self.lm_head, self.final_hidden(h, output_mask), targets, summed)
+            hidden = self.final_hidden(h, output_mask)
+            logps = target_logprobs(self.lm_head, hidden, targets, summed)
+            if values:  # and the value head's estimates at the same positions [n] (fp32)
+                assert self.value_head is not None, "values=True needs add_value_head()"
+                return logps, self.value_head(hidden).squeeze(-1).float()
+            return logps
         return self.final_hidden(h, output_mask) if return_hidden else self.head(h, output_mask)

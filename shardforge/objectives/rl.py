@@ -1,0 +1,252 @@
+"""Objective `grpo`: group-relative policy optimization over rollouts, with DAPO's and Dr. GRPO's variants.
+
+Its rows are not read from a data set: the rollout source (train/rollout.py) samples `group_size`
+completions per prompt with the inference engine on the training weights, scores them, and hands the loop
+micro-batches whose rows are prompt + completion (targets: the completion's tokens), with per-row
+advantages and the rollout policy's per-token log-probs (`old_logps`, recomputed by the training forward in
+`score_rollout`, never the sampler's), and the reference's (`ref_logps`) when kl_beta > 0. The loss is the
+clipped surrogate of `rl_losses.py`, aggregated as `method.rl.loss` says; a group is one prompt's completions,
+kept on one rank, so advantages need no communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardforge.adapters.lora import adapters_disabled
+from shardforge.config.schema import DataSection, MethodSection
+from shardforge.data.batching import IGNORE, Batch
+from shardforge.data.examples import Encoder
+from shardforge.errors import ConfigError
+from shardforge.objectives.base import Normalizer
+from shardforge.objectives.preference import ReferencedObjective
+from shardforge.objectives.rl_losses import (
+    AGGREGATION_NORMALIZER,
+    aggregate,
+    clipped_surrogate,
+    clipped_value_loss,
+    gae,
+    group_advantages,
+)
+
+# Sums over all data-parallel ranks of a small float64 vector (the rollout source's reduction).
+Total = Callable[[torch.Tensor], torch.Tensor]
+
+
+class GRPOObjective(ReferencedObjective):
+    name = "grpo"
+    reader_stage = "rl"
+    metrics = ("loss", "kl", "clip_fraction", "ratio")
+
+    def __init__(self, method: MethodSection | None = None) -> None:
+        self.rl = (method or MethodSection()).rl  # needs_reference reads it during the base's __init__
+        super().__init__(method)
+        self.group_size = self.rl.group_size
+        self.normalizer: Normalizer = AGGREGATION_NORMALIZER[self.rl.loss]  # type: ignore[assignment]
+
+    def needs_reference(self) -> bool:
+        return self.rl.kl_beta > 0
+
+    def bind_reference(
+        self, model: nn.Module, finetuning: str, adapter: str | None, base: str | None, blocker: str | None
+    ) -> str:
+        if self.reference != "none" and self.pref.ref in ("precompute", "none"):
+            raise ConfigError(
+                f"method.pref.ref={self.pref.ref}: stage {self.name} with kl_beta > 0 scores new rollouts "
+                f"against a live reference every step; use ref: auto or a folder (or kl_beta: 0)"
+            )
+        if self.reference == "none":
+            return "no reference model (method.rl.kl_beta is 0: no KL term)"
+        return super().bind_reference(model, finetuning, adapter, base, blocker)
+
+    def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
+        raise ConfigError(f"stage {self.name} samples its rows; it has no encoder of records")
+
+    @staticmethod
+    def collate(*args: Any, **kwargs: Any) -> Batch:
+        raise ConfigError("stage grpo's micro-batches come from its rollouts (train/rollout.py)")
+
+    def prepare(self, model: nn.Module, batch: Batch) -> Batch:
+        return batch  # everything the loss compares with was scored once per rollout (score_rollout)
+
+    @torch.no_grad()
+    def score_rollout(self, model: nn.Module, batch: Batch) -> Batch:
+        """Per target token [rows, width] (zero elsewhere): the policy's log-probs now, before any update
+        on this rollout (`old_logps`), and the reference's when the KL term needs them (`ref_logps`)."""
+        mask = batch.targets != IGNORE
+        inputs = self.model_inputs(batch)
+
+        def per_token(net: nn.Module) -> torch.Tensor:
+            full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+            full[mask] = net(batch.input_ids, **inputs).float()
+            return full
+
+        batch.extras["old_logps"] = per_token(model)
+        if self.reference == "adapters":
+            with adapters_disabled(model):
+                batch.extras["ref_logps"] = per_token(model)
+        elif self.reference == "copy":
+            assert self.reference_model is not None
+            batch.extras["ref_logps"] = per_token(self.reference_model)
+        return batch
+
+    def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:
+        """Each row's advantage from its sequence reward (`extras["scores"]`): group-relative, scaled as
+        method.rl.scale_rewards says (`batch`: by the global batch's deviation, `total` sums over ranks);
+        `keep` is 0 for the rows of groups whose rewards are all equal when filter_groups is on. Returns
+        the groups filtered on this rank."""
+        rl, n = self.rl, self.rl.group_size
+        scores = torch.cat([b.extras["scores"].double().cpu() for b in micro])
+        batch_std = None
+        if rl.scale_rewards == "batch":  # unbiased, over every rank's rewards
+            count, s1, s2 = total(
+                torch.stack([torch.tensor(float(len(scores))), scores.sum(), (scores**2).sum()])
+            )
+            batch_std = math.sqrt(max(0.0, float(s2 - s1 * s1 / count) / max(1.0, float(count) - 1)))
+        grouped = scores.view(-1, n)
+        advantages = group_advantages(grouped, rl.scale_rewards, batch_std).view(-1)
+        flat = grouped.max(dim=1).values == grouped.min(dim=1).values
+        keep = (~flat).repeat_interleave(n) if rl.filter_groups else torch.ones(len(scores), dtype=torch.bool)
+        at = 0
+        for b in micro:
+            rows = b.targets.shape[0]
+            b.extras["advantages"] = advantages[at : at + rows].float().to(b.targets.device)
+            b.extras["keep"] = keep[at : at + rows].float().to(b.targets.device)
+            at += rows
+        return {"groups_filtered": float(flat.sum()) if rl.filter_groups else 0.0}
+
+    def loss(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        mask = batch.targets != IGNORE
+        row_of_token = mask.nonzero()[:, 0]
+        keep = batch.extras["keep"][row_of_token]  # 0 for the tokens of filtered groups
+        ref = batch.extras.get("ref_logps")
+        rl = self.rl
+        t = clipped_surrogate(
+            output.float(),
+            batch.extras["old_logps"][mask],
+            batch.extras["advantages"][row_of_token],
+            rl.clip,
+            rl.kl_beta,
+            None if ref is None else ref[mask],
+        )
+        rows = mask.shape[0]
+
+        def total(per_token: torch.Tensor, how: str) -> torch.Tensor:
+            return aggregate(per_token * keep, row_of_token, rows, how, rl.max_new_tokens)
+
+        # The logged statistics are means per token (dapo) or of each sequence's token mean (the others),
+        # over the same normalizer as the loss.
+        mean = "dapo" if rl.loss == "dapo" else "grpo"
+        return {
+            "loss": total(t.loss, rl.loss),
+            "kl": total(t.kl.detach(), mean),
+            "clip_fraction": total(t.clipped.float(), mean),
+            "ratio": total(t.log_ratio.detach().exp(), mean),
+        }
+
+
+class PPOObjective(GRPOObjective):
+    """Stage `ppo`: the policy and a value head on its final hidden states (the critic shares the body, as
+    TRL's `...WithValueHead`; `Decoder.add_value_head`, made before any layout so it is sharded, trained
+    and checkpointed with the policy, and left out of exports). Per completion token the reward is
+    -kl_beta x (log pi_old - log pi_ref) (TRL's k1 penalty in the reward), plus the sequence's score at its
+    last token; GAE (method.ppo gamma, lam) over the rollout's values gives advantages (whitened over the
+    global batch) and returns; the loss is the clipped surrogate plus vf_coef x the clipped value loss, both
+    aggregated as method.rl.loss says (TRL's PPO: a token mean, `dapo`)."""
+
+    name = "ppo"
+    metrics = ("loss", "policy_loss", "value_loss", "kl", "clip_fraction", "value_clip_fraction", "ratio")
+
+    def __init__(self, method: MethodSection | None = None) -> None:
+        super().__init__(method)
+        self.ppo = self.method.ppo
+
+    def bind_reference(
+        self, model: nn.Module, finetuning: str, adapter: str | None, base: str | None, blocker: str | None
+    ) -> str:
+        model.add_value_head(seed=0)  # before the reference copy: the copy never uses it
+        return super().bind_reference(model, finetuning, adapter, base, blocker)
+
+    def model_inputs(self, batch: Batch) -> dict[str, Any]:
+        return super().model_inputs(batch) | {"values": True}
+
+    @torch.no_grad()
+    def score_rollout(self, model: nn.Module, batch: Batch) -> Batch:
+        mask = batch.targets != IGNORE
+        logps, values = model(batch.input_ids, **self.model_inputs(batch))
+        for key, flat in (("old_logps", logps), ("old_values", values)):
+            full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+            full[mask] = flat.float()
+            batch.extras[key] = full
+        if self.reference != "none":
+            inputs = GRPOObjective.model_inputs(self, batch)
+            ref_model = self.reference_model if self.reference == "copy" else model
+            with adapters_disabled(model) if self.reference == "adapters" else contextlib.nullcontext():
+                ref = ref_model(batch.input_ids, **inputs).float()
+            full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+            full[mask] = ref
+            batch.extras["ref_logps"] = full
+        return batch
+
+    def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:
+        """GAE over each row's completion tokens, then whitening with the global batch's mean and
+        deviation; returns the mean KL penalty (k1) per completion token."""
+        ppo, kl_sum, tokens = self.ppo, 0.0, 0
+        for b in micro:
+            mask = b.targets != IGNORE
+            kl = (b.extras["old_logps"] - b.extras["ref_logps"]) * mask if "ref_logps" in b.extras else None
+            rewards = -self.rl.kl_beta * kl if kl is not None else torch.zeros(mask.shape, device=mask.device)
+            last = mask.shape[1] - 1 - mask.flip(1).float().argmax(dim=1)  # each row's last target column
+            rewards[torch.arange(mask.shape[0], device=mask.device), last] += b.extras["scores"].float()
+            advantages, returns = gae(rewards, b.extras["old_values"], mask, ppo.gamma, ppo.lam)
+            b.extras["advantages"], b.extras["returns"] = advantages, returns
+            b.extras["keep"] = torch.ones(mask.shape[0], device=mask.device)
+            kl_sum += float(kl.sum()) if kl is not None else 0.0
+            tokens += int(mask.sum())
+        flat = torch.cat([b.extras["advantages"][b.targets != IGNORE].double().cpu() for b in micro])
+        count, s1, s2, kl_total = total(
+            torch.tensor([float(len(flat)), float(flat.sum()), float((flat**2).sum()), kl_sum])
+        )
+        mean = s1 / count
+        std = math.sqrt(max(0.0, float(s2 - s1 * s1 / count) / max(1.0, float(count) - 1)))
+        for b in micro:  # whitened, as TRL's PPO does (over its batch; here the global batch)
+            b.extras["advantages"] = ((b.extras["advantages"] - float(mean)) / (std + 1e-8)) * (
+                b.targets != IGNORE
+            )
+        return {"kl_penalty": float(kl_total) / max(1.0, float(count))}
+
+    def loss(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
+        logps, values = output
+        mask = batch.targets != IGNORE
+        row_of_token = mask.nonzero()[:, 0]
+        rl, ppo = self.rl, self.ppo
+        policy = clipped_surrogate(
+            logps.float(), batch.extras["old_logps"][mask], batch.extras["advantages"][mask], rl.clip
+        )
+        value_loss, value_clipped = clipped_value_loss(
+            values.float(), batch.extras["old_values"][mask], batch.extras["returns"][mask], ppo.value_clip
+        )
+        rows = mask.shape[0]
+
+        def total(per_token: torch.Tensor, how: str) -> torch.Tensor:
+            return aggregate(per_token, row_of_token, rows, how, rl.max_new_tokens)
+
+        mean = "dapo" if rl.loss == "dapo" else "grpo"
+        ref = batch.extras.get("ref_logps")
+        kl = (logps.detach().float() - ref[mask]) if ref is not None else torch.zeros_like(policy.loss)
+        policy_sum, value_sum = total(policy.loss, rl.loss), total(value_loss, rl.loss)
+        return {
+            "loss": policy_sum + ppo.vf_coef * value_sum,
+            "policy_loss": policy_sum.detach(),
+            "value_loss": value_sum.detach(),
+            "kl": total(kl, mean),
+            "clip_fraction": total(policy.clipped.float(), mean),
+            "value_clip_fraction": total(value_clipped.float(), mean),
+            "ratio": total(policy.log_ratio.detach().exp(), mean),
+        }

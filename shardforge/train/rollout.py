@@ -1,0 +1,323 @@
+"""The RL batch source: each step's rollouts, sampled by the inference engine on the training weights in
+place, scored and turned into the loop's micro-batches.
+
+Per step, the global batch's prompts are taken from a seeded global order (as a data set's groups are), and
+each data-parallel rank takes its share, split into micro-steps exactly as `DatasetSource` splits groups.
+The rank generates `group_size` completions of each of its prompts with `infer/engine.py` (continuous
+batching over a paged KV cache) running the training model itself:
+- FSDP2: every unit is all-gathered once for the rollout, kept whole through generation and scoring (no
+  re-gather per forward), and resharded after it: DeepSpeed's Hybrid Engine idea. That gather is the
+  weight sync, measured per step (`time/weight_sync_s`); the memory it needs is one unsharded model.
+- Tensor parallel: the ranks of a TP group hold the same prompts and seeds, so their engines schedule the
+  same steps and run the sharded forward together (the logits' vocabulary shards are gathered).
+- DDP and one process: the module itself. LoRA: the adapters apply in the forward; nothing is merged.
+A request's seed is the run's seed and the prompt's global position, so the completions do not depend on
+the layout. The training forward then recomputes the rollout policy's log-probs (the loss's `old_logps`)
+and the reference's; the engine's own sampling log-probs are compared with them (`logprob_delta`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from shardforge.config.schema import DataSection, RLSection
+from shardforge.data.batch_source import GlobalBatch
+from shardforge.data.batching import Batch, GlobalOrder, collate, split_global_batch
+from shardforge.data.examples import Example
+from shardforge.data.loader import read_dataset
+from shardforge.data.templates import render, resolve_template, tokenize
+from shardforge.errors import DataError
+from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.sampling import GenerationDefaults, SamplingParams
+from shardforge.objectives.rewards import Completions, Reward
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.engine import dp_sum
+from shardforge.parallel.tensor_parallel import loss_context
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    text: str
+    messages: list[dict[str, str]]
+    answer: str | None
+
+
+def load_prompts(data: DataSection, tokenizer: Any, room: int) -> tuple[list[Prompt], int]:
+    """The training prompts rendered with the chat template's generation prompt, and how many were left out
+    because they leave fewer than max_new_tokens of data.max_length (`room` tokens is the most a prompt
+    may have)."""
+    template = resolve_template(tokenizer, data.template)
+    records = [r for spec in data.train for r in read_dataset(spec, "rl")]
+    texts = [render(tokenizer, template, list(r.messages or ()), generation_prompt=True) for r in records]
+    prompts, too_long = [], 0
+    for record, text, (ids, _) in zip(records, texts, tokenize(tokenizer, texts), strict=True):
+        if len(ids) > room:
+            too_long += 1
+            continue
+        prompts.append(Prompt(ids.tolist(), text, list(record.messages or ()), record.answer))
+    if not prompts:
+        raise DataError(
+            f"none of the {len(records)} prompts fits in {room} tokens (data.max_length minus "
+            f"method.rl.max_new_tokens); raise data.max_length or lower max_new_tokens"
+        )
+    return prompts, too_long
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[float]:
+    """FSDP2 units all-gathered once and kept whole until the block ends (their forward neither gathers nor
+    frees); yields the seconds the gather took. A no-op (0 s) for a model without FSDP2."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield 0.0
+        return
+    start = time.perf_counter()
+    units[0]._get_fsdp_state()._lazy_init()  # the root's own settings first, as its first forward would
+    groups = [g for m in units for g in m._get_fsdp_state()._fsdp_param_groups]
+    saved = [g.post_forward_mesh_info for g in groups]
+    for g in groups:
+        g.post_forward_mesh_info = None  # no reshard after forward (set_reshard_after_forward(False))
+    for m in units:
+        m.unshard()
+    try:
+        yield time.perf_counter() - start
+    finally:
+        for g, info in zip(groups, saved, strict=True):
+            g.post_forward_mesh_info = info
+        for m in units:
+            m.reshard()
+
+
+class RolloutSource:
+    """A BatchSource (data/batch_source.py) of rollouts: never drawn ahead, since each rollout must use the
+    weights of the step before it."""
+
+    prefetch = False
+
+    def __init__(
+        self,
+        prompts: list[Prompt],
+        rl: RLSection,
+        rewards: list[Reward],
+        tokenizer: Any,
+        defaults: GenerationDefaults,
+        objective: Any,
+        engine: Any,
+        dims: ParallelDims,
+        mesh: DeviceMesh | None,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        seed: int,
+        split: tuple[int, int, int, int],
+        multiple: int,
+    ) -> None:
+        self.prompts, self.rl, self.rewards, self.tokenizer = prompts, rl, rewards, tokenizer
+        self.defaults, self.objective, self.engine = defaults, objective, engine
+        self.dims, self.mesh, self.autocast, self.seed = dims, mesh, autocast, seed
+        self.split, self.multiple = split, multiple
+        micro_batch, grad_accum, dp, _ = split
+        self.groups_per_step = micro_batch * grad_accum * dp
+        self.order = GlobalOrder(len(prompts), seed)
+        self.device = engine.device
+        self.cached: GlobalBatch | None = None
+        self.repeats = 0  # how many more times the cached rollout trains (epochs_per_rollout)
+
+    def identity(self) -> dict:
+        """What a checkpoint's data position refers to (checked on resume)."""
+        return {"prompts": len(self.prompts), "group_size": self.rl.group_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.position = int(state["samples"])  # a rollout interrupted between its epochs is redone
+
+    def close(self) -> None:
+        pass
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def next_batch(self) -> GlobalBatch:
+        if self.cached is not None and self.repeats > 0:
+            self.repeats -= 1
+            return GlobalBatch(self.cached.micro, self.cached.counts, self.cached.state, self.cached.epoch,
+                               {"time/rollout_s": 0.0, "time/scoring_s": 0.0})  # fmt: skip
+        start = self.order.position
+        order = self.order.take(self.groups_per_step)
+        mine = split_global_batch(np.arange(self.groups_per_step), *self.split)  # step positions per micro
+        positions = [int(k) for part in mine for k in part]
+        prompts = [self.prompts[int(order[k])] for k in positions]
+        with torch.no_grad(), gathered(self.engine.inner) as sync_s:
+            began = time.perf_counter()
+            completions = self._generate(prompts, [start + k for k in positions])
+            rollout_s = time.perf_counter() - began + sync_s
+            began = time.perf_counter()
+            rows, stats = self._score(prompts, completions)
+            micro = self._micro_batches(rows, [len(part) for part in mine])
+            stats.update(self.objective.assign_advantages(micro, self._sum))
+            stats.update(self._logprob_delta(micro, completions))
+            scoring_s = time.perf_counter() - began
+        batch = GlobalBatch(
+            micro, {}, {"samples": self.order.position}, self.order.position / len(self.prompts)
+        )
+        batch.counts, batch.stats = self._reduce(rows, micro, stats, (rollout_s, scoring_s, sync_s))
+        self.cached, self.repeats = batch, self.rl.epochs_per_rollout - 1
+        return batch
+
+    def _generate(self, prompts: list[Prompt], positions: list[int]) -> list[list[Any]]:
+        rl, n = self.rl, self.rl.group_size
+        model = self.engine.inner
+        need = sum(n * math.ceil((len(p.ids) + rl.max_new_tokens) / BLOCK_SIZE) for p in prompts)
+        sequences = n * len(prompts)
+        config = EngineConfig(
+            BLOCK_SIZE, need + 1, max_step_tokens=max(1024, 2 * sequences), max_running=sequences
+        )
+        params = [
+            SamplingParams(
+                max_tokens=rl.max_new_tokens,
+                temperature=rl.temperature,
+                top_p=rl.top_p,
+                top_k=0,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                seed=(self.seed * 1_000_003 + position) % 2**31,
+                n=n,
+                logprobs=0,
+            )
+            for position in positions
+        ]
+        was_training = model.training
+        try:
+            with self.autocast():
+                return Engine(model, self.tokenizer, config, self.defaults).generate(
+                    [p.ids for p in prompts], params
+                )
+        finally:
+            model.train(was_training)
+
+    def _score(self, prompts: list[Prompt], completions: list[list[Any]]) -> tuple[list[dict], dict]:
+        """Each row's example (prompt + completion, the completion trained) and its reward, the weighted
+        sum of the reward functions' scores (each one's sum is logged)."""
+        flat = [(p, c) for p, group in zip(prompts, completions, strict=True) for c in group]
+        texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for _, c in flat]
+        batch = Completions(
+            [p.text for p, _ in flat], texts, [len(c.tokens) for _, c in flat], [p.answer for p, _ in flat],
+            [p.messages for p, _ in flat],
+        )  # fmt: skip
+        parts = {r.name: torch.tensor(r.fn(batch), dtype=torch.float64) for r in self.rewards}
+        total = sum(
+            (r.weight * parts[r.name] for r in self.rewards), torch.zeros(len(flat), dtype=torch.float64)
+        )
+        rows = []
+        for i, (p, c) in enumerate(flat):
+            trained = (False,) * len(p.ids) + (True,) * len(c.tokens)
+            rows.append({
+                "example": Example((*p.ids, *c.tokens), trained, f"rollout {i}"), "reward": float(total[i]),
+                "length": len(c.tokens), "truncated": c.finish_reason == "length",
+            })  # fmt: skip
+        return rows, {f"reward/{name}_sum": float(v.sum()) for name, v in parts.items()}
+
+    def _micro_batches(self, rows: list[dict], prompts_per_micro: list[int]) -> list[Batch]:
+        n, out, at = self.rl.group_size, [], 0
+        examples = [row["example"] for row in rows]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        for count in prompts_per_micro:
+            idx = list(range(at, at + count * n))
+            at += count * n
+            batch = collate(examples, [[i] for i in idx], pad, self.multiple)
+            batch.extras["scores"] = torch.tensor([rows[i]["reward"] for i in idx], dtype=torch.float32)
+            batch = batch.to(self.device)
+            with self.autocast(), loss_context(self.dims):
+                out.append(self.objective.score_rollout(self.engine.model, batch))
+        return out
+
+    @staticmethod
+    def _logprob_delta(micro: list[Batch], completions: list[list[Any]]) -> dict[str, float]:
+        """Over the completion tokens: the sum of |engine's sampling log-prob - training forward's|, of the
+        sampled tokens' -log-prob (a Monte-Carlo estimate of the policy's entropy at temperature 1) and the
+        count."""
+        flat = [c for group in completions for c in group]
+        total, surprise, count, i = 0.0, 0.0, 0, 0
+        for batch in micro:
+            old = batch.extras["old_logps"].cpu()
+            targets = (batch.targets != -100).cpu()
+            for r in range(old.shape[0]):
+                trained = old[r][targets[r]]
+                sampled = torch.tensor([lp for lp, _ in flat[i].logprobs], dtype=torch.float32)
+                total += float((trained - sampled).abs().sum())
+                surprise -= float(sampled.sum())
+                count += len(sampled)
+                i += 1
+        return {"logprob_delta_sum": total, "entropy_sum": surprise, "logprob_tokens": float(count)}
+
+    # ---- global counts and statistics ------------------------------------------------------------------
+    def _sum(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(self.device, torch.float64)
+        return dp_sum(value, self.dims, self.mesh).cpu()
+
+    def _max(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(self.device, torch.float64)
+        dp_mesh = self.dims.dp_mesh(self.mesh)
+        if dp_mesh is not None:
+            for dim in range(dp_mesh.ndim):
+                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=dp_mesh.get_group(dim))
+        return value.cpu()
+
+    def _reduce(
+        self, rows: list[dict], micro: list[Batch], stats: dict[str, float], times: tuple[float, float, float]
+    ) -> tuple[dict[str, int], dict[str, float]]:
+        """The global batch's counts (the loop's normalizers: the kept rows only) and the logged statistics,
+        summed (or maxed) over the data-parallel ranks."""
+        keep = torch.cat([b.extras["keep"].cpu() for b in micro]).bool().tolist()
+        kept = [r for r, k in zip(rows, keep, strict=True) if k]
+        lengths = [len(r["example"].input_ids) for r in rows]
+        local = {
+            "tokens": sum(lengths),
+            "targets": sum(r["length"] for r in kept),
+            "sequences": len(kept),
+            "groups": len(kept) // self.rl.group_size,
+            "attention_pairs": sum(n * (n + 1) // 2 for n in lengths),
+            "rows": len(rows),
+            "reward_sum": sum(r["reward"] for r in rows),
+            "reward_sq": sum(r["reward"] ** 2 for r in rows),
+            "length_sum": sum(r["length"] for r in rows),
+            "truncated": sum(r["truncated"] for r in rows),
+            **stats,
+        }
+        keys = list(local)
+        summed = dict(
+            zip(keys, self._sum(torch.tensor([float(local[k]) for k in keys])).tolist(), strict=True)
+        )
+        longest, rollout_max, scoring_max, sync_max = self._max(
+            torch.tensor([max(r["length"] for r in rows), *times])
+        ).tolist()
+        counts = {k: max(1, round(summed[k])) for k in ("tokens", "targets", "sequences", "groups")}
+        counts["attention_pairs"] = int(summed["attention_pairs"])
+        n = summed["rows"]
+        mean = summed["reward_sum"] / n
+        out = {
+            "reward_mean": mean,
+            "reward_std": math.sqrt(max(0.0, summed["reward_sq"] / n - mean * mean)),
+            **{k[: -len("_sum")]: v / n for k, v in summed.items() if k.startswith("reward/")},
+            "response_length_mean": summed["length_sum"] / n,
+            "response_length_max": longest,
+            "truncated_fraction": summed["truncated"] / n,
+            **{k: summed[k] for k in ("groups_filtered", "kl_penalty") if k in summed},
+            "logprob_delta": summed["logprob_delta_sum"] / max(1.0, summed["logprob_tokens"]),
+            "entropy": summed["entropy_sum"] / max(1.0, summed["logprob_tokens"]),
+            "rollout_tokens_per_s": summed["length_sum"] / max(rollout_max, 1e-9),
+            "time/rollout_s": rollout_max,
+            "time/weight_sync_s": sync_max,
+            "time/scoring_s": scoring_max,
+        }
+        return counts, out

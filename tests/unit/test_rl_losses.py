@@ -1,0 +1,129 @@
+"""The RL losses against independent implementations of the published formulas, written here token by token
+with plain Python floats: GRPO's group-relative advantages (DeepSeekMath), PPO's clipped surrogate with
+DAPO's decoupled clip range, the k3 KL estimator, TRL's three aggregations (grpo, dapo, dr_grpo), and the
+objective's loss on a hand-made micro-batch divided by the loop's normalizer."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+from shardforge.config.schema import MethodSection, RLSection
+from shardforge.data.batching import IGNORE, Batch
+from shardforge.objectives.rl import GRPOObjective
+from shardforge.objectives.rl_losses import aggregate, clipped_surrogate, group_advantages
+
+REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [2.0, -1.0, 0.0, 3.0]]
+
+
+def _reference_advantages(rewards: list[list[float]], scale: str) -> list[list[float]]:
+    everything = [r for group in rewards for r in group]
+    out = []
+    for group in rewards:
+        mean = sum(group) / len(group)
+        std = {"group": statistics.stdev(group), "batch": statistics.stdev(everything), "none": None}[scale]
+        out.append([(r - mean) / (std + 1e-4) if std is not None else r - mean for r in group])
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_are_grpos(scale):
+    got = group_advantages(torch.tensor(REWARDS, dtype=torch.float64), scale).flatten().tolist()
+    expected = [a for group in _reference_advantages(REWARDS, scale) for a in group]
+    assert got == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def _reference_token_loss(logp, old, adv, low, high, beta, ref):
+    ratio = math.exp(logp - old)
+    clipped = min(max(ratio, 1 - low), 1 + high)
+    loss = -min(ratio * adv, clipped * adv)
+    kl = math.exp(ref - logp) - (ref - logp) - 1 if ref is not None else 0.0
+    return loss + beta * kl, kl, (ratio < 1 - low and adv < 0) or (ratio > 1 + high and adv > 0)
+
+
+def test_clipped_surrogate_with_clip_higher_and_k3_kl():
+    torch.manual_seed(0)
+    logp, old, ref = -torch.rand(40) * 3, -torch.rand(40) * 3, -torch.rand(40) * 3
+    adv = torch.randn(40)
+    t = clipped_surrogate(logp.double(), old.double(), adv.double(), (0.2, 0.28), 0.05, ref.double())
+    for i in range(40):
+        loss, kl, clipped = _reference_token_loss(
+            float(logp[i]), float(old[i]), float(adv[i]), 0.2, 0.28, 0.05, float(ref[i])
+        )
+        assert float(t.loss[i]) == pytest.approx(loss, rel=1e-9, abs=1e-12)
+        assert float(t.kl[i]) == pytest.approx(kl, rel=1e-9, abs=1e-12)
+        assert bool(t.clipped[i]) == clipped
+    assert t.clipped.any() and not t.clipped.all()  # the case mix covers both
+
+
+def _reference_aggregate(per_row: list[list[float]], how: str, max_new: int) -> float:
+    """TRL's definitions: grpo = mean over sequences of each sequence's token mean; dapo = mean over all
+    tokens; dr_grpo = sum over tokens / (sequences x max_completion_length)."""
+    if how == "grpo":
+        return sum(sum(row) / len(row) for row in per_row) / len(per_row)
+    if how == "dapo":
+        return sum(map(sum, per_row)) / sum(map(len, per_row))
+    return sum(map(sum, per_row)) / (len(per_row) * max_new)
+
+
+@pytest.mark.parametrize("how", ["grpo", "dapo", "dr_grpo"])
+def test_aggregations_divided_by_the_loops_normalizer_are_trls(how):
+    per_row = [[0.5, -1.0, 2.0], [1.0], [0.25, 0.25, 3.0, -2.0, 1.0]]
+    values = torch.tensor([v for row in per_row for v in row], dtype=torch.float64)
+    rows = torch.tensor([r for r, row in enumerate(per_row) for _ in row])
+    total = aggregate(values, rows, len(per_row), how, max_new_tokens=8)
+    count = sum(map(len, per_row)) if how == "dapo" else len(per_row)  # targets | sequences
+    assert float(total) / count == pytest.approx(_reference_aggregate(per_row, how, 8), rel=1e-12)
+
+
+def _hand_batch() -> tuple[Batch, list[list[int]]]:
+    """Two groups of two completions: rows of prompt + completion, targets on the completion only."""
+    lengths = [(3, 2), (3, 4), (2, 1), (2, 3)]  # (prompt, completion) tokens per row
+    width = max(p + c for p, c in lengths)
+    targets = torch.full((4, width), IGNORE)
+    ids = torch.zeros(4, width, dtype=torch.long)
+    positions = []
+    for r, (p, c) in enumerate(lengths):
+        ids[r, : p + c] = torch.arange(1, p + c + 1)
+        targets[r, p - 1 : p + c - 1] = ids[r, p : p + c]
+        positions.append(list(range(p - 1, p + c - 1)))
+    batch = Batch(ids, targets, torch.arange(width).expand(4, width), None, 0, 0)
+    torch.manual_seed(1)
+    batch.extras["old_logps"] = -torch.rand(4, width)
+    batch.extras["ref_logps"] = -torch.rand(4, width)
+    batch.extras["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    batch.extras["keep"] = torch.tensor([1.0, 1.0, 0.0, 0.0])  # the second group filtered out
+    return batch, positions
+
+
+@pytest.mark.parametrize("how", ["grpo", "dapo", "dr_grpo"])
+def test_the_objectives_loss_is_the_formula_on_a_hand_made_batch(how):
+    rl = RLSection(group_size=2, loss=how, clip=(0.2, 0.28), kl_beta=0.1, max_new_tokens=6)
+    objective = GRPOObjective(MethodSection(stage="grpo", rl=rl))
+    batch, positions = _hand_batch()
+    torch.manual_seed(2)
+    logps = -torch.rand(int((batch.targets != IGNORE).sum()))  # the policy's, in row-major target order
+    sums = objective.loss(logps, batch)
+    per_row, at = [], 0
+    for r, cols in enumerate(positions):
+        row = []
+        for col in cols:
+            loss, _, _ = _reference_token_loss(
+                float(logps[at]), float(batch.extras["old_logps"][r, col]), float(batch.extras["advantages"][r]),
+                0.2, 0.28, 0.1, float(batch.extras["ref_logps"][r, col]),
+            )  # fmt: skip
+            row.append(loss)
+            at += 1
+        per_row.append(row)
+    kept = per_row[:2]  # the loop's counts exclude the filtered group
+    count = sum(map(len, kept)) if how == "dapo" else len(kept)
+    assert objective.normalizer == ("targets" if how == "dapo" else "sequences")
+    assert float(sums["loss"]) / count == pytest.approx(_reference_aggregate(kept, how, 6), rel=1e-5)
+
+
+def test_the_clip_range_is_checked():
+    with pytest.raises(ValueError, match="clip"):
+        RLSection(clip=(1.5, 0.2))
