@@ -183,6 +183,11 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
             f"parallel.pp={dims.pp} with method.stage={stage}: rollouts run the whole model on every rank "
             f"(generation in the training layout); use tp and/or dp_shard (FSDP) instead of pp"
         )
+    if stage in ("grpo", "ppo") and dims.tp > 1 and cfg.parallel.sequence_parallel:
+        raise ConfigError(
+            f"parallel.tp={dims.tp} with method.stage={stage}: the rollout engine's steps have any number of "
+            f"tokens, which sequence parallel cannot split evenly; set parallel.sequence_parallel: false"
+        )
     if stage == "ppo" and dims.tp > 1:
         raise ConfigError(
             f"parallel.tp={dims.tp} with method.stage=ppo: the value head is not split by the TP plan; use "

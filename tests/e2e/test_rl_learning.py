@@ -1,0 +1,103 @@
+"""RL that learns, on this CPU in seconds: a tiny Llama is first taught single-digit addition by SFT (to about
+60% greedy accuracy), then GRPO (DAPO's loss, the exact-answer reward) on the same 100 prompts raises the
+mean reward of its own samples and its greedy accuracy by clear margins; PPO with a value head and a KL
+penalty against the SFT model raises the reward too. Everything is seeded; the margins stated below are
+well inside what the runs reach (GRPO: reward 0.46 -> 0.72, greedy accuracy 0.63 -> 0.90 when written)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from shardforge.config import load_config
+from shardforge.config.schema import DataSection
+from shardforge.infer.engine import Engine
+from shardforge.infer.sampling import SamplingParams
+from shardforge.models import load_model
+from shardforge.objectives.rewards import answers_equal, final_answer
+from shardforge.train.rollout import load_prompts
+from shardforge.train.trainer import Trainer
+from tests.conftest import TOKENIZER
+
+pytestmark = pytest.mark.slow
+
+
+def _config(out: Path, **sections) -> dict:
+    base = {
+        "output_dir": str(out),
+        "model": {"preset": "tiny-llama", "tokenizer": str(TOKENIZER)},
+        "data": {"train": [{"path": str(out.parent / "add.jsonl"), "format": "alpaca"}], "max_length": 64},
+        "train": {"micro_batch": 16, "schedule": "constant", "warmup": 0, "seed": 0, "log_every": 1},
+        "log": {"tensorboard": False, "plot": False},
+    }
+    for key, value in sections.items():
+        base[key] = {**base.get(key, {}), **value}
+    return base
+
+
+def _greedy_accuracy(folder: Path, data: Path) -> float:
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    prompts, _ = load_prompts(DataSection(train=[{"path": str(data), "format": "alpaca"}]), tokenizer, 60)
+    done = Engine(load_model(folder), tokenizer).generate(
+        [p.ids for p in prompts], SamplingParams(max_tokens=6, temperature=0)
+    )
+    texts = [tokenizer.decode(c[0].tokens, skip_special_tokens=True) for c in done]
+    return sum(answers_equal(final_answer(t), p.answer) for t, p in zip(texts, prompts, strict=True)) / len(
+        texts
+    )
+
+
+@pytest.fixture(scope="module")
+def sft_model(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rl")
+    data = root / "add.jsonl"
+    records = [{"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)}
+               for a in range(10) for b in range(10)]  # fmt: skip
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = _config(root / "sft", method={"stage": "sft"}, train={"steps": 300, "lr": 3e-3, "log_every": 50},
+                  data={"packing": False})  # fmt: skip
+    Trainer(load_config(None, base=cfg)).train()
+    return root / "sft" / "final"
+
+
+def test_grpo_raises_the_reward_after_sft(sft_model):
+    data = sft_model.parents[1] / "add.jsonl"
+    before = _greedy_accuracy(sft_model, data)
+    cfg = _config(
+        sft_model.parents[1] / "grpo",
+        model={"preset": None, "path": str(sft_model)},
+        method={"stage": "grpo", "rl": {"group_size": 8, "max_new_tokens": 6, "loss": "dapo"}},
+        train={"steps": 100, "micro_batch": 8, "grad_accum": 2, "lr": 5e-4},
+    )
+    result = Trainer(load_config(None, base=cfg)).train()
+    rewards = [r["reward_mean"] for r in result.history]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    after = _greedy_accuracy(result.final_model, data)
+    print(f"GRPO: mean reward {first:.3f} -> {last:.3f}; greedy accuracy {before:.2f} -> {after:.2f}")
+    assert 0.4 < before < 0.8  # the SFT model is partly right: there is something to learn
+    assert last >= first + 0.15
+    assert after >= before + 0.15
+    record = result.history[-1]
+    assert abs(record["logprob_delta"]) < 1e-4  # the engine's sampling log-probs are the training forward's
+    assert record["time/rollout_s"] > 0 and record["rollout_tokens_per_s"] > 0
+
+
+def test_ppo_with_a_value_head_and_kl_raises_the_reward(sft_model):
+    cfg = _config(
+        sft_model.parents[1] / "ppo",
+        model={"preset": None, "path": str(sft_model)},
+        method={"stage": "ppo", "rl": {"group_size": 4, "max_new_tokens": 6, "kl_beta": 0.02},
+                "ppo": {"vf_coef": 0.1}},
+        train={"steps": 100, "micro_batch": 8, "grad_accum": 2, "lr": 5e-4},
+    )  # fmt: skip
+    result = Trainer(load_config(None, base=cfg)).train()
+    rewards = [r["reward_mean"] for r in result.history]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    print(f"PPO: mean reward {first:.3f} -> {last:.3f}")
+    assert last >= first + 0.1
+    values = [r["value_loss"] for r in result.history]
+    assert sum(values[-10:]) < sum(values[:10])  # the critic learns the returns
+    assert "value_head.weight" not in load_model(result.final_model).state_dict()
