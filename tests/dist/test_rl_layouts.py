@@ -70,5 +70,5 @@ def test_rl_on_two_ranks_equals_one_process(tmp_path, data):
     runs = run_ranks(train_runs, 2, [cfg for _, cfg in layouts])[0]
     for (name, _), run in zip(layouts, runs, strict=True):
         # A rollout whose completions all have max_new_tokens has token-mean advantages of 0: its loss, at
-        # ratio 1, is a cancelling sum (measured ~4e-9 with last-bit differences of 2e-9), hence 1e-7 absolute.
+        # ratio 1, is a cancelling sum (measured ~4e-9, last-bit differences of 2e-9): 1e-7 absolute.
         assert_same(run, refs[name], rel=1e-5, atol=1e-4, loss_atol=1e-7)

@@ -82,7 +82,7 @@ def test_bad_reward_specs_name_what_is_valid():
         build_rewards([RewardSpec(name="format")], 8, torch.device("cpu"))
     with pytest.raises(ValueError, match="either name"):
         RewardSpec(name="format", model="x")
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
         build_rewards([RewardSpec(model="/nonexistent")], 8, torch.device("cpu"))
 
 
@@ -97,8 +97,8 @@ def test_a_reward_model_folder_scores_the_rendered_conversation(tmp_path):
     batch = _batch(["7", "The answer is 12."])
     got = reward.fn(batch)
     for text, score in zip(batch.texts, got, strict=True):
-        rendered = render(tokenizer, resolve_template(tokenizer, "auto"),
-                          [{"role": "user", "content": "p"}, {"role": "assistant", "content": text}])  # fmt: skip
+        turns = [{"role": "user", "content": "p"}, {"role": "assistant", "content": text}]
+        rendered = render(tokenizer, resolve_template(tokenizer, "auto"), turns)
         ids = torch.tensor([tokenizer(rendered, add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
             expected = model(ids)[0, -1, 0]
@@ -118,13 +118,14 @@ def test_prompts_from_every_format_with_their_reference_answers(tmp_path):
     openai = write_jsonl(tmp_path / "o.jsonl", [
         {"messages": [{"role": "user", "content": "6 / 3?"}], "answer": "2"},
     ])  # fmt: skip
-    (tmp_path / "dataset_info.json").write_text(json.dumps({
-        "math": {"file_name": "o.jsonl", "formatting": "openai", "columns": {"messages": "messages", "answer": "answer"},
-                 "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}},
-    }))  # fmt: skip
+    tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
+    columns = {"messages": "messages", "answer": "answer"}
+    info = tmp_path / "dataset_info.json"
+    info.write_text(json.dumps({"math": {"file_name": "o.jsonl", "formatting": "openai", "columns": columns,
+                                         "tags": tags}}))  # fmt: skip
     data = DataSection(train=[
         {"path": str(alpaca), "format": "alpaca"}, {"path": str(sharegpt), "format": "sharegpt"},
-        {"path": str(openai), "format": "openai"}, {"name": "math", "dataset_info": str(tmp_path / "dataset_info.json")},
+        {"path": str(openai), "format": "openai"}, {"name": "math", "dataset_info": str(info)},
     ])  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     prompts, too_long = load_prompts(data, tokenizer, room=64)

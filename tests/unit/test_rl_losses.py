@@ -1,7 +1,8 @@
 """The RL losses against independent implementations of the published formulas, written here token by token
 with plain Python floats: GRPO's group-relative advantages (DeepSeekMath), PPO's clipped surrogate with
-DAPO's decoupled clip range, the k3 KL estimator, TRL's three aggregations (grpo, dapo, dr_grpo), and the
-objective's loss on a hand-made micro-batch divided by the loop's normalizer."""
+DAPO's decoupled clip range, the k3 KL estimator, TRL's three aggregations (grpo, dapo, dr_grpo), the
+objective's loss on a hand-made micro-batch divided by the loop's normalizer; and PPO's GAE, clipped value
+loss, KL-penalised per-token rewards with whitened advantages, and its combined loss."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ import torch
 
 from shardforge.config.schema import MethodSection, RLSection
 from shardforge.data.batching import IGNORE, Batch
-from shardforge.objectives.rl import GRPOObjective
-from shardforge.objectives.rl_losses import aggregate, clipped_surrogate, group_advantages
+from shardforge.objectives.rl import GRPOObjective, PPOObjective
+from shardforge.objectives.rl_losses import (
+    aggregate,
+    clipped_surrogate,
+    clipped_value_loss,
+    gae,
+    group_advantages,
+)
 
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [2.0, -1.0, 0.0, 3.0]]
 
@@ -111,10 +118,9 @@ def test_the_objectives_loss_is_the_formula_on_a_hand_made_batch(how):
     for r, cols in enumerate(positions):
         row = []
         for col in cols:
-            loss, _, _ = _reference_token_loss(
-                float(logps[at]), float(batch.extras["old_logps"][r, col]), float(batch.extras["advantages"][r]),
-                0.2, 0.28, 0.1, float(batch.extras["ref_logps"][r, col]),
-            )  # fmt: skip
+            old, ref = float(batch.extras["old_logps"][r, col]), float(batch.extras["ref_logps"][r, col])
+            adv = float(batch.extras["advantages"][r])
+            loss, _, _ = _reference_token_loss(float(logps[at]), old, adv, 0.2, 0.28, 0.1, ref)
             row.append(loss)
             at += 1
         per_row.append(row)
@@ -127,3 +133,91 @@ def test_the_objectives_loss_is_the_formula_on_a_hand_made_batch(how):
 def test_the_clip_range_is_checked():
     with pytest.raises(ValueError, match="clip"):
         RLSection(clip=(1.5, 0.2))
+
+
+def _reference_gae(rewards: list[float], values: list[float], gamma: float, lam: float) -> list[float]:
+    """GAE (Schulman et al. 2016) over one completion: A_t = sum_l (gamma lam)^l delta_{t+l}, with
+    delta_t = r_t + gamma V_{t+1} - V_t and V after the last token 0."""
+    deltas = [
+        r + gamma * (values[t + 1] if t + 1 < len(values) else 0.0) - values[t] for t, r in enumerate(rewards)
+    ]
+    return [sum((gamma * lam) ** k * d for k, d in enumerate(deltas[t:])) for t in range(len(deltas))]
+
+
+def test_gae_is_the_discounted_sum_of_td_errors_over_each_rows_completion():
+    torch.manual_seed(3)
+    mask = torch.zeros(3, 7, dtype=torch.bool)
+    spans = [(2, 5), (1, 7), (4, 5)]  # each row's completion columns
+    for r, (a, b) in enumerate(spans):
+        mask[r, a:b] = True
+    rewards, values = torch.randn(3, 7, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64)
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    for r, (a, b) in enumerate(spans):
+        expected = _reference_gae(rewards[r, a:b].tolist(), values[r, a:b].tolist(), 0.9, 0.8)
+        assert advantages[r, a:b].tolist() == pytest.approx(expected, rel=1e-12)
+        assert returns[r, a:b].tolist() == pytest.approx(
+            [x + v for x, v in zip(expected, values[r, a:b].tolist(), strict=True)]
+        )
+        assert not advantages[r, ~mask[r]].any()
+
+
+def test_the_clipped_value_loss_is_ppos():
+    values, old, returns = (
+        torch.tensor([1.0, 0.5, -1.0, 2.0]),
+        torch.tensor([0.0, 0.4, -0.5, 2.5]),
+        torch.tensor([2.0, 0.0, 0.0, 1.0]),
+    )
+    loss, clipped = clipped_value_loss(values, old, returns, clip=0.2)
+    for i in range(4):
+        v, o, ret = float(values[i]), float(old[i]), float(returns[i])
+        vc = min(max(v, o - 0.2), o + 0.2)
+        assert float(loss[i]) == pytest.approx(0.5 * max((v - ret) ** 2, (vc - ret) ** 2))
+        assert bool(clipped[i]) == ((vc - ret) ** 2 > (v - ret) ** 2)
+
+
+def test_ppo_advantages_are_gae_over_kl_penalised_rewards_then_whitened():
+    rl = RLSection(group_size=2, loss="dapo", kl_beta=0.05, max_new_tokens=6)
+    objective = PPOObjective(MethodSection(stage="ppo", rl=rl, ppo={"gamma": 0.95, "lam": 0.9}))
+    batch, positions = _hand_batch()
+    batch.extras["old_values"] = torch.randn(batch.targets.shape)
+    batch.extras["scores"] = torch.tensor([1.0, 0.0, 0.5, 2.0])
+    objective.assign_advantages([batch], lambda t: t)  # one rank: the sum over ranks is the value itself
+    raw = []
+    for r, cols in enumerate(positions):
+        old, ref = batch.extras["old_logps"][r, cols].tolist(), batch.extras["ref_logps"][r, cols].tolist()
+        rewards = [-0.05 * (o - f) for o, f in zip(old, ref, strict=True)]
+        rewards[-1] += float(batch.extras["scores"][r])
+        raw.append(_reference_gae(rewards, batch.extras["old_values"][r, cols].tolist(), 0.95, 0.9))
+    flat = [a for row in raw for a in row]
+    mean, std = statistics.mean(flat), statistics.stdev(flat)
+    for r, cols in enumerate(positions):
+        got = batch.extras["advantages"][r, cols].tolist()
+        assert got == pytest.approx([(a - mean) / (std + 1e-8) for a in raw[r]], rel=1e-4, abs=1e-5)
+
+
+def test_the_ppo_loss_is_the_surrogate_plus_the_weighted_value_loss():
+    rl = RLSection(group_size=2, loss="dapo", clip=(0.2, 0.2), max_new_tokens=6)
+    objective = PPOObjective(MethodSection(stage="ppo", rl=rl, ppo={"vf_coef": 0.3, "value_clip": 0.1}))
+    batch, positions = _hand_batch()
+    batch.extras["keep"] = torch.ones(4)
+    torch.manual_seed(4)
+    for key in ("advantages", "returns", "old_values"):
+        batch.extras[key] = torch.randn(batch.targets.shape)
+    n = int((batch.targets != IGNORE).sum())
+    logps, values = -torch.rand(n), torch.randn(n)
+    sums = objective.loss((logps, values), batch)
+    policy, value, at = 0.0, 0.0, 0
+    for r, cols in enumerate(positions):
+        for col in cols:
+            old, adv = float(batch.extras["old_logps"][r, col]), float(batch.extras["advantages"][r, col])
+            policy += _reference_token_loss(float(logps[at]), old, adv, 0.2, 0.2, 0.0, None)[0]
+            v, o, ret = (
+                float(values[at]),
+                float(batch.extras["old_values"][r, col]),
+                float(batch.extras["returns"][r, col]),
+            )
+            vc = min(max(v, o - 0.1), o + 0.1)
+            value += 0.5 * max((v - ret) ** 2, (vc - ret) ** 2)
+            at += 1
+    assert float(sums["loss"]) / n == pytest.approx((policy + 0.3 * value) / n, rel=1e-5)  # TRL: token means
+    assert float(sums["value_loss"]) / n == pytest.approx(value / n, rel=1e-5)
