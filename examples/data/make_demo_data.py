@@ -3,7 +3,8 @@
 Writes ``demo_alpaca.jsonl`` (train), ``demo_sharegpt.jsonl`` (multi-turn), ``demo_eval.jsonl``
 (held-out), ``demo_pref.jsonl`` (preference pairs: the right answer chosen, another question's answer
 rejected), ``demo_kto.jsonl`` (single completions: the right answer labelled desirable, another question's
-answer undesirable) and a transformers-loadable byte-level BPE ``tokenizer/`` with a ChatML chat template.
+answer undesirable), ``demo_math.jsonl`` (multiplication prompts with their answers, for the RL examples) and a
+transformers-loadable byte-level BPE ``tokenizer/`` with a ChatML chat template.
 Tasks are small arithmetic/string puzzles a tiny model can learn in minutes on CPU.
 Run: ``python examples/data/make_demo_data.py [--out DIR]``.
 """
@@ -147,6 +148,17 @@ def make_alpaca(r: random.Random, n: int, exclude: set[tuple[str, str]] | None =
     return rows
 
 
+def make_math(r: random.Random, n: int) -> list[dict]:
+    """RL prompts: the demo's multiplication-table task (the one the demo model half knows after its SFT),
+    each with its bare answer (the `answer` column)."""
+    rows = []
+    for _ in range(n):
+        ins, inp, _ = t_mul(r)
+        a, _, b = inp.split()
+        rows.append({"instruction": ins, "input": inp, "answer": str(int(a) * int(b))})
+    return rows
+
+
 def make_sharegpt(r: random.Random, n: int) -> list[dict]:
     rows: list[dict] = []
     for _ in range(n):
@@ -256,6 +268,7 @@ def main() -> None:
     files = {"demo_alpaca.jsonl": train, "demo_sharegpt.jsonl": sharegpt, "demo_eval.jsonl": evals}
     files["demo_pref.jsonl"] = pairs
     files["demo_kto.jsonl"] = make_kto(random.Random(4), 400)
+    files["demo_math.jsonl"] = make_math(random.Random(5), 400)
     for name, rows in files.items():
         write_jsonl(out / name, rows)
         print(f"wrote {out / name}: {len(rows)} records, {(out / name).stat().st_size:,} bytes")
