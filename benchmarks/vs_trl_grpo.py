@@ -48,8 +48,8 @@ def build_job(folder: Path, args: argparse.Namespace) -> None:
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][: args.prompts]
     with open(folder / "prompts.jsonl", "w") as f:
         for r in rows:
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}],
-                                "answer": r["answer"]}) + "\n")  # fmt: skip
+            turns = [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}]
+            f.write(json.dumps({"messages": turns, "answer": r["answer"]}) + "\n")
     if args.model:
         (folder / "model").symlink_to(Path(args.model).resolve())
         return
@@ -168,7 +168,7 @@ def run_shardforge(folder: Path, out: Path, args: argparse.Namespace) -> dict:
                 "scale_rewards": "group",
                 "rewards": [{"name": "math_answer"}],
             },
-        },  # fmt: skip
+        },
         "train": {
             "steps": args.steps,
             "micro_batch": args.prompts_per_step,
@@ -181,7 +181,7 @@ def run_shardforge(folder: Path, out: Path, args: argparse.Namespace) -> dict:
             "precision": "fp32",
             "seed": args.seed,
             "log_every": 1,
-        },  # fmt: skip
+        },
         "checkpoint": {"save_final": False},
         "hardware": {"threads": args.threads},
         "log": {"tensorboard": False, "plot": False, "progress": False},

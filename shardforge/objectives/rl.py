@@ -3,10 +3,11 @@
 Its rows are not read from a data set: the rollout source (train/rollout.py) samples `group_size`
 completions per prompt with the inference engine on the training weights, scores them, and hands the loop
 micro-batches whose rows are prompt + completion (targets: the completion's tokens), with per-row
-advantages and the rollout policy's per-token log-probs (`old_logps`, recomputed by the training forward in
-`score_rollout`, never the sampler's), and the reference's (`ref_logps`) when kl_beta > 0. The loss is the
-clipped surrogate of `rl_losses.py`, aggregated as `method.rl.loss` says; a group is one prompt's completions,
-kept on one rank, so advantages need no communication.
+advantages, the engine's sampling log-probs (only compared with the training forward's: `logprob_delta`),
+and, recomputed by the training forward in `score_rollout`, the rollout policy's per-token log-probs
+(`old_logps`, when the rollout trains more than one step) and the reference's (`ref_logps`, kl_beta > 0).
+The loss is the clipped surrogate of `rl_losses.py`, aggregated as `method.rl.loss` says; a group is one
+prompt's completions, kept on one rank, so advantages need no communication.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ Total = Callable[[torch.Tensor], torch.Tensor]
 class GRPOObjective(ReferencedObjective):
     name = "grpo"
     reader_stage = "rl"
-    metrics = ("loss", "kl", "clip_fraction", "ratio")
+    metrics = ("loss", "kl", "clip_fraction", "ratio", "logprob_delta")
 
     def __init__(self, method: MethodSection | None = None) -> None:
         self.rl = (method or MethodSection()).rl  # needs_reference reads it during the base's __init__
@@ -78,7 +79,9 @@ class GRPOObjective(ReferencedObjective):
     @torch.no_grad()
     def score_rollout(self, model: nn.Module, batch: Batch) -> Batch:
         """Per target token [rows, width] (zero elsewhere): the policy's log-probs now, before any update
-        on this rollout (`old_logps`), and the reference's when the KL term needs them (`ref_logps`)."""
+        on this rollout (`old_logps`; only with epochs_per_rollout > 1: a rollout trained once compares
+        the training forward with itself, as TRL does), and the reference's when the KL term needs them
+        (`ref_logps`)."""
         mask = batch.targets != IGNORE
         inputs = self.model_inputs(batch)
 
@@ -87,7 +90,8 @@ class GRPOObjective(ReferencedObjective):
             full[mask] = net(batch.input_ids, **inputs).float()
             return full
 
-        batch.extras["old_logps"] = per_token(model)
+        if self.rl.epochs_per_rollout > 1:  # the later steps on this rollout need the policy that sampled it
+            batch.extras["old_logps"] = per_token(model)  # (on its first step that is the training forward's)
         if self.reference == "adapters":
             with adapters_disabled(model):
                 batch.extras["ref_logps"] = per_token(model)
@@ -127,9 +131,10 @@ class GRPOObjective(ReferencedObjective):
         keep = batch.extras["keep"][row_of_token]  # 0 for the tokens of filtered groups
         ref = batch.extras.get("ref_logps")
         rl = self.rl
+        logps = output.float()
         t = clipped_surrogate(
-            output.float(),
-            batch.extras["old_logps"][mask],
+            logps,
+            batch.extras["old_logps"][mask] if "old_logps" in batch.extras else logps.detach(),
             batch.extras["advantages"][row_of_token],
             rl.clip,
             rl.kl_beta,
@@ -148,7 +153,14 @@ class GRPOObjective(ReferencedObjective):
             "kl": total(t.kl.detach(), mean),
             "clip_fraction": total(t.clipped.float(), mean),
             "ratio": total(t.log_ratio.detach().exp(), mean),
+            "logprob_delta": total(sampling_delta(logps, batch, mask), mean),
         }
+
+
+def sampling_delta(logps: torch.Tensor, batch: Batch, mask: torch.Tensor) -> torch.Tensor:
+    """|training forward's log-prob - the engine's sampling log-prob| per completion token: ~1e-7 in fp32
+    on a rollout's first step (the same weights), the policy's movement on later ones."""
+    return (logps.detach() - batch.extras["sampled_logps"][mask]).abs()
 
 
 class PPOObjective(GRPOObjective):
@@ -162,6 +174,7 @@ class PPOObjective(GRPOObjective):
 
     name = "ppo"
     metrics = ("loss", "policy_loss", "value_loss", "kl", "clip_fraction", "value_clip_fraction", "ratio")
+    metrics += ("logprob_delta",)
 
     def __init__(self, method: MethodSection | None = None) -> None:
         super().__init__(method)
@@ -249,4 +262,5 @@ class PPOObjective(GRPOObjective):
             "clip_fraction": total(policy.clipped.float(), mean),
             "value_clip_fraction": total(value_clipped.float(), mean),
             "ratio": total(policy.log_ratio.detach().exp(), mean),
+            "logprob_delta": total(sampling_delta(logps.float(), batch, mask), mean),
         }

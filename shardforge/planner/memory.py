@@ -406,7 +406,8 @@ class MemoryModel:
         worst, buffers = self.states(layout, stages)
         reference = 0.0
         method = self.cfg.method
-        if method.stage in ("dpo", "kto") and method.finetuning != "lora" and method.pref.ref == "auto":
+        held = method.stage in ("dpo", "kto") or (method.stage in ("grpo", "ppo") and method.rl.kl_beta > 0)
+        if held and method.finetuning != "lora" and method.pref.ref == "auto":
             reference = worst.params  # a frozen copy of the starting weights, sharded as the policy is
         memory = Memory(worst, self.activations(layout, stages), reference, buffers, 0.0)
         if on_gpu:  # the CUDA context and NCCL's buffers, and the caching allocator's fragmentation (a tenth)

@@ -12,8 +12,9 @@ batching over a paged KV cache) running the training model itself:
   same steps and run the sharded forward together (the logits' vocabulary shards are gathered).
 - DDP and one process: the module itself. LoRA: the adapters apply in the forward; nothing is merged.
 A request's seed is the run's seed and the prompt's global position, so the completions do not depend on
-the layout. The training forward then recomputes the rollout policy's log-probs (the loss's `old_logps`)
-and the reference's; the engine's own sampling log-probs are compared with them (`logprob_delta`).
+the layout. The training forward recomputes the log-probs the loss uses (the rollout policy's `old_logps`
+when a rollout trains several steps, and the reference's); the engine's own sampling log-probs are only
+compared with the training forward's (`logprob_delta`).
 """
 
 from __future__ import annotations
@@ -165,7 +166,6 @@ class RolloutSource:
             rows, stats = self._score(prompts, completions)
             micro = self._micro_batches(rows, [len(part) for part in mine])
             stats.update(self.objective.assign_advantages(micro, self._sum))
-            stats.update(self._logprob_delta(micro, completions))
             scoring_s = time.perf_counter() - began
         batch = GlobalBatch(
             micro, {}, {"samples": self.order.position}, self.order.position / len(self.prompts)
@@ -224,8 +224,12 @@ class RolloutSource:
             rows.append({
                 "example": Example((*p.ids, *c.tokens), trained, f"rollout {i}"), "reward": float(total[i]),
                 "length": len(c.tokens), "truncated": c.finish_reason == "length",
+                "sampled": [logp for logp, _ in c.logprobs],
             })  # fmt: skip
-        return rows, {f"reward/{name}_sum": float(v.sum()) for name, v in parts.items()}
+        stats = {f"reward/{name}_sum": float(v.sum()) for name, v in parts.items()}
+        # The sampled tokens' mean -log-prob: a Monte-Carlo estimate of the policy's entropy (temperature 1).
+        stats["entropy_sum"] = -sum(sum(row["sampled"]) for row in rows)
+        return rows, stats
 
     def _micro_batches(self, rows: list[dict], prompts_per_micro: list[int]) -> list[Batch]:
         n, out, at = self.rl.group_size, [], 0
@@ -236,29 +240,15 @@ class RolloutSource:
             at += count * n
             batch = collate(examples, [[i] for i in idx], pad, self.multiple)
             batch.extras["scores"] = torch.tensor([rows[i]["reward"] for i in idx], dtype=torch.float32)
+            sampled = torch.zeros(batch.targets.shape)
+            for r, i in enumerate(idx):  # target position t predicts token t + 1
+                start = len(rows[i]["example"].input_ids) - rows[i]["length"] - 1
+                sampled[r, start : start + rows[i]["length"]] = torch.tensor(rows[i]["sampled"])
+            batch.extras["sampled_logps"] = sampled
             batch = batch.to(self.device)
             with self.autocast(), loss_context(self.dims):
                 out.append(self.objective.score_rollout(self.engine.model, batch))
         return out
-
-    @staticmethod
-    def _logprob_delta(micro: list[Batch], completions: list[list[Any]]) -> dict[str, float]:
-        """Over the completion tokens: the sum of |engine's sampling log-prob - training forward's|, of the
-        sampled tokens' -log-prob (a Monte-Carlo estimate of the policy's entropy at temperature 1) and the
-        count."""
-        flat = [c for group in completions for c in group]
-        total, surprise, count, i = 0.0, 0.0, 0, 0
-        for batch in micro:
-            old = batch.extras["old_logps"].cpu()
-            targets = (batch.targets != -100).cpu()
-            for r in range(old.shape[0]):
-                trained = old[r][targets[r]]
-                sampled = torch.tensor([lp for lp, _ in flat[i].logprobs], dtype=torch.float32)
-                total += float((trained - sampled).abs().sum())
-                surprise -= float(sampled.sum())
-                count += len(sampled)
-                i += 1
-        return {"logprob_delta_sum": total, "entropy_sum": surprise, "logprob_tokens": float(count)}
 
     # ---- global counts and statistics ------------------------------------------------------------------
     def _sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -313,8 +303,7 @@ class RolloutSource:
             "response_length_max": longest,
             "truncated_fraction": summed["truncated"] / n,
             **{k: summed[k] for k in ("groups_filtered", "kl_penalty") if k in summed},
-            "logprob_delta": summed["logprob_delta_sum"] / max(1.0, summed["logprob_tokens"]),
-            "entropy": summed["entropy_sum"] / max(1.0, summed["logprob_tokens"]),
+            "entropy": summed["entropy_sum"] / max(1.0, summed["length_sum"]),
             "rollout_tokens_per_s": summed["length_sum"] / max(rollout_max, 1e-9),
             "time/rollout_s": rollout_max,
             "time/weight_sync_s": sync_max,

@@ -103,6 +103,7 @@ def _hand_batch() -> tuple[Batch, list[list[int]]]:
     batch.extras["ref_logps"] = -torch.rand(4, width)
     batch.extras["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
     batch.extras["keep"] = torch.tensor([1.0, 1.0, 0.0, 0.0])  # the second group filtered out
+    batch.extras["sampled_logps"] = -torch.rand(4, width)
     return batch, positions
 
 
