@@ -7,6 +7,8 @@ well inside what the runs reach (GRPO: reward 0.46 -> 0.72, greedy accuracy 0.63
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,26 @@ def test_ppo_with_a_value_head_and_kl_raises_the_reward(sft_model):
     values = [r["value_loss"] for r in result.history]
     assert sum(values[-10:]) < sum(values[:10])  # the critic learns the returns
     assert "value_head.weight" not in load_model(result.final_model).state_dict()
+
+
+@pytest.mark.parametrize("example", ["grpo_math.yaml", "ppo.yaml"])
+def test_the_example_configs_run_from_the_cli(sft_model, tmp_path, example):
+    """The bundled examples as `shardforge train` runs them, over the SFT model (not the demo's, which a
+    clean machine has not trained yet): a few steps, each record with the rollout's figures."""
+    run = tmp_path / "run"
+    overrides = [f"model.path={sft_model}", f"output_dir={run}", "train.steps=2", "train.log_every=1",
+                 "train.micro_batch=4", "checkpoint.every=2", "log.tensorboard=false"]  # fmt: skip
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardforge", "train", str(repo / "examples" / example), *overrides],
+        capture_output=True, text=True, timeout=600, cwd=repo,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    figures = ("reward_mean", "reward/math_answer", "kl", "entropy", "clip_fraction", "response_length_max",
+               "truncated_fraction", "rollout_tokens_per_s", "time/rollout_s", "time/scoring_s",
+               "time/training_s", "time/weight_sync_s")  # fmt: skip
+    missing = [key for key in figures if key not in records[0]]  # the first step samples a rollout
+    assert not missing, missing
+    assert (run / "checkpoints" / "step-00000002").is_dir() and (run / "final" / "config.json").is_file()

@@ -222,3 +222,17 @@ def test_the_ppo_loss_is_the_surrogate_plus_the_weighted_value_loss():
             at += 1
     assert float(sums["loss"]) / n == pytest.approx((policy + 0.3 * value) / n, rel=1e-5)  # TRL: token means
     assert float(sums["value_loss"]) / n == pytest.approx(value / n, rel=1e-5)
+
+
+def test_a_kl_term_needs_a_live_reference():
+    from shardforge.errors import ConfigError
+    from shardforge.models import build_preset
+
+    method = MethodSection(stage="grpo", rl=RLSection(kl_beta=0.1), pref={"ref": "precompute"})
+    with pytest.raises(ConfigError, match=r"ref=precompute: stage grpo with kl_beta > 0 scores new rollouts"):
+        GRPOObjective(method).bind_reference(
+            build_preset("tiny-llama", vocab_size=64), "full", None, None, None
+        )
+    without = GRPOObjective(MethodSection(stage="grpo"))
+    message = without.bind_reference(build_preset("tiny-llama", vocab_size=64), "full", None, None, None)
+    assert "kl_beta is 0" in message and without.reference_model is None
