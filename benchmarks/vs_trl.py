@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _sides import add_side_arguments, alternate, job_model, print_table, report, run_child
+
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "examples" / "data" / "tokenizer"
 PAIRS = REPO / "examples" / "data" / "demo_pref.jsonl"
 BETA, RANK, ALPHA, LR, MAX_LENGTH = 0.1, 8, 16, 1e-3, 256
+SIDES = ("trl", "shardforge")
 
 
 # ---- the job ---------------------------------------------------------------------------------------------
@@ -53,12 +53,6 @@ def read_pairs(path: Path) -> list[tuple[list[dict], str, str]]:
 
 
 def build_job(folder: Path, args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(REPO))
-    import torch
-    from transformers import AutoTokenizer
-
-    from shardforge.models import build_preset, save_model
-
     pairs = read_pairs(Path(args.data))
     if len(pairs) < args.pairs + args.eval_pairs:
         raise SystemExit(f"{args.data} has {len(pairs)} pairs; asked for {args.pairs} + {args.eval_pairs}")
@@ -67,14 +61,7 @@ def build_job(folder: Path, args: argparse.Namespace) -> None:
         with open(folder / f"{name}.jsonl", "w") as f:
             for prompt, chosen, rejected in rows:
                 f.write(json.dumps({"messages": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
-    if args.model:
-        (folder / "model").symlink_to(Path(args.model).resolve())
-        return
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    torch.manual_seed(0)
-    save_model(
-        build_preset("llama-10m", vocab_size=len(tokenizer), seed=0), folder / "model", tokenizer=tokenizer
-    )
+    job_model(folder, args.model)
 
 
 def _train_rows(folder: Path) -> list[dict]:
@@ -244,24 +231,6 @@ def held_out(folder: Path, adapter: str) -> dict:
 
 
 # ---- the parent ------------------------------------------------------------------------------------------
-def _side(side: str, folder: Path, out: Path, args: argparse.Namespace) -> dict:
-    command = [
-        sys.executable,
-        __file__,
-        "--side",
-        side,
-        "--job",
-        str(folder),
-        "--out",
-        str(out),
-        *_forward(args),
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"{side} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def _forward(args: argparse.Namespace) -> list[str]:
     keys = ("steps", "batch", "threads", "seed")
     return [arg for key in keys for arg in (f"--{key}", str(getattr(args, key)))]
@@ -276,47 +245,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--results", help="write the JSON here")
-    parser.add_argument("--side", choices=("trl", "shardforge"), help=argparse.SUPPRESS)
-    parser.add_argument("--job", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_side_arguments(parser, SIDES)
     args = parser.parse_args()
-    if args.side:  # a child: one side, its figures as the last line of stdout
-        run = run_trl if args.side == "trl" else run_shardforge
-        figures = run(Path(args.job), Path(args.out), args)
-        figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps(figures))
+    if run_child(args, {"trl": run_trl, "shardforge": run_shardforge}):
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_job(folder, args)
-        runs: dict[str, list[dict]] = {"trl": [], "shardforge": []}
-        for repeat in range(args.repeats):
-            args.seed = repeat
-            for side in ("trl", "shardforge"):
-                out = folder / f"{side}-{repeat}"
-                out.mkdir()
-                figures = _side(side, folder, out, args)
-                figures.update(held_out(folder, figures.pop("final")))
-                runs[side].append(figures)
-                print(f"{side} repeat {repeat}: {json.dumps(figures)}", file=sys.stderr)
-        medians = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-        report = {
-            "job": {k: v for k, v in vars(args).items() if k not in ("side", "job", "out")},
-            "runs": runs,
-        }
-        report["median"] = medians
-        report["ratio_pairs_per_s"] = medians["shardforge"]["pairs_per_s"] / medians["trl"]["pairs_per_s"]
+        result = report(args, alternate(__file__, folder, args, _forward, SIDES, held_out))
+        medians = result["median"]
+        result["ratio_pairs_per_s"] = medians["shardforge"]["pairs_per_s"] / medians["trl"]["pairs_per_s"]
         if args.results:
-            Path(args.results).write_text(json.dumps(report, indent=2))
-        keys = ("pairs_per_s", "wall_s", "peak_rss_mib", "train_accuracy", "eval_accuracy", "eval_margin")
-        print("| | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
-        for side in ("trl", "shardforge"):
-            print(f"| {side} | " + " | ".join(f"{medians[side][k]:.3g}" for k in keys) + " |")
-        print(f"shardforge / TRL pairs/s: {report['ratio_pairs_per_s']:.2f}x")
+            Path(args.results).write_text(json.dumps(result, indent=2))
+        print_table(
+            medians,
+            ("pairs_per_s", "wall_s", "peak_rss_mib", "train_accuracy", "eval_accuracy", "eval_margin"),
+        )
+        print(f"shardforge / TRL pairs/s: {result['ratio_pairs_per_s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -24,40 +24,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from _sides import add_side_arguments, alternate, job_model, print_table, report, run_child
+
 REPO = Path(__file__).resolve().parents[1]
-TOKENIZER = REPO / "examples" / "data" / "tokenizer"
 PROMPTS = REPO / "examples" / "data" / "demo_math.jsonl"
 LR, CLIP = 1e-5, (0.2, 0.28)
+SIDES = ("trl", "shardforge")
 
 
 def build_job(folder: Path, args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(REPO))
-    import torch
-    from transformers import AutoTokenizer
-
-    from shardforge.models import build_preset, save_model
-
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()][: args.prompts]
     with open(folder / "prompts.jsonl", "w") as f:
         for r in rows:
             turns = [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}]
             f.write(json.dumps({"messages": turns, "answer": r["answer"]}) + "\n")
-    if args.model:
-        (folder / "model").symlink_to(Path(args.model).resolve())
-        return
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    torch.manual_seed(0)
-    save_model(
-        build_preset("llama-10m", vocab_size=len(tokenizer), seed=0), folder / "model", tokenizer=tokenizer
-    )
+    job_model(folder, args.model)
 
 
 def _rows(folder: Path) -> list[dict]:
@@ -200,24 +187,6 @@ def run_shardforge(folder: Path, out: Path, args: argparse.Namespace) -> dict:
 
 
 # ---- the parent ------------------------------------------------------------------------------------------
-def _side(side: str, folder: Path, out: Path, args: argparse.Namespace) -> dict:
-    command = [
-        sys.executable,
-        __file__,
-        "--side",
-        side,
-        "--job",
-        str(folder),
-        "--out",
-        str(out),
-        *_forward(args),
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"{side} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def _forward(args: argparse.Namespace) -> list[str]:
     keys = ("steps", "prompts_per_step", "group", "max_new", "threads", "seed")
     return [arg for key in keys for arg in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
@@ -232,49 +201,25 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--results", help="write the JSON here")
-    parser.add_argument("--side", choices=("trl", "shardforge"), help=argparse.SUPPRESS)
-    parser.add_argument("--job", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_side_arguments(parser, SIDES)
     args = parser.parse_args()
-    if args.side:  # a child: one side, its figures as the last line of stdout
-        run = run_trl if args.side == "trl" else run_shardforge
-        figures = run(Path(args.job), Path(args.out), args)
-        figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(json.dumps(figures))
+    if run_child(args, {"trl": run_trl, "shardforge": run_shardforge}):
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_job(folder, args)
-        runs: dict[str, list[dict]] = {"trl": [], "shardforge": []}
-        for repeat in range(args.repeats):
-            args.seed = repeat
-            for side in ("trl", "shardforge"):
-                out = folder / f"{side}-{repeat}"
-                out.mkdir()
-                runs[side].append(_side(side, folder, out, args))
-                print(f"{side} repeat {repeat}: {json.dumps(runs[side][-1])}", file=sys.stderr)
-        medians = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-        report = {
-            "job": {k: v for k, v in vars(args).items() if k not in ("side", "job", "out")},
-            "runs": runs,
-        }
-        report["median"] = medians
-        sf, trl = medians["shardforge"], medians["trl"]
-        report["ratio_rollout_tokens_per_s"] = sf["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"]
-        report["ratio_step_speed"] = trl["step_s"] / sf["step_s"]
+        result = report(args, alternate(__file__, folder, args, _forward, SIDES))
+        sf, trl = result["median"]["shardforge"], result["median"]["trl"]
+        result["ratio_rollout_tokens_per_s"] = sf["rollout_tokens_per_s"] / trl["rollout_tokens_per_s"]
+        result["ratio_step_speed"] = trl["step_s"] / sf["step_s"]
         if args.results:
-            Path(args.results).write_text(json.dumps(report, indent=2))
-        keys = ("rollout_tokens_per_s", "step_s", "wall_s", "peak_rss_mib", "reward_last")
-        print("| | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
-        for side in ("trl", "shardforge"):
-            print(f"| {side} | " + " | ".join(f"{medians[side][k]:.3g}" for k in keys) + " |")
+            Path(args.results).write_text(json.dumps(result, indent=2))
+        print_table(
+            result["median"], ("rollout_tokens_per_s", "step_s", "wall_s", "peak_rss_mib", "reward_last")
+        )
         print(
-            f"shardforge / TRL: rollouts {report['ratio_rollout_tokens_per_s']:.2f}x faster, "
-            f"whole steps {report['ratio_step_speed']:.2f}x faster"
+            f"shardforge / TRL: rollouts {result['ratio_rollout_tokens_per_s']:.2f}x faster, "
+            f"whole steps {result['ratio_step_speed']:.2f}x faster"
         )
 
 

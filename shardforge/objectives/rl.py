@@ -209,8 +209,8 @@ class PPOObjective(GRPOObjective):
 
     def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:
         """GAE over each row's completion tokens, then whitening with the global batch's mean and
-        deviation; returns the mean KL penalty (k1) per completion token."""
-        ppo, kl_sum, tokens = self.ppo, 0.0, 0
+        deviation; returns this rank's sum of the KL penalty's k1 terms (the log divides by the tokens)."""
+        ppo, kl_sum = self.ppo, 0.0
         for b in micro:
             mask = b.targets != IGNORE
             kl = (b.extras["old_logps"] - b.extras["ref_logps"]) * mask if "ref_logps" in b.extras else None
@@ -221,18 +221,15 @@ class PPOObjective(GRPOObjective):
             b.extras["advantages"], b.extras["returns"] = advantages, returns
             b.extras["keep"] = torch.ones(mask.shape[0], device=mask.device)
             kl_sum += float(kl.sum()) if kl is not None else 0.0
-            tokens += int(mask.sum())
         flat = torch.cat([b.extras["advantages"][b.targets != IGNORE].double().cpu() for b in micro])
-        count, s1, s2, kl_total = total(
-            torch.tensor([float(len(flat)), float(flat.sum()), float((flat**2).sum()), kl_sum])
-        )
+        count, s1, s2 = total(torch.tensor([float(len(flat)), float(flat.sum()), float((flat**2).sum())]))
         mean = s1 / count
         std = math.sqrt(max(0.0, float(s2 - s1 * s1 / count) / max(1.0, float(count) - 1)))
         for b in micro:  # whitened, as TRL's PPO does (over its batch; here the global batch)
             b.extras["advantages"] = ((b.extras["advantages"] - float(mean)) / (std + 1e-8)) * (
                 b.targets != IGNORE
             )
-        return {"kl_penalty": float(kl_total) / max(1.0, float(count))}
+        return {"kl_penalty_sum": kl_sum}
 
     def loss(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
         logps, values = output

@@ -293,7 +293,7 @@ class RolloutSource:
         ).tolist()
         counts = {k: max(1, round(summed[k])) for k in ("tokens", "targets", "sequences", "groups")}
         counts["attention_pairs"] = int(summed["attention_pairs"])
-        n = summed["rows"]
+        n, n_tokens = summed["rows"], max(1.0, summed["length_sum"])
         mean = summed["reward_sum"] / n
         out = {
             "reward_mean": mean,
@@ -302,8 +302,9 @@ class RolloutSource:
             "response_length_mean": summed["length_sum"] / n,
             "response_length_max": longest,
             "truncated_fraction": summed["truncated"] / n,
-            **{k: summed[k] for k in ("groups_filtered", "kl_penalty") if k in summed},
-            "entropy": summed["entropy_sum"] / max(1.0, summed["length_sum"]),
+            **({"groups_filtered": summed["groups_filtered"]} if "groups_filtered" in summed else {}),
+            **({"kl_penalty": summed["kl_penalty_sum"] / n_tokens} if "kl_penalty_sum" in summed else {}),
+            "entropy": summed["entropy_sum"] / n_tokens,
             "rollout_tokens_per_s": summed["length_sum"] / max(rollout_max, 1e-9),
             "time/rollout_s": rollout_max,
             "time/weight_sync_s": sync_max,

@@ -237,6 +237,10 @@ def _rl_prompts(cfg: Config, tokenizer: Any, console: Console) -> list:
     """An RL stage's prompts, with how many did not leave room for max_new_tokens."""
     room = cfg.data.max_length - cfg.method.rl.max_new_tokens
     prompts, too_long = load_prompts(cfg.data, tokenizer, room)
+    if cfg.data.eval:
+        console.print(
+            f"[yellow]warning:[/] stage {cfg.method.stage} does not evaluate: data.eval is not read"
+        )
     console.print(
         f"train prompts: {len(prompts)}, {cfg.method.rl.group_size} completions each per rollout"
         + (f"; {too_long} left out (longer than {room} tokens)" if too_long else "")

@@ -22,7 +22,8 @@ from shardforge.models import load_model
 from shardforge.objectives.rewards import answers_equal, final_answer
 from shardforge.train.rollout import load_prompts
 from shardforge.train.trainer import Trainer
-from tests.conftest import TOKENIZER
+from tests.conftest import TOKENIZER, tiny_config
+from tests.dist._training import Interrupted, logged_losses
 
 pytestmark = pytest.mark.slow
 
@@ -126,3 +127,40 @@ def test_the_example_configs_run_from_the_cli(sft_model, tmp_path, example):
     missing = [key for key in figures if key not in records[0]]  # the first step samples a rollout
     assert not missing, missing
     assert (run / "checkpoints" / "step-00000002").is_dir() and (run / "final" / "config.json").is_file()
+
+
+def test_an_interrupted_grpo_run_resumes_with_the_same_losses(tmp_path):
+    """Rollouts are seeded by the prompts' global positions and the source's position is checkpointed, so a
+    run stopped after its checkpoint at step 2 and started again samples and trains exactly as one that was
+    not stopped (the resumed process rebuilds the engine and its seeds from the saved position)."""
+    records = [
+        {"instruction": "Add.", "input": f"{a} + {a + 3}", "output": str(2 * a + 3)} for a in range(16)
+    ]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def config(name: str) -> dict:
+        rl = {"group_size": 4, "max_new_tokens": 8, "loss": "grpo",
+              "rewards": [{"name": "tests.dist.test_rl_layouts:digit_share"}]}  # fmt: skip
+        return tiny_config(
+            tmp_path / name, data, data={"max_length": 64}, method={"stage": "grpo", "rl": rl},
+            train={"steps": 4, "micro_batch": 2, "lr": 3e-3, "warmup": 0, "log_every": 1},
+            checkpoint={"every": 2, "save_final": False},
+        )  # fmt: skip
+
+    whole = Trainer(load_config(None, base=config("whole"))).train()
+    stopped = Trainer(load_config(None, base=config("stopped")))
+
+    def stop(trainer, step, folder):
+        if step == 2:
+            raise Interrupted
+
+    stopped.add_hook("save", stop)
+    with pytest.raises(Interrupted):
+        stopped.train()
+    resumed = Trainer(load_config(None, base=config("stopped")))
+    resumed.train()
+    assert resumed.start_step == 2
+    losses = logged_losses(tmp_path / "stopped" / "run")
+    assert losses == pytest.approx([r["loss"] for r in whole.history], rel=1e-6, abs=1e-9)
+    assert losses[0] != 0
