@@ -195,3 +195,11 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
         )
     plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
     return dims, grad_accum, plan
+
+
+def sequences_per_group(cfg: Config) -> int:
+    """Rows per group of the config's stage, which `train.micro_batch` counts: a preference pair (or a KTO
+    example and its mismatched pair) is 2, an RL prompt its group_size completions, anything else 1."""
+    from shardforge.objectives import build_objective  # the objective's own figure (torch only when asked)
+
+    return build_objective(cfg.method).group_size

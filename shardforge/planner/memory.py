@@ -26,7 +26,7 @@ from shardforge.models.spec import ActivationBytes, CostModel, spec_for
 from shardforge.parallel.dims import MESH_ORDER
 from shardforge.parallel.pipeline_plan import PipelinePlan
 from shardforge.parallel.tensor_parallel import matches_plan_key
-from shardforge.planner.layout import Layout
+from shardforge.planner.layout import Layout, sequences_per_group
 from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -312,6 +312,7 @@ class MemoryModel:
         self._states: dict[tuple, tuple[StateBytes, float]] = {}
         self._per_token_cache: dict[tuple, ActivationBytes] = {}
         self.act_dtype_bytes = activation_itemsize(cfg)
+        self.group = sequences_per_group(cfg)  # rows per micro-batch group
 
     def activations(
         self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, scored: float = 1.0
@@ -322,12 +323,12 @@ class MemoryModel:
         per = self._per_token(layout)
         seq = self.cfg.data.max_length
         if layout.pp == 1 or stages is None:
-            rows = layout.micro_batch
+            rows = layout.micro_batch * self.group
             tokens = rows * seq // layout.cp
             masks = self._mask(layout, rows, self.shape.num_layers)
             return per.total(tokens, tokens * scored) + self._cp_extra(layout, rows) + masks
         m = layout.pipeline_microbatches
-        rows = layout.micro_batch / m
+        rows = layout.micro_batch * self.group / m
         tokens = rows * seq / layout.cp
         worst = 0.0
         for r in range(layout.pp):

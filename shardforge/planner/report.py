@@ -47,7 +47,8 @@ def reason(plan: Plan) -> str:
 def table(plan: Plan, console: Console) -> None:
     """The ranked layouts as numbered lines, then one column per layout: memory and time by part."""
     cluster = plan.cluster
-    what = f"planning for {cluster.describe()}, global batch {plan.batch} rows"
+    unit = f"groups ({plan.batch * plan.group} rows)" if plan.group > 1 else "rows"
+    what = f"planning for {cluster.describe()}, global batch {plan.batch} {unit}"
     console.print(f"{what}; searched in {plan.seconds:.2f} s", highlight=False)
     for i, c in enumerate(plan.ranked, 1):
         console.print(f"  #{i}  {c.layout.describe()}", highlight=False)

@@ -16,7 +16,7 @@ from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.models.spec import spec_for
 from shardforge.parallel.pipeline_plan import PipelinePlan, balance_layers
 from shardforge.planner.hardware import GIB, Cluster, Device
-from shardforge.planner.layout import Layout, check_layout, global_batch
+from shardforge.planner.layout import Layout, check_layout, global_batch, sequences_per_group
 from shardforge.planner.memory import Memory, MemoryModel
 from shardforge.planner.timing import StepTime, TimeModel
 
@@ -50,6 +50,7 @@ class Plan:
     rejected: Counter = field(default_factory=Counter)  # kind -> count
     examples: dict[str, Candidate] = field(default_factory=dict)  # kind -> the rejected layout nearest to fit
     seconds: float = 0.0
+    group: int = 1  # rows per group of the stage (a DPO pair: 2; an RL prompt: its completions)
 
     @property
     def best(self) -> Candidate:
@@ -74,7 +75,8 @@ def cpu_device(cfg: Config, shape: Any, cluster: Cluster, measure: bool) -> Devi
     peak = dict(d.peak)
     if measure and cfg.hardware.peak_flops is None:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
-        shapes = model_gemm_shapes(shape, cfg.train.micro_batch * cfg.data.max_length, cfg.parallel.tp)
+        rows = cfg.train.micro_batch * sequences_per_group(cfg)
+        shapes = model_gemm_shapes(shape, rows * cfg.data.max_length, cfg.parallel.tp)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
@@ -151,7 +153,7 @@ class Planner:
             need, have = memory.states.on_host / GIB, self.cluster.host_bytes_per_device / GIB
             candidate.rejected = f"offloads {need:.1f} GiB per device to a host with {have:.1f} per device"
             candidate.kind = "memory"
-        batch = layout.micro_batch * layout.grad_accum * layout.dp
+        batch = layout.micro_batch * layout.grad_accum * layout.dp * self.memory.group  # rows per step
         candidate.time = self.timing.estimate(layout, memory.states, batch)
         return candidate
 
@@ -212,7 +214,7 @@ class Planner:
     def search(self, batch: int | None = None, keep: int = 5) -> Plan:
         started = time.perf_counter()
         batch = batch or global_batch(self.cfg)
-        plan = Plan(self.cluster, batch, [])
+        plan = Plan(self.cluster, batch, [], group=self.memory.group)
         for offload in (False, True):  # offload only when nothing fits in device memory without it
             for layout in self.layouts(batch, offload):
                 c = self.evaluate(layout)

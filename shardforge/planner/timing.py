@@ -117,7 +117,7 @@ class TimeModel:
             c.train_flops(tokens, tokens, pairs, self.trained) + recompute[layout.activation_checkpoint]
         ) / split
         m = layout.pipeline_microbatches if layout.pp > 1 else 1
-        mb_tokens = layout.micro_batch / m * seq / layout.cp  # tokens per forward pass on a rank
+        mb_tokens = batch / layout.dp / layout.grad_accum / m * seq / layout.cp  # tokens a forward pass runs
         width = self.shape.moe_intermediate_size if self.moe_share else self.shape.intermediate_size
         gemm = 2 * mb_tokens * self.shape.hidden_size * max(1, width // layout.tp)
         passes = {"none": 3, "selective": 3.5, "full": 4}[layout.activation_checkpoint]
