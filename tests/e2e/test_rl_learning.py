@@ -164,3 +164,30 @@ def test_an_interrupted_grpo_run_resumes_with_the_same_losses(tmp_path):
     losses = logged_losses(tmp_path / "stopped" / "run")
     assert losses == pytest.approx([r["loss"] for r in whole.history], rel=1e-6, abs=1e-9)
     assert losses[0] != 0
+
+
+def test_grpo_with_a_reward_model_folder(sft_model, tmp_path):
+    """`rewards: [{model: FOLDER}]`: a reward model (here a fresh score head on a tiny decoder, as stage rm
+    exports it) scores every completion inside the run; its mean is logged under its folder's name."""
+    from shardforge.models import save_model
+    from shardforge.models.llama.config import DecoderConfig
+    from shardforge.models.llama.model import Decoder
+
+    shape = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
+             "num_kv_heads": 2, "head_dim": 16}  # fmt: skip
+    rm = Decoder(DecoderConfig(**shape).with_score_head(1))
+    rm.init_weights(seed=5)
+    folder = save_model(rm, tmp_path / "rm", AutoTokenizer.from_pretrained(TOKENIZER))
+    cfg = _config(
+        sft_model.parents[1] / "grpo-rm",
+        model={"preset": None, "path": str(sft_model)},
+        method={
+            "stage": "grpo",
+            "rl": {"group_size": 4, "max_new_tokens": 6, "rewards": [{"model": str(folder)}]},
+        },
+        train={"steps": 2, "micro_batch": 2, "lr": 1e-4},
+    )
+    result = Trainer(load_config(None, base=cfg)).train()
+    record = result.history[0]
+    assert record["reward/rm:rm"] == pytest.approx(record["reward_mean"]) and record["reward_std"] > 0
+    assert record["loss"] != 0
