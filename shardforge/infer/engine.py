@@ -272,4 +272,11 @@ def step_forward(
     mask = torch.zeros(1, len(ids), dtype=torch.bool, device=device)
     mask[0, last] = True
     logits = model(torch.tensor(ids, device=device)[None], paged.positions, output_mask=mask, cache=paged)
-    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # TP: vocabulary shards
+    return whole_vocabulary(logits, model.config.vocab_size)
+
+
+def whole_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over the real vocabulary: TP's vocabulary shards gathered, and the rows a training layout padded
+    the vocabulary with (never tokens) cut off."""
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return logits[..., :vocab_size]

@@ -41,6 +41,7 @@ from shardforge.data.loader import read_dataset
 from shardforge.data.templates import render, resolve_template, tokenize
 from shardforge.errors import DataError
 from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.pp import PipelineStageEngine
 from shardforge.infer.sampling import GenerationDefaults, SamplingParams
 from shardforge.objectives.rewards import Completions, Reward
 from shardforge.parallel.dims import ParallelDims
@@ -199,11 +200,19 @@ class RolloutSource:
         was_training = model.training
         try:
             with self.autocast():
-                return Engine(model, self.tokenizer, config, self.defaults).generate(
-                    [p.ids for p in prompts], params
-                )
+                return self._engine(model, config).generate([p.ids for p in prompts], params)
         finally:
             model.train(was_training)
+
+    def _engine(self, model: nn.Module, config: EngineConfig) -> Engine:
+        """The inference engine over the rank's model: the whole model, or under a pipeline its stage, whose
+        engine passes the stream on to the next stage's (infer/pp.py)."""
+        trainer = self.engine
+        if not trainer.is_pipeline:
+            return Engine(model, self.tokenizer, config, self.defaults)
+        return PipelineStageEngine(
+            model, self.tokenizer, config, self.defaults, trainer.group, trainer.stream_dtype
+        )
 
     def _score(self, prompts: list[Prompt], completions: list[list[Any]]) -> tuple[list[dict], dict]:
         """Each row's example (prompt + completion, the completion trained) and its reward, the weighted

@@ -1,6 +1,7 @@
 """RL on two ranks equals one process (fp32): with the rollouts' sampling seeded by the prompts' global
 positions, GRPO under ZeRO-3 (the FSDP2 units gathered once for the rollout, then resharded) and under
-tensor parallel (both TP ranks running the engine in lockstep) samples the same
+tensor parallel (both TP ranks running the engine in lockstep) and under a pipeline (each stage running its
+layers of every engine step, the stream passed on, the last stage's logits broadcast) samples the same
 completions, and gives the same losses, gradient norms and weights. Covered: full fine-tuning without a
 reference, LoRA with the KL term (the reference is the adapters disabled), full fine-tuning with the KL
 term against a frozen copy (sharded as the policy is), and PPO with its value head. Three steps, the second
@@ -28,9 +29,9 @@ def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("rl") / "prompts.jsonl", records)
 
 
-def _cfg(tmp_path, name, data, stage="grpo", finetuning="full", kl=0.0, mb=2, **parallel):
+def _cfg(tmp_path, name, data, stage="grpo", finetuning="full", kl=0.0, mb=2, epochs=2, **parallel):
     rl = {
-        "group_size": 4, "max_new_tokens": 8, "kl_beta": kl, "epochs_per_rollout": 2, "temperature": 1.0,
+        "group_size": 4, "max_new_tokens": 8, "kl_beta": kl, "epochs_per_rollout": epochs, "temperature": 1.0,
         "rewards": [{"name": "tests.dist.test_rl_layouts:digit_share"}, {"name": "length", "weight": 0.5}],
     }  # fmt: skip
     return tiny_config(
@@ -46,6 +47,7 @@ def _cfg(tmp_path, name, data, stage="grpo", finetuning="full", kl=0.0, mb=2, **
 
 CASES = {
     "grpo-full": {},
+    "grpo-once": {"epochs": 1},
     "grpo-lora-kl": {"finetuning": "lora", "kl": 0.1},
     "grpo-full-kl": {"kl": 0.1},
     "ppo-full-kl": {"stage": "ppo", "kl": 0.05},
@@ -66,6 +68,7 @@ def test_rl_on_two_ranks_equals_one_process(tmp_path, data):
         ("grpo-lora-kl", _cfg(tmp_path, "lora-kl-tp2", data, finetuning="lora", kl=0.1, **tp2)),
         ("grpo-full-kl", _cfg(tmp_path, "full-kl-zero3", data, kl=0.1, mb=1, **zero3)),
         ("ppo-full-kl", _cfg(tmp_path, "ppo-zero3", data, stage="ppo", kl=0.05, mb=1, **zero3)),
+        ("grpo-once", _cfg(tmp_path, "grpo-pp2", data, epochs=1, dp_shard=1, pp=2, pp_microbatches=2)),
     ]
     runs = run_ranks(train_runs, 2, [cfg for _, cfg in layouts])[0]
     for (name, _), run in zip(layouts, runs, strict=True):
