@@ -3,8 +3,8 @@
 Writes ``demo_alpaca.jsonl`` (train), ``demo_sharegpt.jsonl`` (multi-turn), ``demo_eval.jsonl``
 (held-out), ``demo_pref.jsonl`` (preference pairs: the right answer chosen, another question's answer
 rejected), ``demo_kto.jsonl`` (single completions: the right answer labelled desirable, another question's
-answer undesirable), ``demo_math.jsonl`` (multiplication prompts with their answers, for the RL examples) and a
-transformers-loadable byte-level BPE ``tokenizer/`` with a ChatML chat template.
+answer undesirable), ``demo_math.jsonl`` (multiplication prompts with their answers, for the RL examples)
+and a transformers-loadable byte-level BPE ``tokenizer/`` with a ChatML chat template.
 Tasks are small arithmetic/string puzzles a tiny model can learn in minutes on CPU.
 Run: ``python examples/data/make_demo_data.py [--out DIR]``.
 """

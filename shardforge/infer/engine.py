@@ -269,10 +269,16 @@ def step_forward(
     model: nn.Module, kv: PagedKV, ids: list[int], chunks: list[Chunk], last: list[int], device: torch.device
 ) -> torch.Tensor:
     paged = PagedStep(kv, chunks, device)
-    mask = torch.zeros(1, len(ids), dtype=torch.bool, device=device)
-    mask[0, last] = True
+    mask = sampled_positions(len(ids), last, device)
     logits = model(torch.tensor(ids, device=device)[None], paged.positions, output_mask=mask, cache=paged)
     return whole_vocabulary(logits, model.config.vocab_size)
+
+
+def sampled_positions(tokens: int, last: list[int], device: torch.device) -> torch.Tensor:
+    """The step's output mask [1, tokens]: the head runs only where a next token is sampled."""
+    mask = torch.zeros(1, tokens, dtype=torch.bool, device=device)
+    mask[0, last] = True
+    return mask
 
 
 def whole_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

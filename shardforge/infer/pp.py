@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardforge.infer.engine import Engine, EngineConfig, whole_vocabulary
+from shardforge.infer.engine import Engine, EngineConfig, sampled_positions, whole_vocabulary
 from shardforge.infer.paged import Chunk, PagedStep
 from shardforge.infer.sampling import GenerationDefaults
 
@@ -46,8 +46,7 @@ class PipelineStageEngine(Engine):
         else:
             x = torch.empty(1, len(ids), cfg.hidden_size, dtype=self.stream_dtype, device=self.device)
             dist.recv(x, src=self.prev, group=self.group)
-        mask = torch.zeros(1, len(ids), dtype=torch.bool, device=self.device)
-        mask[0, last] = True
+        mask = sampled_positions(len(ids), last, self.device)
         out = self.model(x, paged.positions, output_mask=mask, cache=paged)
         if not self.last:
             dist.send(out.to(self.stream_dtype).contiguous(), dst=self.next, group=self.group)

@@ -25,7 +25,7 @@ from shardforge.config.schema import DataSection, MethodSection
 from shardforge.data.batching import IGNORE, Batch
 from shardforge.data.examples import Encoder
 from shardforge.errors import ConfigError
-from shardforge.objectives.base import Normalizer
+from shardforge.objectives.base import CausalLM, Normalizer
 from shardforge.objectives.preference import ReferencedObjective
 from shardforge.objectives.rl_losses import (
     AGGREGATION_NORMALIZER,
@@ -38,6 +38,24 @@ from shardforge.objectives.rl_losses import (
 
 # Sums over all data-parallel ranks of a small float64 vector (the rollout source's reduction).
 Total = Callable[[torch.Tensor], torch.Tensor]
+
+
+def global_mean_std(values: torch.Tensor, total: Total) -> tuple[float, float]:
+    """Mean and unbiased standard deviation of every rank's `values` together."""
+    values = values.double()
+    moments = torch.stack(
+        [torch.tensor(float(values.numel()), dtype=torch.float64), values.sum(), values.square().sum()]
+    )
+    count, s1, s2 = total(moments).tolist()
+    return s1 / count, math.sqrt(max(0.0, (s2 - s1 * s1 / count) / max(1.0, count - 1)))
+
+
+def at_targets(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-target values [n] (row-major, as the fused head returns them) placed in a [rows, width] float32
+    tensor, zero elsewhere: a per-row field the engines split like any other."""
+    full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    full[mask] = values.float()
+    return full
 
 
 class GRPOObjective(ReferencedObjective):
@@ -83,22 +101,23 @@ class GRPOObjective(ReferencedObjective):
         the training forward with itself, as TRL does), and the reference's when the KL term needs them
         (`ref_logps`)."""
         mask = batch.targets != IGNORE
-        inputs = self.model_inputs(batch)
-
-        def per_token(net: nn.Module) -> torch.Tensor:
-            full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-            full[mask] = net(batch.input_ids, **inputs).float()
-            return full
-
         if self.rl.epochs_per_rollout > 1:  # the later steps on this rollout need the policy that sampled it
-            batch.extras["old_logps"] = per_token(model)  # (on its first step that is the training forward's)
-        if self.reference == "adapters":
-            with adapters_disabled(model):
-                batch.extras["ref_logps"] = per_token(model)
-        elif self.reference == "copy":
-            assert self.reference_model is not None
-            batch.extras["ref_logps"] = per_token(self.reference_model)
+            # (on its first step that is the training forward's)
+            batch.extras["old_logps"] = at_targets(model(batch.input_ids, **self.model_inputs(batch)), mask)
+        self._score_reference(model, batch, mask)
         return batch
+
+    def _score_reference(self, model: nn.Module, batch: Batch, mask: torch.Tensor) -> None:
+        """The reference's per-token log-probs (`ref_logps`) when there is a KL term: the model with its
+        adapters disabled, or the frozen copy."""
+        if self.reference == "none":
+            return
+        net = self.reference_model if self.reference == "copy" else model
+        assert net is not None
+        disabled = adapters_disabled(model) if self.reference == "adapters" else contextlib.nullcontext()
+        with disabled:
+            logps = net(batch.input_ids, **CausalLM.model_inputs(self, batch))  # log-probs alone, no values
+        batch.extras["ref_logps"] = at_targets(logps, mask)
 
     def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:
         """Each row's advantage from its sequence reward (`extras["scores"]`): group-relative, scaled as
@@ -107,12 +126,7 @@ class GRPOObjective(ReferencedObjective):
         the groups filtered on this rank."""
         rl, n = self.rl, self.rl.group_size
         scores = torch.cat([b.extras["scores"].double().cpu() for b in micro])
-        batch_std = None
-        if rl.scale_rewards == "batch":  # unbiased, over every rank's rewards
-            count, s1, s2 = total(
-                torch.stack([torch.tensor(float(len(scores))), scores.sum(), (scores**2).sum()])
-            )
-            batch_std = math.sqrt(max(0.0, float(s2 - s1 * s1 / count) / max(1.0, float(count) - 1)))
+        batch_std = global_mean_std(scores, total)[1] if rl.scale_rewards == "batch" else None
         grouped = scores.view(-1, n)
         advantages = group_advantages(grouped, rl.scale_rewards, batch_std).view(-1)
         flat = grouped.max(dim=1).values == grouped.min(dim=1).values
@@ -140,21 +154,28 @@ class GRPOObjective(ReferencedObjective):
             rl.kl_beta,
             None if ref is None else ref[mask],
         )
-        rows = mask.shape[0]
-
-        def total(per_token: torch.Tensor, how: str) -> torch.Tensor:
-            return aggregate(per_token * keep, row_of_token, rows, how, rl.max_new_tokens)
-
-        # The logged statistics are means per token (dapo) or of each sequence's token mean (the others),
-        # over the same normalizer as the loss.
-        mean = "dapo" if rl.loss == "dapo" else "grpo"
+        total = self._totals(row_of_token, mask.shape[0], keep)
         return {
-            "loss": total(t.loss, rl.loss),
-            "kl": total(t.kl.detach(), mean),
-            "clip_fraction": total(t.clipped.float(), mean),
-            "ratio": total(t.log_ratio.detach().exp(), mean),
-            "logprob_delta": total(sampling_delta(logps, batch, mask), mean),
+            "loss": total(t.loss, True),
+            "kl": total(t.kl.detach()),
+            "clip_fraction": total(t.clipped.float()),
+            "ratio": total(t.log_ratio.detach().exp()),
+            "logprob_delta": total(sampling_delta(logps, batch, mask)),
         }
+
+    def _totals(
+        self, row_of_token: torch.Tensor, rows: int, weight: torch.Tensor | float = 1.0
+    ) -> Callable[..., torch.Tensor]:
+        """Per-token values -> the sums the loop divides by the normalizer: aggregated as method.rl.loss says
+        for a loss, and for a logged statistic as a mean per token (dapo) or of each sequence's token mean
+        (the others), over the same normalizer."""
+        rl = self.rl
+
+        def total(per_token: torch.Tensor, is_loss: bool = False) -> torch.Tensor:
+            how = rl.loss if is_loss else "dapo" if rl.loss == "dapo" else "grpo"
+            return aggregate(per_token * weight, row_of_token, rows, how, rl.max_new_tokens)
+
+        return total
 
 
 def sampling_delta(logps: torch.Tensor, batch: Batch, mask: torch.Tensor) -> torch.Tensor:
@@ -193,18 +214,11 @@ class PPOObjective(GRPOObjective):
     def score_rollout(self, model: nn.Module, batch: Batch) -> Batch:
         mask = batch.targets != IGNORE
         logps, values = model(batch.input_ids, **self.model_inputs(batch))
-        for key, flat in (("old_logps", logps), ("old_values", values)):
-            full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-            full[mask] = flat.float()
-            batch.extras[key] = full
-        if self.reference != "none":
-            inputs = GRPOObjective.model_inputs(self, batch)
-            ref_model = self.reference_model if self.reference == "copy" else model
-            with adapters_disabled(model) if self.reference == "adapters" else contextlib.nullcontext():
-                ref = ref_model(batch.input_ids, **inputs).float()
-            full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-            full[mask] = ref
-            batch.extras["ref_logps"] = full
+        batch.extras["old_logps"], batch.extras["old_values"] = (
+            at_targets(logps, mask),
+            at_targets(values, mask),
+        )
+        self._score_reference(model, batch, mask)
         return batch
 
     def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:
@@ -221,14 +235,10 @@ class PPOObjective(GRPOObjective):
             b.extras["advantages"], b.extras["returns"] = advantages, returns
             b.extras["keep"] = torch.ones(mask.shape[0], device=mask.device)
             kl_sum += float(kl.sum()) if kl is not None else 0.0
-        flat = torch.cat([b.extras["advantages"][b.targets != IGNORE].double().cpu() for b in micro])
-        count, s1, s2 = total(torch.tensor([float(len(flat)), float(flat.sum()), float((flat**2).sum())]))
-        mean = s1 / count
-        std = math.sqrt(max(0.0, float(s2 - s1 * s1 / count) / max(1.0, float(count) - 1)))
+        flat = torch.cat([b.extras["advantages"][b.targets != IGNORE].cpu() for b in micro])
+        mean, std = global_mean_std(flat, total)
         for b in micro:  # whitened, as TRL's PPO does (over its batch; here the global batch)
-            b.extras["advantages"] = ((b.extras["advantages"] - float(mean)) / (std + 1e-8)) * (
-                b.targets != IGNORE
-            )
+            b.extras["advantages"] = (b.extras["advantages"] - mean) / (std + 1e-8) * (b.targets != IGNORE)
         return {"kl_penalty_sum": kl_sum}
 
     def loss(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
@@ -242,22 +252,17 @@ class PPOObjective(GRPOObjective):
         value_loss, value_clipped = clipped_value_loss(
             values.float(), batch.extras["old_values"][mask], batch.extras["returns"][mask], ppo.value_clip
         )
-        rows = mask.shape[0]
-
-        def total(per_token: torch.Tensor, how: str) -> torch.Tensor:
-            return aggregate(per_token, row_of_token, rows, how, rl.max_new_tokens)
-
-        mean = "dapo" if rl.loss == "dapo" else "grpo"
+        total = self._totals(row_of_token, mask.shape[0])
         ref = batch.extras.get("ref_logps")
         kl = (logps.detach().float() - ref[mask]) if ref is not None else torch.zeros_like(policy.loss)
-        policy_sum, value_sum = total(policy.loss, rl.loss), total(value_loss, rl.loss)
+        policy_sum, value_sum = total(policy.loss, True), total(value_loss, True)
         return {
             "loss": policy_sum + ppo.vf_coef * value_sum,
             "policy_loss": policy_sum.detach(),
             "value_loss": value_sum.detach(),
-            "kl": total(kl, mean),
-            "clip_fraction": total(policy.clipped.float(), mean),
-            "value_clip_fraction": total(value_clipped.float(), mean),
-            "ratio": total(policy.log_ratio.detach().exp(), mean),
-            "logprob_delta": total(sampling_delta(logps.float(), batch, mask), mean),
+            "kl": total(kl),
+            "clip_fraction": total(policy.clipped.float()),
+            "value_clip_fraction": total(value_clipped.float()),
+            "ratio": total(policy.log_ratio.detach().exp()),
+            "logprob_delta": total(sampling_delta(logps.float(), batch, mask)),
         }

@@ -110,13 +110,6 @@ def gae(
     return advantages, advantages + values
 
 
-def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Zero mean, unit variance over the given (masked-out already) values [tokens]."""
-    if values.numel() < 2:
-        return values - values.mean()
-    return (values - values.mean()) / (values.std() + eps)
-
-
 def clipped_value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

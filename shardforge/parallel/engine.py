@@ -104,12 +104,14 @@ def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return total.full_tensor() if isinstance(total, DTensor) else total
 
 
-def dp_sum(value: torch.Tensor, dims: ParallelDims, mesh: DeviceMesh | None) -> torch.Tensor:
-    """Sum over all data-parallel ranks (over each dimension of a 2-D HSDP mesh in turn)."""
+def dp_sum(
+    value: torch.Tensor, dims: ParallelDims, mesh: DeviceMesh | None, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> torch.Tensor:
+    """Sum (or `op`) over all data-parallel ranks (over each dimension of a 2-D HSDP mesh in turn)."""
     dp_mesh = dims.dp_mesh(mesh)
     if dp_mesh is not None:
         for dim in range(dp_mesh.ndim):
-            dist.all_reduce(value, group=dp_mesh.get_group(dim))
+            dist.all_reduce(value, op=op, group=dp_mesh.get_group(dim))
     return value
 
 

@@ -10,6 +10,7 @@ batching over a paged KV cache) running the training model itself:
   weight sync, measured per step (`time/weight_sync_s`); the memory it needs is one unsharded model.
 - Tensor parallel: the ranks of a TP group hold the same prompts and seeds, so their engines schedule the
   same steps and run the sharded forward together (the logits' vocabulary shards are gathered).
+- Pipeline: each stage's rank runs the engine over its layers and passes the stream on (infer/pp.py).
 - DDP and one process: the module itself. LoRA: the adapters apply in the forward; nothing is merged.
 A request's seed is the run's seed and the prompt's global position, so the completions do not depend on
 the layout. The training forward recomputes the log-probs the loss uses (the rollout policy's `old_logps`
@@ -23,7 +24,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -152,8 +153,7 @@ class RolloutSource:
     def next_batch(self) -> GlobalBatch:
         if self.cached is not None and self.repeats > 0:
             self.repeats -= 1
-            return GlobalBatch(self.cached.micro, self.cached.counts, self.cached.state, self.cached.epoch,
-                               {"time/rollout_s": 0.0, "time/scoring_s": 0.0})  # fmt: skip
+            return replace(self.cached, stats={"time/rollout_s": 0.0, "time/scoring_s": 0.0})
         start = self.order.position
         order = self.order.take(self.groups_per_step)
         mine = split_global_batch(np.arange(self.groups_per_step), *self.split)  # step positions per micro
@@ -260,17 +260,9 @@ class RolloutSource:
         return out
 
     # ---- global counts and statistics ------------------------------------------------------------------
-    def _sum(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.to(self.device, torch.float64)
-        return dp_sum(value, self.dims, self.mesh).cpu()
-
-    def _max(self, value: torch.Tensor) -> torch.Tensor:
-        value = value.to(self.device, torch.float64)
-        dp_mesh = self.dims.dp_mesh(self.mesh)
-        if dp_mesh is not None:
-            for dim in range(dp_mesh.ndim):
-                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=dp_mesh.get_group(dim))
-        return value.cpu()
+    def _sum(self, value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        """A small vector reduced over the data-parallel ranks, in float64 on the host."""
+        return dp_sum(value.to(self.device, torch.float64), self.dims, self.mesh, op).cpu()
 
     def _reduce(
         self, rows: list[dict], micro: list[Batch], stats: dict[str, float], times: tuple[float, float, float]
@@ -297,8 +289,8 @@ class RolloutSource:
         summed = dict(
             zip(keys, self._sum(torch.tensor([float(local[k]) for k in keys])).tolist(), strict=True)
         )
-        longest, rollout_max, scoring_max, sync_max = self._max(
-            torch.tensor([max(r["length"] for r in rows), *times])
+        longest, rollout_max, scoring_max, sync_max = self._sum(
+            torch.tensor([max(r["length"] for r in rows), *times]), dist.ReduceOp.MAX
         ).tolist()
         counts = {k: max(1, round(summed[k])) for k in ("tokens", "targets", "sequences", "groups")}
         counts["attention_pairs"] = int(summed["attention_pairs"])

@@ -1,8 +1,9 @@
-"""RL that learns, on this CPU in seconds: a tiny Llama is first taught single-digit addition by SFT (to about
-60% greedy accuracy), then GRPO (DAPO's loss, the exact-answer reward) on the same 100 prompts raises the
-mean reward of its own samples and its greedy accuracy by clear margins; PPO with a value head and a KL
-penalty against the SFT model raises the reward too. Everything is seeded; the margins stated below are
-well inside what the runs reach (GRPO: reward 0.46 -> 0.72, greedy accuracy 0.63 -> 0.90 when written)."""
+"""RL that learns, on this CPU in seconds: a tiny Llama is first taught single-digit addition by SFT (about
+half of its greedy answers right), then GRPO (DAPO's loss, the exact-answer reward) on the same 100 prompts
+raises the mean reward of its own samples and its greedy accuracy by clear margins; PPO with a value head and
+a KL penalty against the SFT model raises the reward too. Everything is seeded; the margins stated below are
+well inside what the runs reach (measured: GRPO reward 0.48 -> 0.73, greedy accuracy 0.52 -> 0.95; PPO
+reward 0.49 -> 0.71)."""
 
 from __future__ import annotations
 
