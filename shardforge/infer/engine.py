@@ -165,7 +165,8 @@ class Engine:
             self.scheduler.computed(seq, n)
         updates = []
         rows = logits.float().cpu()
-        argmax = rows.argmax(-1).tolist()  # what every plain greedy row takes, in one pass
+        greedy = any(seq.sampler.plain_greedy for seq in ends)
+        argmax = rows.argmax(-1).tolist() if greedy else [-1] * len(ends)  # plain greedy rows, in one pass
         for row, best, seq in zip(rows, argmax, ends, strict=True):
             updates.append(self._advance(seq, row, best))
         return updates

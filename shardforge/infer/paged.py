@@ -1,19 +1,22 @@
 """The paged KV cache's tensors, and the cache object one engine step hands the model's forward.
 
 A step's tokens (prefill chunks of new requests and one token of each decoding request) run as one row
-[1, T], so every projection and MLP is one matmul over all of them. Attention alone is per sequence: the
-step's keys and values are written into their slots in the pool, then each sequence's queries attend to its
-cached keys, read as slices of the pool (one slice when its blocks are consecutive, as blocks.py arranges
-where it can; else the slices joined), with no padding to other sequences' lengths: a decode needs no mask
-(its sliding window is a shorter slice), a prefill chunk gets its causal / sliding-window mask."""
+[1, T], so every projection and MLP is one matmul over all of them. The step's keys and values are written
+into their slots in the pool; then the decoding sequences attend together: their blocks are gathered from
+the pool (whole blocks, by their block tables padded to the longest) and attended with three batched ops and
+a mask of each one's length (and sliding window). Per-sequence SDPA calls cost more than the attention itself
+at decode sizes (measured on SmolLM2-135M, 16 sequences: 22 ms of a 95 ms step, against 4 ms batched). Each
+prefill chunk attends alone, to its cached keys read as slices of the pool (one slice when its blocks are
+consecutive, as blocks.py arranges where it can; else the slices joined), with its causal / sliding-window
+mask."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from shardforge.models.attention import sdpa
 from shardforge.models.llama.config import DecoderConfig
@@ -34,8 +37,9 @@ class PagedKV:
     def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self.keys:
             shape = (1, like.shape[1], self.num_blocks * self.block_size, like.shape[3])
-            self.keys[layer] = like.new_empty(shape)  # a slot is read only once written
-            self.values[layer] = like.new_empty(shape)
+            # zeros, not garbage: a batched decode multiplies the masked slots' values by 0 (NaN * 0 is NaN)
+            self.keys[layer] = like.new_zeros(shape)
+            self.values[layer] = like.new_zeros(shape)
         return self.keys[layer], self.values[layer]
 
     @staticmethod
@@ -61,29 +65,73 @@ Where = tuple[int, int] | torch.Tensor  # a sequence's keys in the pool: one sli
 
 @dataclass
 class _Span:
-    """One sequence's part of the step's attention: its queries (tokens lo:hi of the step), where its keys
-    are in the pool (all of them; for a decode under a sliding window, the window's), and, for a prefill
-    chunk, its masks (None: plainly causal)."""
+    """One prefill chunk's part of the step's attention: its queries (tokens lo:hi of the step), where its
+    keys are in the pool, and its masks (None: plainly causal)."""
 
     lo: int
     hi: int
     start: int  # keys cached before this step
     keys: Where
-    window_keys: Where | None = None
     full: torch.Tensor | None = None
     sliding: torch.Tensor | None = None
 
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool
     ) -> torch.Tensor:
-        queries = q[:, :, self.lo : self.hi]
-        if self.hi - self.lo == 1:  # a decode sees every cached key (or the window's): no mask
-            where = self.window_keys if sliding and self.window_keys is not None else self.keys
-            return F.scaled_dot_product_attention(
-                queries, _read(keys, where), _read(values, where), enable_gqa=True
-            )
         mask = self.sliding if sliding else self.full
-        return sdpa(queries, _read(keys, self.keys), _read(values, self.keys), mask)
+        return sdpa(q[:, :, self.lo : self.hi], _read(keys, self.keys), _read(values, self.keys), mask)
+
+
+class _Decodes:
+    """The step's decoding sequences (one query each), attended as one batch: `rows` are their tokens in the
+    step, `table` their block tables padded with block 0 to the longest, `ends` how many keys each has."""
+
+    def __init__(self, rows: list[int], chunks: list[Chunk], block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        ends = [c.start + 1 for c in chunks]
+        width = -(-max(ends) // block_size)
+        table = np.zeros((len(chunks), width), dtype=np.int64)
+        for row, (c, end) in enumerate(zip(chunks, ends, strict=True)):
+            used = c.blocks[: -(-end // block_size)]
+            table[row, : len(used)] = used
+        self.rows = torch.tensor(rows, device=device)
+        self.table = torch.from_numpy(table.reshape(-1)).to(device)
+        self.batch, self.keys = len(chunks), width * block_size
+        key = torch.arange(self.keys, device=device)[None]
+        end = torch.tensor(ends, device=device)[:, None]
+        self.visible = {False: key < end, True: key < end}  # [batch, keys]: which padded keys it attends
+        self.bias: dict[tuple[bool, torch.dtype], torch.Tensor] = {}
+
+    def slide(self, window: int) -> None:
+        """Sliding layers see only the last `window` keys (the query is the sequence's last position)."""
+        last = self.visible[False].sum(-1, keepdim=True) - 1
+        key = torch.arange(self.keys, device=last.device)[None]
+        self.visible[True] = self.visible[False] & (last - key < window)
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool
+    ) -> torch.Tensor:
+        """q [1, heads, T, d] -> these sequences' outputs [1, heads, batch, d] (softmax(q k / sqrt(d)) v over
+        their visible keys; query head i reads key head i // groups, as SDPA's enable_gqa)."""
+        kv_heads, d = keys.shape[1], keys.shape[3]
+        heads = q.shape[1]
+        groups = heads // kv_heads
+        bias = self.bias.get((sliding, q.dtype))
+        if bias is None:
+            bias = torch.zeros(self.visible[sliding].shape, dtype=q.dtype, device=q.device)
+            bias = bias.masked_fill(~self.visible[sliding], -math.inf)[:, None]  # [batch, 1, keys]
+            self.bias[sliding, q.dtype] = bias
+        k, v = (self._gather(pool, kv_heads, d) for pool in (keys, values))  # [kv_heads, batch, keys, d]
+        queries = q[0].index_select(1, self.rows).view(kv_heads, groups, self.batch, d).transpose(1, 2)
+        scores = (
+            torch.matmul(queries * d**-0.5, k.transpose(-1, -2)) + bias
+        )  # [kv_heads, batch, groups, keys]
+        out = torch.matmul(scores.softmax(-1), v)  # [kv_heads, batch, groups, d]
+        return out.transpose(1, 2).reshape(1, heads, self.batch, d)
+
+    def _gather(self, pool: torch.Tensor, kv_heads: int, d: int) -> torch.Tensor:
+        blocks = pool.view(kv_heads, -1, self.block_size * d).index_select(1, self.table)
+        return blocks.view(kv_heads, self.batch, self.keys, d)
 
 
 def _read(pool: torch.Tensor, where: Where) -> torch.Tensor:
@@ -103,24 +151,27 @@ class PagedStep:
         slots = [np.asarray(c.blocks)[p // bs] * bs + p % bs for c, p in zip(chunks, positions, strict=True)]
         self.slots = self._put(np.concatenate(slots))  # [T]: where this step's keys and values go
         self.positions = self._put(np.concatenate(positions))[None]  # [1, T]: the step's token positions
-        self.spans, self.slices, lo = [], [], 0
+        self.spans: list[_Span] = []
+        decodes: list[tuple[int, Chunk]] = []
+        lo = 0
         for c in chunks:
-            self.slices.append(_slices(c.blocks, c.start + c.length, bs))
-            self.spans.append(_Span(lo, lo + c.length, c.start, self._where(self.slices[-1], 0)))
+            if c.length == 1:
+                decodes.append((lo, c))
+            else:
+                self.spans.append(
+                    _Span(lo, lo + c.length, c.start, self._where(_slices(c.blocks, c.start + c.length, bs)))
+                )
             lo += c.length
+        self.tokens = lo
+        self.decodes = (
+            _Decodes([r for r, _ in decodes], [c for _, c in decodes], bs, device) if decodes else None
+        )
 
-    def _where(self, slices: list[tuple[int, int]], first: int) -> Where:
-        """Where the keys from the `first`-th on are: a slice, or (split over runs) their slots."""
-        parts = []
-        for a, b in slices:
-            if first >= b - a:
-                first -= b - a
-                continue
-            parts.append((a + first, b))
-            first = 0
-        if len(parts) == 1:
-            return parts[0]
-        return self._put(np.concatenate([np.arange(a, b) for a, b in parts]))
+    def _where(self, slices: list[tuple[int, int]]) -> Where:
+        """Where a sequence's keys are: one slice, or (split over runs) their slots."""
+        if len(slices) == 1:
+            return slices[0]
+        return self._put(np.concatenate([np.arange(a, b) for a, b in slices]))
 
     def _put(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
@@ -129,12 +180,10 @@ class PagedStep:
         """Each prefill chunk's masks, now that the model's window is known: causal from the chunk's cached
         length (none when it starts the sequence), and the sliding window where it cuts."""
         window = cfg.sliding_window
-        for s, slices in zip(self.spans, self.slices, strict=True):
-            n, end = s.hi - s.lo, s.start + s.hi - s.lo
-            if n == 1:
-                if window is not None and end > window:
-                    s.window_keys = self._where(slices, end - window)
-                continue
+        if window is not None and self.decodes is not None:
+            self.decodes.slide(window)
+        for s in self.spans:
+            end = s.start + s.hi - s.lo
             query = torch.arange(s.start, end, device=self.device)[:, None]
             key = torch.arange(end, device=self.device)[None]
             if s.start:
@@ -153,7 +202,15 @@ class PagedStep:
         keys, values = self.kv.layer(layer, k)
         keys[0, :, self.slots] = k[0]
         values[0, :, self.slots] = v[0]
-        return torch.cat([s.attend(q, keys, values, sliding) for s in self.spans], dim=2)
+        decoded = self.decodes.attend(q, keys, values, sliding) if self.decodes is not None else None
+        if not self.spans:  # a step of decodes only (in their order)
+            return decoded
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:, :, self.decodes.rows] = decoded
+        for s in self.spans:
+            out[:, :, s.lo : s.hi] = s.attend(q, keys, values, sliding)
+        return out
 
     def advance(self, n: int) -> None:
         """The engine keeps each sequence's count of cached tokens itself."""

@@ -177,10 +177,17 @@ def processed_logits(
 
 def choose(x: torch.Tensor, sampler: Sampler) -> int:
     """The next token from processed logits: the argmax when greedy, else a draw from the request's own
-    generator."""
+    generator by the inverse of the distribution function (one uniform number and a search of the cumulative
+    probabilities: `torch.multinomial` draws an exponential number per vocabulary entry, measured at 0.9 ms a
+    row of a 49k vocabulary here, most of a small model's decode step on CPU)."""
     if sampler.params.greedy:
         return int(x.argmax())
-    return int(torch.multinomial(x.softmax(-1), 1, generator=sampler.generator))
+    cumulative = x.softmax(-1).cumsum(-1)
+    u = torch.rand(1, generator=sampler.generator, dtype=cumulative.dtype) * cumulative[-1]
+    token = int(torch.searchsorted(cumulative, u, right=True))
+    if token >= len(cumulative):  # u rounded up to the total: the last token with any probability
+        token = int(torch.nonzero(x > -math.inf).max())
+    return token
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

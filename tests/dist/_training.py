@@ -68,7 +68,11 @@ def assert_same(run: dict, ref: dict, rel: float = 1e-5, atol: float = 5e-5, los
     assert run["state"].keys() == ref["state"].keys()
     for key, value in ref["state"].items():
         torch.testing.assert_close(
-            run["state"][key], value, rtol=1e-4, atol=atol, msg=f"{run['layout']}: {key}"
+            run["state"][key],
+            value,
+            rtol=1e-4,
+            atol=atol,
+            msg=lambda m, key=key: f"{run['layout']}: {key}: {m}",
         )
 
 

@@ -2,8 +2,8 @@
 half of its greedy answers right), then GRPO (DAPO's loss, the exact-answer reward) on the same 100 prompts
 raises the mean reward of its own samples and its greedy accuracy by clear margins; PPO with a value head and
 a KL penalty against the SFT model raises the reward too. Everything is seeded; the margins stated below are
-well inside what the runs reach (measured: GRPO reward 0.48 -> 0.73, greedy accuracy 0.52 -> 0.95; PPO
-reward 0.49 -> 0.71)."""
+inside what the runs reach (measured: GRPO reward 0.52 -> 0.70, greedy accuracy 0.52 -> 0.94; PPO
+reward 0.56 -> 0.70)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from shardforge.objectives.rewards import answers_equal, final_answer
 from shardforge.train.rollout import load_prompts
 from shardforge.train.trainer import Trainer
 from tests.conftest import TOKENIZER, tiny_config
-from tests.dist._training import Interrupted, logged_losses
+from tests.dist._training import Interrupted, logged
 
 pytestmark = pytest.mark.slow
 
@@ -162,9 +162,14 @@ def test_an_interrupted_grpo_run_resumes_with_the_same_losses(tmp_path):
     resumed = Trainer(load_config(None, base=config("stopped")))
     resumed.train()
     assert resumed.start_step == 2
-    losses = logged_losses(tmp_path / "stopped" / "run")
-    assert losses == pytest.approx([r["loss"] for r in whole.history], rel=1e-6, abs=1e-9)
-    assert losses[0] != 0
+    records = logged(tmp_path / "stopped" / "run")
+    assert [r["loss"] for r in records] == pytest.approx(
+        [r["loss"] for r in whole.history], rel=1e-6, abs=1e-9
+    )
+    # A rollout trained once has a loss near 0 (ratio 1, a cancelling sum): the gradients tell steps apart.
+    norms = [r["grad_norm"] for r in records]
+    assert norms == pytest.approx([r["grad_norm"] for r in whole.history], rel=1e-6)
+    assert min(norms) > 0
 
 
 def test_grpo_with_a_reward_model_folder(sft_model, tmp_path):
@@ -191,4 +196,4 @@ def test_grpo_with_a_reward_model_folder(sft_model, tmp_path):
     result = Trainer(load_config(None, base=cfg)).train()
     record = result.history[0]
     assert record["reward/rm:rm"] == pytest.approx(record["reward_mean"]) and record["reward_std"] > 0
-    assert record["loss"] != 0
+    assert record["grad_norm"] > 0  # the scores differ within groups: there is a gradient
