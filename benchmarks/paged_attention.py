@@ -1,7 +1,8 @@
 """Decode attention over a paged KV cache, one layer, four ways (why infer/paged.py reads pool slices):
 
 - batched: every sequence's blocks gathered into a padded batch, one SDPA call with a length mask (the
-  engine's first design);
+  engine's first design, from a blocks-first pool; and from the heads-first pool, as the engine now attends
+  decodes whose keys are split over runs of blocks);
 - per sequence, gathered: one SDPA call each on a gather of its own blocks (no padding, no mask);
 - per sequence, sliced: one SDPA call each on a slice of a heads-first pool (its blocks in one run, as
   infer/blocks.py hands them out): no copy at all;
@@ -68,6 +69,19 @@ def main() -> None:
     def batched():
         return F.scaled_dot_product_attention(q, gather(blocks_k), gather(blocks_v), mask, enable_gqa=True)
 
+    def batched_heads_first():
+        """As infer/paged.py attends the decodes whose keys are split over runs of blocks."""
+
+        def blocks(pool: torch.Tensor) -> torch.Tensor:
+            return (
+                pool.view(kvh, -1, bs * d)
+                .index_select(1, table.flatten())
+                .view(kvh, g, -1, d)
+                .transpose(0, 1)
+            )
+
+        return F.scaled_dot_product_attention(q, blocks(heads_k), blocks(heads_v), mask, enable_gqa=True)
+
     def per_sequence_gathered():
         out = []
         for i, n in enumerate(lengths):
@@ -96,6 +110,7 @@ def main() -> None:
     print("|---|---|---|")
     for name, fn in (
         ("batched: gather + masked SDPA", batched),
+        ("batched: blocks gathered from the heads-first pool + masked SDPA", batched_heads_first),
         ("per sequence, gathered", per_sequence_gathered),
         ("per sequence, pool slices", per_sequence_sliced),
         ("per sequence, slices, heads folded", lambda: per_sequence_sliced(fold=True)),

@@ -2,21 +2,22 @@
 
 A step's tokens (prefill chunks of new requests and one token of each decoding request) run as one row
 [1, T], so every projection and MLP is one matmul over all of them. The step's keys and values are written
-into their slots in the pool; then the decoding sequences attend together: their blocks are gathered from
-the pool (whole blocks, by their block tables padded to the longest) and attended with three batched ops and
-a mask of each one's length (and sliding window). Per-sequence SDPA calls cost more than the attention itself
-at decode sizes (measured on SmolLM2-135M, 16 sequences: 22 ms of a 95 ms step, against 4 ms batched). Each
-prefill chunk attends alone, to its cached keys read as slices of the pool (one slice when its blocks are
-consecutive, as blocks.py arranges where it can; else the slices joined), with its causal / sliding-window
-mask."""
+into their slots in the pool; then each sequence's queries attend to its cached keys. Where those are one
+slice of the pool (blocks.py hands out blocks in runs where it can), the sequence attends alone with one SDPA
+call on the slice: no copy, no padding, no mask for a decode (its sliding window is a shorter slice), its
+causal / sliding-window mask for a prefill chunk. Decodes whose keys are split over runs (the n completions
+of one prompt: the prompt's blocks are shared through the prefix cache) are attended together: their blocks
+gathered by their block tables padded to the longest, one masked SDPA call. Measured on this CPU, one layer
+(benchmarks/paged_attention.py): a batched gather beats one gather per sequence 2x at RL's sizes, while a
+slice beats any gather where the keys are long (a 64-request burst of 50M ran 1.9x slower batched)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from shardforge.models.attention import sdpa
 from shardforge.models.llama.config import DecoderConfig
@@ -65,26 +66,34 @@ Where = tuple[int, int] | torch.Tensor  # a sequence's keys in the pool: one sli
 
 @dataclass
 class _Span:
-    """One prefill chunk's part of the step's attention: its queries (tokens lo:hi of the step), where its
-    keys are in the pool, and its masks (None: plainly causal)."""
+    """One sequence's part of the step's attention: its queries (tokens lo:hi of the step), where its keys
+    are in the pool (all of them; for a decode under a sliding window, the window's), and, for a prefill
+    chunk, its masks (None: plainly causal)."""
 
     lo: int
     hi: int
     start: int  # keys cached before this step
     keys: Where
+    window_keys: Where | None = None
     full: torch.Tensor | None = None
     sliding: torch.Tensor | None = None
 
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool
     ) -> torch.Tensor:
+        queries = q[:, :, self.lo : self.hi]
+        if self.hi - self.lo == 1:  # a decode sees every cached key (or the window's): no mask
+            where = self.window_keys if sliding and self.window_keys is not None else self.keys
+            return F.scaled_dot_product_attention(
+                queries, _read(keys, where), _read(values, where), enable_gqa=True
+            )
         mask = self.sliding if sliding else self.full
-        return sdpa(q[:, :, self.lo : self.hi], _read(keys, self.keys), _read(values, self.keys), mask)
+        return sdpa(queries, _read(keys, self.keys), _read(values, self.keys), mask)
 
 
 class _Decodes:
-    """The step's decoding sequences (one query each), attended as one batch: `rows` are their tokens in the
-    step, `table` their block tables padded with block 0 to the longest, `ends` how many keys each has."""
+    """The step's decoding sequences whose keys are split over runs of blocks, attended as one batch: `rows`
+    are their tokens in the step, `table` their block tables padded with block 0 to the longest."""
 
     def __init__(self, rows: list[int], chunks: list[Chunk], block_size: int, device: torch.device) -> None:
         self.block_size = block_size
@@ -100,7 +109,6 @@ class _Decodes:
         key = torch.arange(self.keys, device=device)[None]
         end = torch.tensor(ends, device=device)[:, None]
         self.visible = {False: key < end, True: key < end}  # [batch, keys]: which padded keys it attends
-        self.bias: dict[tuple[bool, torch.dtype], torch.Tensor] = {}
 
     def slide(self, window: int) -> None:
         """Sliding layers see only the last `window` keys (the query is the sequence's last position)."""
@@ -111,27 +119,16 @@ class _Decodes:
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool
     ) -> torch.Tensor:
-        """q [1, heads, T, d] -> these sequences' outputs [1, heads, batch, d] (softmax(q k / sqrt(d)) v over
-        their visible keys; query head i reads key head i // groups, as SDPA's enable_gqa)."""
+        """q [1, heads, T, d] -> these sequences' outputs [1, heads, batch, d], each over its visible keys."""
         kv_heads, d = keys.shape[1], keys.shape[3]
-        heads = q.shape[1]
-        groups = heads // kv_heads
-        bias = self.bias.get((sliding, q.dtype))
-        if bias is None:
-            bias = torch.zeros(self.visible[sliding].shape, dtype=q.dtype, device=q.device)
-            bias = bias.masked_fill(~self.visible[sliding], -math.inf)[:, None]  # [batch, 1, keys]
-            self.bias[sliding, q.dtype] = bias
-        k, v = (self._gather(pool, kv_heads, d) for pool in (keys, values))  # [kv_heads, batch, keys, d]
-        queries = q[0].index_select(1, self.rows).view(kv_heads, groups, self.batch, d).transpose(1, 2)
-        scores = (
-            torch.matmul(queries * d**-0.5, k.transpose(-1, -2)) + bias
-        )  # [kv_heads, batch, groups, keys]
-        out = torch.matmul(scores.softmax(-1), v)  # [kv_heads, batch, groups, d]
-        return out.transpose(1, 2).reshape(1, heads, self.batch, d)
+        k, v = (self._gather(pool, kv_heads, d) for pool in (keys, values))  # [batch, kv_heads, keys, d]
+        queries = q[0].index_select(1, self.rows).transpose(0, 1)[:, :, None]  # [batch, heads, 1, d]
+        out = sdpa(queries, k, v, self.visible[sliding][:, None, None])  # [batch, heads, 1, d]
+        return out[:, :, 0].transpose(0, 1)[None]
 
     def _gather(self, pool: torch.Tensor, kv_heads: int, d: int) -> torch.Tensor:
         blocks = pool.view(kv_heads, -1, self.block_size * d).index_select(1, self.table)
-        return blocks.view(kv_heads, self.batch, self.keys, d)
+        return blocks.view(kv_heads, self.batch, self.keys, d).transpose(0, 1)
 
 
 def _read(pool: torch.Tensor, where: Where) -> torch.Tensor:
@@ -154,24 +151,32 @@ class PagedStep:
         self.spans: list[_Span] = []
         decodes: list[tuple[int, Chunk]] = []
         lo = 0
+        self.slices: list[list[tuple[int, int]]] = []
         for c in chunks:
-            if c.length == 1:
-                decodes.append((lo, c))
+            slices = _slices(c.blocks, c.start + c.length, bs)
+            if c.length == 1 and len(slices) > 1:
+                decodes.append((lo, c))  # its keys need a gather: gathered and attended with the others
             else:
-                self.spans.append(
-                    _Span(lo, lo + c.length, c.start, self._where(_slices(c.blocks, c.start + c.length, bs)))
-                )
+                self.spans.append(_Span(lo, lo + c.length, c.start, self._where(slices, 0)))
+                self.slices.append(slices)
             lo += c.length
         self.tokens = lo
         self.decodes = (
             _Decodes([r for r, _ in decodes], [c for _, c in decodes], bs, device) if decodes else None
         )
 
-    def _where(self, slices: list[tuple[int, int]]) -> Where:
-        """Where a sequence's keys are: one slice, or (split over runs) their slots."""
-        if len(slices) == 1:
-            return slices[0]
-        return self._put(np.concatenate([np.arange(a, b) for a, b in slices]))
+    def _where(self, slices: list[tuple[int, int]], first: int) -> Where:
+        """Where the keys from the `first`-th on are: a slice, or (split over runs) their slots."""
+        parts = []
+        for a, b in slices:
+            if first >= b - a:
+                first -= b - a
+                continue
+            parts.append((a + first, b))
+            first = 0
+        if len(parts) == 1:
+            return parts[0]
+        return self._put(np.concatenate([np.arange(a, b) for a, b in parts]))
 
     def _put(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
@@ -182,8 +187,12 @@ class PagedStep:
         window = cfg.sliding_window
         if window is not None and self.decodes is not None:
             self.decodes.slide(window)
-        for s in self.spans:
-            end = s.start + s.hi - s.lo
+        for s, slices in zip(self.spans, self.slices, strict=True):
+            n, end = s.hi - s.lo, s.start + s.hi - s.lo
+            if n == 1:
+                if window is not None and end > window:
+                    s.window_keys = self._where(slices, end - window)
+                continue
             query = torch.arange(s.start, end, device=self.device)[:, None]
             key = torch.arange(end, device=self.device)[None]
             if s.start:
