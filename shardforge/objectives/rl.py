@@ -38,6 +38,14 @@ from shardforge.objectives.rl_losses import (
 
 # Sums over all data-parallel ranks of a small float64 vector (the rollout source's reduction).
 Total = Callable[[torch.Tensor], torch.Tensor]
+# The whole model's output for token ids and the forward's keyword inputs: the model called, or under a
+# pipeline its stages in turn (train/rollout.py; None on the ranks without the last stage, which alone
+# computes the loss).
+Forward = Callable[[nn.Module, torch.Tensor, dict[str, Any]], Any]
+
+
+def called(net: nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> Any:
+    return net(input_ids, **inputs)
 
 
 def global_mean_std(values: torch.Tensor, total: Total) -> tuple[float, float]:
@@ -50,11 +58,13 @@ def global_mean_std(values: torch.Tensor, total: Total) -> tuple[float, float]:
     return s1 / count, math.sqrt(max(0.0, (s2 - s1 * s1 / count) / max(1.0, count - 1)))
 
 
-def at_targets(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def at_targets(values: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
     """Per-target values [n] (row-major, as the fused head returns them) placed in a [rows, width] float32
-    tensor, zero elsewhere: a per-row field the engines split like any other."""
+    tensor, zero elsewhere: a per-row field the engines split like any other (all zeros on a pipeline rank
+    without the last stage: `values` None, and its stages never read them)."""
     full = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    full[mask] = values.float()
+    if values is not None:
+        full[mask] = values.float()
     return full
 
 
@@ -95,7 +105,7 @@ class GRPOObjective(ReferencedObjective):
         return batch  # everything the loss compares with was scored once per rollout (score_rollout)
 
     @torch.no_grad()
-    def score_rollout(self, model: nn.Module, batch: Batch) -> Batch:
+    def score_rollout(self, model: nn.Module, batch: Batch, forward: Forward = called) -> Batch:
         """Per target token [rows, width] (zero elsewhere): the policy's log-probs now, before any update
         on this rollout (`old_logps`; only with epochs_per_rollout > 1: a rollout trained once compares
         the training forward with itself, as TRL does), and the reference's when the KL term needs them
@@ -103,11 +113,13 @@ class GRPOObjective(ReferencedObjective):
         mask = batch.targets != IGNORE
         if self.rl.epochs_per_rollout > 1:  # the later steps on this rollout need the policy that sampled it
             # (on its first step that is the training forward's)
-            batch.extras["old_logps"] = at_targets(model(batch.input_ids, **self.model_inputs(batch)), mask)
-        self._score_reference(model, batch, mask)
+            batch.extras["old_logps"] = at_targets(
+                forward(model, batch.input_ids, self.model_inputs(batch)), mask
+            )
+        self._score_reference(model, batch, mask, forward)
         return batch
 
-    def _score_reference(self, model: nn.Module, batch: Batch, mask: torch.Tensor) -> None:
+    def _score_reference(self, model: nn.Module, batch: Batch, mask: torch.Tensor, forward: Forward) -> None:
         """The reference's per-token log-probs (`ref_logps`) when there is a KL term: the model with its
         adapters disabled, or the frozen copy."""
         if self.reference == "none":
@@ -115,8 +127,8 @@ class GRPOObjective(ReferencedObjective):
         net = self.reference_model if self.reference == "copy" else model
         assert net is not None
         disabled = adapters_disabled(model) if self.reference == "adapters" else contextlib.nullcontext()
-        with disabled:
-            logps = net(batch.input_ids, **CausalLM.model_inputs(self, batch))  # log-probs alone, no values
+        with disabled:  # log-probs alone, no values
+            logps = forward(net, batch.input_ids, CausalLM.model_inputs(self, batch))
         batch.extras["ref_logps"] = at_targets(logps, mask)
 
     def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:
@@ -211,14 +223,14 @@ class PPOObjective(GRPOObjective):
         return super().model_inputs(batch) | {"values": True}
 
     @torch.no_grad()
-    def score_rollout(self, model: nn.Module, batch: Batch) -> Batch:
+    def score_rollout(self, model: nn.Module, batch: Batch, forward: Forward = called) -> Batch:
         mask = batch.targets != IGNORE
-        logps, values = model(batch.input_ids, **self.model_inputs(batch))
+        logps, values = forward(model, batch.input_ids, self.model_inputs(batch))
         batch.extras["old_logps"], batch.extras["old_values"] = (
             at_targets(logps, mask),
             at_targets(values, mask),
         )
-        self._score_reference(model, batch, mask)
+        self._score_reference(model, batch, mask, forward)
         return batch
 
     def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:

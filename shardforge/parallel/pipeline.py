@@ -187,25 +187,53 @@ class PipelineEngine:
 
     @torch.no_grad()
     def eval_sums(self, batch: Any) -> dict[str, torch.Tensor]:
-        """Forward only: the whole batch goes through the stages in model order, each rank running its
-        stages and passing the stream on with point-to-point sends; no schedule, no chunks."""
+        """Forward only: the whole batch goes through the stages in model order (no schedule, no chunks),
+        the last computing the objective's sums."""
         batch = self.split(batch) if self.split is not None else batch
         self._prepare(batch)
-        rows, width = batch.input_ids.shape
-        shape = (rows, width // self.sp_split, self.model.config.hidden_size)
-        h, fields = batch.input_ids, batch.fields()
+        fields = batch.fields()
         with loss_context(self.dims):
-            for index in range(self.plan.num_stages):
-                if index not in self.stages:
-                    continue
-                if index > 0 and self.plan.rank_of(index - 1) != self.pp_rank:
-                    h = torch.empty(shape, dtype=self.stream_dtype, device=self.device)
-                    dist.recv(h, group=self.group, group_src=self.plan.rank_of(index - 1))
-                out = self.stages[index](h, **fields)
-                if index < self.plan.num_stages - 1 and self.plan.rank_of(index + 1) != self.pp_rank:
-                    dist.send(out.contiguous(), group=self.group, group_dst=self.plan.rank_of(index + 1))
-                h = out
+            self._through_stages(batch.input_ids, lambda index, h: self.stages[index](h, **fields))
         return self._everywhere()
+
+    @torch.no_grad()
+    def forward_only(
+        self, input_ids: torch.Tensor, inputs: dict[str, Any], net: nn.Module | None = None
+    ) -> Any:
+        """The whole model's output for a batch (its forward's keyword `inputs`), stage by stage: on the
+        rank of the last stage, what the model returns there (e.g. the targets' log-probs); None elsewhere.
+        `net`: a model pruned to the same stages (a frozen reference copy); None: the trained model's
+        stages. RL scores its rollouts with it (train/rollout.py)."""
+        last = self.plan.num_stages - 1
+
+        def run(index: int, h: torch.Tensor) -> Any:
+            part = (
+                self.stages[index].part
+                if net is None
+                else net.part(list(self.plan.layers[index]), index == 0, index == last)
+            )
+            return part(h, **inputs)
+
+        out = self._through_stages(input_ids, run)
+        return out if last in self.stages else None
+
+    def _through_stages(self, input_ids: torch.Tensor, run: Callable[[int, torch.Tensor], Any]) -> Any:
+        """Each of the rank's stages in model order, the stream received from the previous stage's rank and
+        sent to the next one's with point-to-point messages; returns the rank's last stage's output."""
+        rows, width = input_ids.shape
+        shape = (rows, width // self.sp_split, self.model.config.hidden_size)
+        h = input_ids
+        for index in range(self.plan.num_stages):
+            if index not in self.stages:
+                continue
+            if index > 0 and self.plan.rank_of(index - 1) != self.pp_rank:
+                h = torch.empty(shape, dtype=self.stream_dtype, device=self.device)
+                dist.recv(h, group=self.group, group_src=self.plan.rank_of(index - 1))
+            out = run(index, h)
+            if index < self.plan.num_stages - 1 and self.plan.rank_of(index + 1) != self.pp_rank:
+                dist.send(out.contiguous(), group=self.group, group_dst=self.plan.rank_of(index + 1))
+            h = out
+        return h
 
     def _everywhere(self) -> dict[str, torch.Tensor]:
         """Only the last stage computes the sums: added over the pipeline, every rank has them (in the

@@ -178,24 +178,16 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
     check_expert_parallel(shape, dims)
     check_context_parallel(shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)
     stage = cfg.method.stage
-    rl = cfg.method.rl
     if stage == "ppo" and dims.pp > 1:
         raise ConfigError(
             f"parallel.pp={dims.pp} with method.stage=ppo: the value head's rollout scores need the whole "
             f"forward on one rank; use tp=1 with data parallel (DDP or FSDP) for ppo, or stage grpo under pp"
         )
-    if stage == "grpo" and dims.pp > 1:
-        if cfg.parallel.pp_virtual > 1:
-            raise ConfigError(
-                f"parallel.pp_virtual={cfg.parallel.pp_virtual} with method.stage=grpo: rollouts pass the "
-                f"stream through one stage per rank; use pp_virtual: 1 (1f1b or gpipe)"
-            )
-        if rl.kl_beta > 0 or rl.epochs_per_rollout > 1:
-            raise ConfigError(
-                f"parallel.pp={dims.pp} with method.stage=grpo needs method.rl.kl_beta: 0 and "
-                f"epochs_per_rollout: 1 (the reference's and the rollout policy's log-probs are a whole "
-                f"forward on one rank); use tp and/or dp_shard (FSDP) for those"
-            )
+    if stage == "grpo" and dims.pp > 1 and cfg.parallel.pp_virtual > 1:
+        raise ConfigError(
+            f"parallel.pp_virtual={cfg.parallel.pp_virtual} with method.stage=grpo: rollouts pass the "
+            f"stream through one stage per rank; use pp_virtual: 1 (1f1b or gpipe)"
+        )
     if stage in ("grpo", "ppo") and dims.tp > 1 and cfg.parallel.sequence_parallel:
         raise ConfigError(
             f"parallel.tp={dims.tp} with method.stage={stage}: the rollout engine's steps have any number of "

@@ -82,15 +82,18 @@ def load_prompts(data: DataSection, tokenizer: Any, room: int) -> tuple[list[Pro
 
 
 @contextlib.contextmanager
-def gathered(model: nn.Module) -> Iterator[float]:
-    """FSDP2 units all-gathered once and kept whole until the block ends (their forward neither gathers nor
-    frees); yields the seconds the gather took. A no-op (0 s) for a model without FSDP2."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+def gathered(*roots: nn.Module) -> Iterator[float]:
+    """The FSDP2 units under `roots` (a model, or a pipeline rank's stage modules: each an FSDP root)
+    all-gathered once and kept whole until the block ends (their forward neither gathers nor frees); yields
+    the seconds the gather took. A no-op (0 s) without FSDP2."""
+    units = list({id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule)}.values())
     if not units:
         yield 0.0
         return
     start = time.perf_counter()
-    units[0]._get_fsdp_state()._lazy_init()  # the root's own settings first, as its first forward would
+    for root in roots:  # the roots' own settings first, as their first forward would
+        if isinstance(root, FSDPModule):
+            root._get_fsdp_state()._lazy_init()
     groups = [g for m in units for g in m._get_fsdp_state()._fsdp_param_groups]
     saved = [g.post_forward_mesh_info for g in groups]
     for g in groups:
@@ -159,7 +162,7 @@ class RolloutSource:
         mine = split_global_batch(np.arange(self.groups_per_step), *self.split)  # step positions per micro
         positions = [int(k) for part in mine for k in part]
         prompts = [self.prompts[int(order[k])] for k in positions]
-        with torch.no_grad(), gathered(self.engine.inner) as sync_s:
+        with torch.no_grad(), gathered(*self._roots()) as sync_s:
             began = time.perf_counter()
             completions = self._generate(prompts, [start + k for k in positions])
             rollout_s = time.perf_counter() - began + sync_s
@@ -256,8 +259,25 @@ class RolloutSource:
             batch.extras["sampled_logps"] = sampled
             batch = batch.to(self.device)
             with self.autocast(), loss_context(self.dims):
-                out.append(self.objective.score_rollout(self.engine.model, batch))
+                out.append(self.objective.score_rollout(self.engine.model, batch, self._forward))
         return out
+
+    def _roots(self) -> list[nn.Module]:
+        """What the policy's FSDP2 sharding hangs from: the model, or under a pipeline its stage modules."""
+        trainer = self.engine
+        return list(trainer.stages.values()) if trainer.is_pipeline else [trainer.inner]
+
+    def _forward(self, net: nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> Any:
+        """A whole forward of the policy or the reference: called, or through the pipeline's stages (the
+        output on the last stage's rank only). A reference copy's stages are views of it that its FSDP2 root
+        never sees run: it is gathered whole for the pass."""
+        trainer = self.engine
+        if not trainer.is_pipeline:
+            return net(input_ids, **inputs)
+        if net is trainer.model:
+            return trainer.forward_only(input_ids, inputs)
+        with gathered(net):
+            return trainer.forward_only(input_ids, inputs, net)
 
     # ---- global counts and statistics ------------------------------------------------------------------
     def _sum(self, value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -162,7 +162,8 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     trained = sum(n for n, grad in sizes.values() if grad) / sum(n for n, _ in sizes.values())
     bind = getattr(objective, "bind_reference", None)  # a preference objective's reference model
     if bind is not None:
-        blocker = "pipeline parallel" if dims.pp > 1 else None  # its stages run chunks, never `prepare`
+        # Pipeline stages run chunks, never `prepare`; RL scores its reference through the stages instead.
+        blocker = "pipeline parallel" if dims.pp > 1 and not rl else None
         console.print(bind(model, cfg.method.finetuning, cfg.model.adapter, cfg.model.path, blocker))
         if objective.reference == "precomputed":
             _precompute_reference(cfg, tokenizer, objective, model if plan is None else None, train_rows,

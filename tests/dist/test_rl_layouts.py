@@ -79,9 +79,28 @@ def test_rl_on_two_ranks_equals_one_process(tmp_path, data):
         ("grpo-full-kl", _cfg(tmp_path, "full-kl-zero3", data, kl=0.1, mb=1, **zero3)),
         ("ppo-full-kl", _cfg(tmp_path, "ppo-zero3", data, stage="ppo", kl=0.05, mb=1, **zero3)),
         ("grpo-once", _cfg(tmp_path, "grpo-pp2", data, epochs=1, dp_shard=1, pp=2, pp_microbatches=2)),
+        # Under a pipeline the rollout policy's and the reference's log-probs go through the stages.
+        ("grpo-full", _cfg(tmp_path, "grpo-epochs-pp2", data, dp_shard=1, pp=2, pp_microbatches=2)),
+        ("grpo-full-kl", _cfg(tmp_path, "full-kl-pp2", data, kl=0.1, dp_shard=1, pp=2, pp_microbatches=2)),
+        (
+            "grpo-lora-kl",
+            _cfg(
+                tmp_path, "lora-kl-pp2", data, finetuning="lora", kl=0.1, dp_shard=1, pp=2, pp_microbatches=2
+            ),
+        ),
     ]
     runs = run_ranks(train_runs, 2, [cfg for _, cfg in layouts])[0]
     for (name, _), run in zip(layouts, runs, strict=True):
         # A rollout whose completions all have max_new_tokens has token-mean advantages of 0: its loss, at
         # ratio 1, is a cancelling sum (measured ~4e-9, last-bit differences of 2e-9): 1e-7 absolute.
         assert_same(run, refs[name], rel=1e-5, atol=1e-4, loss_atol=1e-7)
+
+
+def test_rl_under_pipeline_and_zero3_equals_one_process(tmp_path, data):
+    """pp2 x dp_shard2 on 4 ranks, with the KL term against a frozen copy: the rollout gathers the stage
+    modules' FSDP units (their roots hold the embedding and head), the copy is gathered whole for its pass
+    through the stages."""
+    ref = train_runs([_cfg(tmp_path, "one", data, kl=0.1, mb=4)])[0]
+    cfg = _cfg(tmp_path, "pp2-zero3", data, kl=0.1, mb=2, dp_shard=2, zero_stage=3, pp=2, pp_microbatches=2)
+    run = run_ranks(train_runs, 4, [cfg])[0][0]
+    assert_same(run, ref, rel=1e-5, atol=1e-4, loss_atol=1e-7)
