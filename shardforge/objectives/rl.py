@@ -225,7 +225,8 @@ class PPOObjective(GRPOObjective):
     @torch.no_grad()
     def score_rollout(self, model: nn.Module, batch: Batch, forward: Forward = called) -> Batch:
         mask = batch.targets != IGNORE
-        logps, values = forward(model, batch.input_ids, self.model_inputs(batch))
+        out = forward(model, batch.input_ids, self.model_inputs(batch))
+        logps, values = out if out is not None else (None, None)  # None: a pipeline rank before the last
         batch.extras["old_logps"], batch.extras["old_values"] = (
             at_targets(logps, mask),
             at_targets(values, mask),

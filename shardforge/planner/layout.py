@@ -178,25 +178,15 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
     check_expert_parallel(shape, dims)
     check_context_parallel(shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)
     stage = cfg.method.stage
-    if stage == "ppo" and dims.pp > 1:
+    if stage in ("grpo", "ppo") and dims.pp > 1 and cfg.parallel.pp_virtual > 1:
         raise ConfigError(
-            f"parallel.pp={dims.pp} with method.stage=ppo: the value head's rollout scores need the whole "
-            f"forward on one rank; use tp=1 with data parallel (DDP or FSDP) for ppo, or stage grpo under pp"
-        )
-    if stage == "grpo" and dims.pp > 1 and cfg.parallel.pp_virtual > 1:
-        raise ConfigError(
-            f"parallel.pp_virtual={cfg.parallel.pp_virtual} with method.stage=grpo: rollouts pass the "
+            f"parallel.pp_virtual={cfg.parallel.pp_virtual} with method.stage={stage}: rollouts pass the "
             f"stream through one stage per rank; use pp_virtual: 1 (1f1b or gpipe)"
         )
     if stage in ("grpo", "ppo") and dims.tp > 1 and cfg.parallel.sequence_parallel:
         raise ConfigError(
             f"parallel.tp={dims.tp} with method.stage={stage}: the rollout engine's steps have any number of "
             f"tokens, which sequence parallel cannot split evenly; set parallel.sequence_parallel: false"
-        )
-    if stage == "ppo" and dims.tp > 1:
-        raise ConfigError(
-            f"parallel.tp={dims.tp} with method.stage=ppo: the value head is not split by the TP plan; use "
-            f"data parallel (DDP or FSDP, parallel.dp_shard) for ppo, or stage grpo (it runs under tp)"
         )
     plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
     return dims, grad_accum, plan

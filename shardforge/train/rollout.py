@@ -169,7 +169,7 @@ class RolloutSource:
             began = time.perf_counter()
             rows, stats = self._score(prompts, completions)
             micro = self._micro_batches(rows, [len(part) for part in mine])
-            stats.update(self.objective.assign_advantages(micro, self._sum))
+            stats.update(self._from_last_stage(self.objective.assign_advantages(micro, self._sum)))
             scoring_s = time.perf_counter() - began
         batch = GlobalBatch(
             micro, {}, {"samples": self.order.position}, self.order.position / len(self.prompts)
@@ -280,6 +280,16 @@ class RolloutSource:
             return trainer.forward_only(input_ids, inputs, net)
 
     # ---- global counts and statistics ------------------------------------------------------------------
+    def _from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
+        """Under a pipeline, the objective's statistics as the last stage's rank computed them (the only
+        one with the rollout's log-probs: PPO's KL penalty); the same keys on every rank."""
+        trainer = self.engine
+        if not trainer.is_pipeline or not stats:
+            return stats
+        values = torch.tensor(list(stats.values()), dtype=torch.float64, device=self.device)
+        dist.broadcast(values, group=trainer.group, group_src=dist.get_world_size(trainer.group) - 1)
+        return dict(zip(stats, values.tolist(), strict=True))
+
     def _sum(self, value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """A small vector reduced over the data-parallel ranks, in float64 on the host."""
         return dp_sum(value.to(self.device, torch.float64), self.dims, self.mesh, op).cpu()

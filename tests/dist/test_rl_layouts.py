@@ -78,6 +78,11 @@ def test_rl_on_two_ranks_equals_one_process(tmp_path, data):
         ("grpo-lora-kl", _cfg(tmp_path, "lora-kl-tp2", data, finetuning="lora", kl=0.1, **tp2)),
         ("grpo-full-kl", _cfg(tmp_path, "full-kl-zero3", data, kl=0.1, mb=1, **zero3)),
         ("ppo-full-kl", _cfg(tmp_path, "ppo-zero3", data, stage="ppo", kl=0.05, mb=1, **zero3)),
+        ("ppo-full-kl", _cfg(tmp_path, "ppo-tp2", data, stage="ppo", kl=0.05, **tp2)),
+        (
+            "ppo-full-kl",
+            _cfg(tmp_path, "ppo-pp2", data, stage="ppo", kl=0.05, dp_shard=1, pp=2, pp_microbatches=2),
+        ),
         ("grpo-once", _cfg(tmp_path, "grpo-pp2", data, epochs=1, dp_shard=1, pp=2, pp_microbatches=2)),
         # Under a pipeline the rollout policy's and the reference's log-probs go through the stages.
         ("grpo-full", _cfg(tmp_path, "grpo-epochs-pp2", data, dp_shard=1, pp=2, pp_microbatches=2)),
@@ -90,10 +95,14 @@ def test_rl_on_two_ranks_equals_one_process(tmp_path, data):
         ),
     ]
     runs = run_ranks(train_runs, 2, [cfg for _, cfg in layouts])[0]
-    for (name, _), run in zip(layouts, runs, strict=True):
+    for (name, cfg), run in zip(layouts, runs, strict=True):
         # A rollout whose completions all have max_new_tokens has token-mean advantages of 0: its loss, at
-        # ratio 1, is a cancelling sum (measured ~4e-9, last-bit differences of 2e-9): 1e-7 absolute.
-        assert_same(run, refs[name], rel=1e-5, atol=1e-4, loss_atol=1e-7)
+        # ratio 1, is a cancelling sum (measured ~4e-9, last-bit differences of 2e-9): 1e-7 absolute. PPO
+        # under a pipeline sums over the schedule's chunks of each micro-batch; its loss (policy and value
+        # terms of ~3e-3 that nearly cancel) moved by up to 4.8e-7 after the first step, whose gradient norm
+        # is equal to the last bit (later norms within 9e-6, weights within 5e-5): 1e-6 absolute there.
+        piped_ppo = name.startswith("ppo") and cfg["parallel"].get("pp", 1) > 1
+        assert_same(run, refs[name], rel=1e-5, atol=1e-4, loss_atol=1e-6 if piped_ppo else 1e-7)
 
 
 def test_rl_under_pipeline_and_zero3_equals_one_process(tmp_path, data):

@@ -261,7 +261,10 @@ class Decoder(nn.Module):
 
     def add_value_head(self, seed: int = 0) -> None:
         """A scalar value head on the final hidden states, as TRL's `...WithValueHead` puts on the policy
-        (PPO's critic sharing the policy's body): weights N(0, 0.02) drawn from `seed`, bias 0."""
+        (PPO's critic sharing the policy's body): weights N(0, 0.02) drawn from `seed`, bias 0. A pipeline
+        stage without the LM head gets none."""
+        if self.lm_head is None:
+            return
         ref = self.norm.weight
         head = nn.Linear(self.config.hidden_size, 1, device=ref.device, dtype=ref.dtype)
         with torch.no_grad():
@@ -356,6 +359,7 @@ class Decoder(nn.Module):
         )
         view.norm = self.norm if last else None
         view.lm_head = self.lm_head if last else None
+        view.value_head = self.value_head if last else None
         view.register_buffer("inv_freq", self.inv_freq, persistent=False)
         return view
 

@@ -78,6 +78,7 @@ def tensor_parallel_plan(cfg: DecoderConfig, tp: int, sequence_parallel: bool) -
     }
     if cfg.num_labels:  # a score head (a reward model): a few outputs, run whole on every rank
         plan["lm_head"] = ReplicateParallel()
+    plan["value_head"] = ReplicateParallel()  # PPO's critic (one output), where the model has one
     if sequence_parallel:
         plan["layers.*.attn"] = gather_input(5)  # (x, cos, sin, attention context, sliding)
         for layer in _dense_mlps(cfg):
