@@ -33,6 +33,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
 STEP_BYTES = 4  # AdamW's per-tensor step counter (fp32)
 FP32_BYTES = 4
+ROLLOUT_BLOCK = 16  # the RL rollout engine's KV block size (train/rollout.py)
 
 
 def activation_itemsize(cfg: Config) -> int:
@@ -284,11 +285,13 @@ class Memory:
     reference: float  # a frozen reference model's parameters (dpo/kto with a full copy)
     buffers: float  # FSDP2's gathered parameters, DDP's buckets, the head's logits chunk
     margin: float  # the allocator's fragmentation and the runtime's context
+    rollout: float = 0.0  # RL: the engine's KV cache and gathered weights, before the step's forward
 
     @property
     def device_bytes(self) -> float:
+        """The fuller of the two phases of a step: training (activations and buffers) or an RL rollout."""
         held = sum(self.states.on_device.values())
-        return held + self.activations + self.reference + self.buffers + self.margin
+        return held + self.reference + self.margin + max(self.activations + self.buffers, self.rollout)
 
     def breakdown(self) -> dict[str, float]:
         """Device bytes by part, and what offload keeps on the host."""
@@ -297,6 +300,7 @@ class Memory:
             "activations": self.activations,
             "reference": self.reference,
             "buffers": self.buffers,
+            "rollout": self.rollout,
             "margin": self.margin,
             "host": self.states.on_host,
         }
@@ -410,10 +414,36 @@ class MemoryModel:
         held = method.stage in ("dpo", "kto") or (method.stage in ("grpo", "ppo") and method.rl.kl_beta > 0)
         if held and method.finetuning != "lora" and method.pref.ref == "auto":
             reference = worst.params  # a frozen copy of the starting weights, sharded as the policy is
-        memory = Memory(worst, self.activations(layout, stages), reference, buffers, 0.0)
+        activations = self.activations(layout, stages)
+        memory = Memory(worst, activations, reference, buffers, 0.0, self.rollout(layout, stages))
         if on_gpu:  # the CUDA context and NCCL's buffers, and the caching allocator's fragmentation (a tenth)
             memory = dataclasses.replace(memory, margin=GIB + 0.1 * memory.device_bytes)
         return memory
+
+    def rollout(self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None) -> float:
+        """RL's rollout, which runs before each step's forward (so beside the model states, not the
+        activations), on the fullest pipeline rank: the engine's paged KV cache for every completion of the
+        rank's prompts in the step (at most data.max_length tokens each, in blocks of 16, the stage's layers
+        and the rank's kv heads, in the compute dtype), the sampled rows' fp32 logits (and their copy), and
+        under FSDP2 the stage's parameters gathered whole for the rollout (train/rollout.py: `gathered`)."""
+        if self.cfg.method.stage not in ("grpo", "ppo"):
+            return 0.0
+        s = self.shape
+        sequences = layout.micro_batch * layout.grad_accum * self.cfg.method.rl.group_size
+        slots = (
+            sequences * math.ceil(self.cfg.data.max_length / ROLLOUT_BLOCK) * ROLLOUT_BLOCK + ROLLOUT_BLOCK
+        )
+        kv_heads = s.num_kv_heads // layout.tp
+        sharded = layout.zero_stage >= 2 and layout.dp_shard * layout.cp > 1
+        whole = dataclasses.replace(layout, zero_stage=0)
+        worst = 0.0
+        for r in range(layout.pp if stages is not None else 1):
+            held = self.counter.stage_params(layout, stages, r)
+            layers = len({p.layer for p in held if p.layer is not None})
+            kv = 2 * layers * slots * kv_heads * s.head_dim * self.act_dtype_bytes
+            gathered = sum(self.counter.local_numel(p, whole, Coords()) for p in held) if sharded else 0
+            worst = max(worst, kv + gathered * self.act_dtype_bytes)
+        return worst + 2 * sequences * s.vocab_size * FP32_BYTES
 
     def _buffers(self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None) -> float:
         """Transient memory at the peak: gathered FSDP2 parameters (ZeRO-3: the layer in use and the next

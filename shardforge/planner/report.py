@@ -56,7 +56,8 @@ def table(plan: Plan, console: Console) -> None:
     t.add_column("")
     for i in range(len(plan.ranked)):
         t.add_column(f"#{i + 1}", justify="right")
-    memory_keys = ["params", "grads", "optimizer", "activations", "reference", "buffers", "margin", "host"]
+    memory_keys = ["params", "grads", "optimizer", "activations", "reference", "buffers", "rollout", "margin",
+                   "host"]  # fmt: skip
     breakdowns = [c.memory.breakdown() for c in plan.ranked]
     t.add_row("memory GiB", *[_gib(c.memory.device_bytes) for c in plan.ranked], style="bold")
     for k in memory_keys:

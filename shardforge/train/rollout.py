@@ -48,8 +48,7 @@ from shardforge.objectives.rewards import Completions, Reward
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import dp_sum
 from shardforge.parallel.tensor_parallel import loss_context
-
-BLOCK_SIZE = 16
+from shardforge.planner.memory import ROLLOUT_BLOCK as BLOCK_SIZE  # the planner counts the cache in these
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ from shardforge.errors import ConfigError
 from shardforge.models.build import check_model_source, model_source
 from shardforge.planner.hardware import GIB, PRESETS, Cluster
 from shardforge.planner.layout import Layout, layout_of
+from shardforge.models.spec import spec_for
 from shardforge.planner.memory import (
+    MemoryModel,
     StateCounter,
     coords_of,
     inventory,
@@ -413,6 +415,29 @@ def test_tensor_parallel_halves_split_tensors(vocab):
         states = counter.count(layout, coords_of(layout, r), None)
         assert states.params == 4 * (split // 2 + replicated), r
         assert states.grads == states.params and states.frozen == 0
+
+
+def test_rl_rollout_memory_counted_by_hand():
+    """GRPO's rollout phase: the KV cache of every completion of the rank's prompts in a step (max_length
+    tokens each, in 16-token blocks, plus the engine's spare block), the sampled rows' logits and their copy,
+    and under ZeRO-3 the whole model gathered in fp32; a step's peak is the fuller of rollout and training."""
+    cfg = load_config(DEMO, ["method.stage=grpo", "method.rl.group_size=4", "data.max_length=70"])
+    shape = check_model_source(cfg.model, weights=False)
+    shape = replace(shape, vocab_size=1024)
+    memory = MemoryModel(cfg, shape, spec_for(shape.family).costs(shape))
+    layout = Layout(1, 2, 1, 1, 1, 1, 3, False, "none", "none", 2, 3)  # dp_shard 2, ZeRO-3, mb 2 x 3
+    sequences = 2 * 3 * 4
+    slots = sequences * 80 + 16  # 70 tokens take 5 blocks of 16
+    kv = 2 * shape.num_layers * slots * shape.num_kv_heads * shape.head_dim * 4
+    split, replicated = _by_hand(shape, 1024)
+    expected = kv + 4 * (split + replicated) + 2 * sequences * 1024 * 4
+    assert memory.rollout(layout, None) == expected
+    plan = memory.estimate(layout, None, on_gpu=False)
+    assert plan.rollout == expected
+    held = sum(plan.states.on_device.values())
+    assert plan.device_bytes == held + plan.reference + max(plan.activations + plan.buffers, expected)
+    sft = load_config(DEMO, ["data.max_length=70"])
+    assert MemoryModel(sft, shape, spec_for(shape.family).costs(shape)).rollout(layout, None) == 0
 
 
 # ---- offload costs host traffic ----------------------------------------------------------------------------
