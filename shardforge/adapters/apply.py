@@ -32,8 +32,9 @@ def freeze(model: nn.Module, section: FreezeSection) -> None:
     total = model.config.num_layers
     n = section.trainable_layers
     trainable = set(range(total - n, total) if n >= 0 else range(-n))
+    canonical = getattr(model, "canonical_name", None)  # the generic backend's names, as ours are spelled
     for name, param in model.named_parameters():
-        parts = name.split(".")
+        parts = (canonical(name) if canonical is not None else name).split(".")
         in_layer = parts[0] == "layers" and int(parts[1]) in trainable
         param.requires_grad_(in_layer or parts[0] in section.extra_modules)
 

@@ -20,6 +20,8 @@ class ModelSection(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     adapter: str | None = None  # a PEFT LoRA folder to start from (method.finetuning=lora)
     quantize: Literal["none", "nf4"] = "none"  # nf4: QLoRA, the frozen base's block linears in 4 bits
+    # auto: our own implementation where the family has one, else transformers' modules (models/generic)
+    backend: Literal["auto", "native", "hf"] = "auto"
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:

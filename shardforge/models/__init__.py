@@ -1,5 +1,6 @@
 """Model families, presets and HF checkpoint I/O."""
 
+import shardforge.models.generic.spec  # registers the generic backend
 import shardforge.models.llama.spec  # noqa: F401  (registers the Llama-family specs)
 from shardforge.models.io import load_model, save_model
 from shardforge.models.presets import build_preset, preset_names

@@ -33,7 +33,7 @@ def check_model_source(model: ModelSection, weights: bool = True) -> Any:
     if not folder.is_dir():
         raise ModelError(f"model.path {model.path!r} is not a folder (expected a Hugging Face model folder)")
     meta = read_config_json(folder)
-    spec = spec_for(meta.get("model_type"), meta.get("architectures"))
+    spec = spec_for(meta.get("model_type"), meta.get("architectures"), model.backend)
     try:  # a folder with config.json alone is a clear error here, not a surprise later
         if weights:
             weight_files(folder)
@@ -103,7 +103,7 @@ def build_model(
         if nf4:
             quantize_model(net)
         return net
-    net = load_model(model.path, dtype, device, prune, nf4, num_labels, seed)
+    net = load_model(model.path, dtype, device, prune, nf4, num_labels, seed, model.backend)
     if len(tokenizer) > net.config.vocab_size:
         raise ModelError(
             f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {net.config.vocab_size}"

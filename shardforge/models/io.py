@@ -83,14 +83,16 @@ def load_model(
     quantize: bool = False,
     num_labels: int = 0,
     seed: int = 0,
+    backend: str = "auto",
 ) -> nn.Module:
     """Read an HF folder (config.json + safetensors, single or sharded) into our model implementation
     (only the weights the `prune`d model keeps are read). `quantize`: the block linears in NF4, each
     quantized as it is read (models/quantize.py). `num_labels` > 0: a score head of that many outputs (a
-    reward model), freshly initialized from `seed` unless the folder already has one of that shape."""
+    reward model), freshly initialized from `seed` unless the folder already has one of that shape.
+    `backend`: model.backend (models/spec.py: spec_for)."""
     folder = Path(path)
     meta = read_config_json(folder)
-    spec = spec_for(meta.get("model_type"), meta.get("architectures"))
+    spec = spec_for(meta.get("model_type"), meta.get("architectures"), backend)
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
     fresh_head = num_labels > 0 and cfg.num_labels != num_labels
     if fresh_head:
@@ -192,9 +194,10 @@ def hf_state_dict(
     spec = spec_for(model.config.family)
     tied = model.config.tie_embeddings
     scores = getattr(model.config, "num_labels", 0) > 0  # a score head is HF's `score`
+    head = spec.key_from_hf("lm_head.weight")  # our name of the head
     out = {}
     for key, tensor in (model.state_dict() if state_dict is None else state_dict).items():
-        if tied and key == "lm_head.weight":
+        if tied and key == head:
             continue
         if scores and key == "lm_head.weight":
             out["score.weight"] = tensor.detach().contiguous().cpu()

@@ -168,18 +168,44 @@ def register(spec: ModelSpec) -> None:
     _REGISTRY[spec.model_type] = spec
 
 
+# The generic backend (models/generic registers it): its spec, and which model_types transformers provides.
+_GENERIC: list[tuple[ModelSpec, Callable[[str | None], bool]]] = []
+
+
+def register_generic(spec: ModelSpec, provides: Callable[[str | None], bool]) -> None:
+    _GENERIC[:] = [(spec, provides)]
+
+
 def supported() -> list[str]:
     return sorted(f"{s.model_type} ({s.architecture})" for s in _REGISTRY.values())
 
 
-def spec_for(model_type: str | None, architectures: list[str] | None = None) -> ModelSpec:
-    """Find the family by config.json's model_type, falling back to its architectures list."""
-    if model_type in _REGISTRY:
-        return _REGISTRY[model_type]
-    for spec in _REGISTRY.values():
-        if spec.architecture in (architectures or []):
-            return spec
+def spec_for(
+    model_type: str | None, architectures: list[str] | None = None, backend: str = "auto"
+) -> ModelSpec:
+    """Find the family by config.json's model_type, falling back to its architectures list. `backend`
+    (model.backend): `native` our own implementation only, `hf` transformers' modules (models/generic),
+    `auto` ours where we have the family, else transformers'. A generic model's family is "hf:<type>"."""
+    generic, provides = _GENERIC[0] if _GENERIC else (None, lambda _t: False)
+    if model_type is not None and model_type.startswith("hf:") and generic is not None:
+        return generic
+    if backend != "hf":
+        if model_type in _REGISTRY:
+            return _REGISTRY[model_type]
+        for spec in _REGISTRY.values():
+            if spec.architecture in (architectures or []):
+                return spec
+    if backend != "native" and generic is not None and provides(model_type):
+        return generic
+    hint = (
+        "; model.backend: auto (or hf) runs it with transformers' own modules"
+        if backend == "native" and provides(model_type)
+        else ""
+    )
     raise ModelError(
-        f"unsupported model (model_type={model_type!r}, architectures={architectures}); "
-        f"supported: {', '.join(supported())}"
+        f"unsupported model (model_type={model_type!r}, architectures={architectures}); natively "
+        f"supported: {', '.join(supported())}; transformers has no causal LM for it either{hint}"
+        if not hint
+        else f"model_type={model_type!r} has no native family (natively supported: {', '.join(supported())})"
+        f"{hint}"
     )

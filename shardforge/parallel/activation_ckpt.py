@@ -38,6 +38,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     extra = {}
     if mode == "selective":
         extra["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_matmuls)
-    for name, block in list(model.layers.named_children()):  # a ModuleList, or a pipeline stage's ModuleDict
-        setattr(model.layers, name, checkpoint_wrapper(block, preserve_rng_state=False, **extra))
+    blocks = {id(b) for b in model.blocks()}
+    for parent in list(model.modules()):  # each block replaced in its container (ModuleList or ModuleDict)
+        for name, child in list(parent.named_children()):
+            if id(child) in blocks:
+                setattr(parent, name, checkpoint_wrapper(child, preserve_rng_state=False, **extra))
     return model

@@ -162,6 +162,33 @@ def layout_of(cfg: Config, world: int) -> Layout:
     )  # fmt: skip
 
 
+def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
+    """What the generic backend (transformers' modules, models/generic) cannot run: model-parallel layouts
+    (each rank runs the whole model: data parallel only), NF4 and LoRA (their transforms name our modules),
+    and the stages that generate with our engine or need a score head."""
+    from shardforge.models.spec import supported  # the native families, named in the messages
+
+    kind = f"the generic backend ({shape.model_type}: transformers' modules)"
+    native = ", ".join(supported())
+    for key, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
+        if degree > 1:
+            raise ConfigError(
+                f"parallel.{key}={degree} is not available on {kind}: tensor, pipeline, context and expert "
+                f"parallel need a native family ({native}); use data parallel (parallel.dp_shard with "
+                f"zero_stage 1-3, or dp_replicate)"
+            )
+    rules = [
+        (cfg.model.quantize != "none", f"model.quantize={cfg.model.quantize}"),
+        (cfg.method.finetuning == "lora", "method.finetuning=lora"),
+        (cfg.method.stage in ("grpo", "ppo", "rm"), f"method.stage={cfg.method.stage}"),
+    ]
+    for broken, what in rules:
+        if broken:
+            raise ConfigError(
+                f"{what} is not available on {kind} yet; it runs on the native families ({native})"
+            )
+
+
 def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int, PipelinePlan | None]:
     """Degrees against the world size, the batch split, the model's TP shape rules (`shape`: the model's
     config, from `model_source`) and the pipeline plan. Returns (dims, grad_accum, pipeline plan)."""
@@ -174,6 +201,8 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
         )
     dims = ParallelDims.from_config(cfg.parallel, world)
     grad_accum = resolve_grad_accum(cfg, dims.dp)
+    if str(getattr(shape, "family", "")).startswith("hf:"):
+        check_generic(cfg, dims, shape)
     check_tensor_parallel(shape, cfg.parallel)
     check_expert_parallel(shape, dims)
     check_context_parallel(shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)

@@ -119,8 +119,9 @@ def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
     itemsize = DTYPE_BYTES[cfg.model.dtype]
     nf4 = cfg.model.quantize == "nf4"
     out = []
+    canonical = getattr(model, "canonical_name", None)  # the generic backend's names, as ours are spelled
     for name, p in model.named_parameters():
-        parts = name.split(".")
+        parts = (canonical(name) if canonical is not None else name).split(".")
         layer = int(parts[1]) if parts[0] == "layers" else None
         size = itemsize
         if nf4 and not p.requires_grad and QUANTIZED.match(name):

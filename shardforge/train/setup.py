@@ -117,6 +117,12 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     cfg = config
     world = world_size_from_env()
     shape, tokenizer = model_source(cfg.model)
+    if str(shape.family).startswith("hf:") and cfg.data.packing:
+        console.print(
+            f"data.packing is off: the generic backend ({shape.model_type}) has no per-document attention, "
+            f"so rows are padded (one example each)"
+        )
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"packing": False})})
     auto, owns = cfg.parallel.auto, False
     device = pick_device(cfg.hardware.device, local_rank_from_env())
     if auto and world > 1:  # under torchrun or srun (the shardforge launcher passes its choice to the ranks)
@@ -442,8 +448,12 @@ def describe_run(run: Run) -> str:
     method = run.config.method.finetuning
     training = f" ({method}: {run.trained:.2%} of them train)" if run.trained < 1 else ""
     moe = f"; {run.moe.describe()}" if run.moe is not None else ""
+    family = run.model_config.family
+    if family.startswith("hf:"):  # which backend, and why
+        why = "model.backend: hf" if run.config.model.backend == "hf" else "no native family"
+        family = f"{run.model_config.model_type} on the generic backend (transformers' modules; {why})"
     return (
-        f"model: {run.model_config.family}, {n_params / 1e6:.2f}M parameters{training}, {t.precision}; "
+        f"model: {family}, {n_params / 1e6:.2f}M parameters{training}, {t.precision}; "
         f"layout: {run.dims.describe()}; {run.total_steps} steps of {run.global_batch} rows "
         f"({t.micro_batch} per rank x {run.grad_accum} accumulation x {run.dims.dp} data-parallel); "
         f"peak {peak / 1e9:.1f} GFLOP/s per device on {run.device} ({source}){moe}"

@@ -18,9 +18,9 @@ from shardforge.config import load_config
 from shardforge.config.schema import Config
 from shardforge.errors import ConfigError
 from shardforge.models.build import check_model_source, model_source
+from shardforge.models.spec import spec_for
 from shardforge.planner.hardware import GIB, PRESETS, Cluster
 from shardforge.planner.layout import Layout, layout_of
-from shardforge.models.spec import spec_for
 from shardforge.planner.memory import (
     MemoryModel,
     StateCounter,

@@ -1,0 +1,55 @@
+"""The generic backend's config: transformers' own config of the family, plus the shape fields the planner,
+the cost model and the loop read (named as the Llama family's `DecoderConfig` names them, so one shape
+vocabulary serves every backend)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from shardforge.models.llama.config import DecoderConfig
+
+PREFIX = "hf:"  # a generic model's family name: "hf:<model_type>" (spec_for resolves it to the generic spec)
+
+
+@dataclass
+class GenericConfig(DecoderConfig):
+    """`hf` builds the model (transformers' modules); the rest is read from it for planning and logs."""
+
+    hf: Any = None  # transformers' PretrainedConfig of the family
+
+    @property
+    def model_type(self) -> str:
+        return self.family.removeprefix(PREFIX)
+
+    def with_score_head(self, num_labels: int) -> GenericConfig:
+        return replace(self, num_labels=num_labels, tie_embeddings=False)
+
+
+def config_from_hf(hf: PretrainedConfig) -> GenericConfig:
+    """The shape fields from transformers' config (attribute names vary little across causal LMs; a missing
+    one falls back as transformers' Llama does: kv heads = heads, head_dim = hidden / heads)."""
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return GenericConfig(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+        num_layers=text.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        max_position=getattr(text, "max_position_embeddings", None) or 2048,
+        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        sliding_window=getattr(text, "sliding_window", None),
+        family=PREFIX + hf.model_type,
+        hf=hf,
+    )
+
+
+def hf_config_from(cfg: GenericConfig) -> PretrainedConfig:
+    """The config written back on export: the family's own, unchanged."""
+    return cfg.hf

@@ -1,0 +1,186 @@
+"""Any causal LM transformers provides, run by its own modules and wrapped so that the loop, the objectives,
+the layouts and checkpoints treat it as one of ours.
+
+The wrapper holds transformers' `...ForCausalLM` as `hf`; parameter names are transformers' own under `hf.`
+(checkpoint keys map by that prefix alone). The forward takes the Llama family's arguments: the body runs in
+transformers (causal attention over right-padded rows; no packing), then the head runs only where
+`output_mask` says, and with `targets` as our fused head (models/head.py: no full-vocabulary logits),
+unless the family changes its logits after the projection (Gemma 2's soft-capping, Granite's and Cohere's
+scaling), in which case the logits are made and transformed as transformers does."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from shardforge.errors import ModelError
+from shardforge.models.generic.config import GenericConfig
+from shardforge.models.head import target_logprobs
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Build with parameters on the meta device and buffers (RoPE tables, embedding scales) computed for
+    real on the CPU: the buffers are derived from the config, not stored in checkpoints, and to_empty would
+    leave them unset (the idea of accelerate's `init_empty_weights(include_buffers=False)`)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+class HFCausalLM(nn.Module):
+    sequence_split = None  # context parallel is refused for this backend (parallel/parallelize.py)
+    untied_copy = False
+
+    def __init__(self, cfg: GenericConfig, mlp: Any = None) -> None:
+        super().__init__()
+        if mlp is not None:
+            raise ModelError("the generic backend builds the family's own MLPs")
+        if cfg.num_labels:
+            raise ModelError(
+                f"a score head (stage rm) is not available on the generic backend ({cfg.model_type}); "
+                f"use a natively supported family for reward models"
+            )
+        self.config = cfg
+        with _parameters_on_meta():
+            self.hf = AutoModelForCausalLM.from_config(cfg.hf)
+        # to_empty() leaves buffers unset: their values, made on the CPU, are put back by reset_buffers()
+        self._buffers_made = {name: b.detach().clone() for name, b in self.hf.named_buffers()}
+        self.value_head: nn.Linear | None = None
+        self._logit_transform = _logit_transform(cfg.hf)
+
+    # ---- what the loop and the layouts ask of a model -----------------------------------------------------
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.hf.get_output_embeddings()
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.hf.get_input_embeddings()
+
+    def blocks(self) -> list[nn.Module]:
+        """The decoder layers, in order: the modules of the family's `_no_split_modules` classes (FSDP2's
+        units, activation checkpointing's blocks)."""
+        names = set(getattr(self.hf, "_no_split_modules", None) or ())
+        found = [m for m in self.hf.modules() if type(m).__name__ in names]
+        if not found:
+            layers = getattr(self.hf.base_model, "layers", None)
+            found = list(layers) if layers is not None else []
+        if not found:
+            raise ModelError(f"cannot find the decoder layers of {self.config.model_type}")
+        return found
+
+    def canonical_name(self, name: str) -> str:
+        """A parameter's or module's name as the Llama family spells it where the layouts agree
+        (`layers.<i>...`, `embed_tokens`, `norm`, `lm_head`): what freeze selects layers and modules by."""
+        return name.removeprefix(f"hf.{self.hf.base_model_prefix}.").removeprefix("hf.")
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.hf.get_output_embeddings().weight = self.hf.get_input_embeddings().weight
+
+    def reset_buffers(self) -> None:
+        for name, value in self._buffers_made.items():
+            owner, _, attr = name.rpartition(".")
+            module = self.hf.get_submodule(owner) if owner else self.hf
+            current = getattr(module, attr)
+            setattr(module, attr, value.to(current.device))
+
+    def init_weights(self, std: float = 0.02, seed: int = 0) -> None:
+        raise ModelError(
+            f"the generic backend ({self.config.model_type}) trains from a checkpoint folder (model.path), "
+            f"not from fresh weights"
+        )
+
+    def add_value_head(self, seed: int = 0) -> None:
+        """PPO's critic on the final hidden states (as the Llama family's `add_value_head`)."""
+        ref = self.lm_head.weight
+        head = nn.Linear(self.config.hidden_size, 1, device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            draw = torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+            head.weight.copy_(draw)
+            head.bias.zero_()
+        self.value_head = head
+
+    # ---- forward -----------------------------------------------------------------------------------------
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        doc_layout: Any = None,
+        output_mask: torch.Tensor | None = None,
+        cache: Any = None,
+        return_hidden: bool = False,
+        targets: torch.Tensor | None = None,
+        summed: bool = False,
+        values: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The Llama family's forward arguments (models/llama/model.py: Decoder.forward); packed rows
+        (`doc_ids`, `doc_layout`) and the paged cache are not available on this backend."""
+        if cache is not None:
+            raise ModelError(
+                f"the generic backend ({self.config.model_type}) does not run in shardforge's inference "
+                f"engine; generation uses transformers' own cache"
+            )
+        if doc_layout is not None or (doc_ids is not None and bool((doc_ids > 0).any())):
+            raise ModelError(
+                f"packed rows need per-document attention, which the generic backend "
+                f"({self.config.model_type}) does not provide: set data.packing: false"
+            )
+        out = self.hf.base_model(input_ids=x, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state
+        if output_mask is not None:
+            hidden = hidden[output_mask]
+        if return_hidden:
+            return hidden
+        if targets is not None:
+            if self._logit_transform is None:
+                logps = target_logprobs(self.lm_head, hidden, targets, summed)
+            else:
+                logits = self._logit_transform(self.lm_head(hidden).float())
+                logps = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+            if values:
+                assert self.value_head is not None, "values=True needs add_value_head()"
+                return logps, self.value_head(hidden).squeeze(-1).float()
+            return logps
+        logits = self.lm_head(hidden)
+        return self._logit_transform(logits) if self._logit_transform is not None else logits
+
+
+def _logit_transform(hf: Any) -> Any:
+    """What the family does to its logits after the LM head, as its ForCausalLM does (None: nothing)."""
+    cap = getattr(hf, "final_logit_softcapping", None)
+    scaling = getattr(hf, "logits_scaling", None)  # Granite divides
+    scale = getattr(hf, "logit_scale", None)  # Cohere multiplies
+    steps = []
+    if scaling not in (None, 1, 1.0):
+        steps.append(lambda z: z / scaling)
+    if scale not in (None, 1, 1.0):
+        steps.append(lambda z: z * scale)
+    if cap is not None:
+        steps.append(lambda z: torch.tanh(z / cap) * cap)
+    if not steps:
+        return None
+
+    def transform(z: torch.Tensor) -> torch.Tensor:
+        for step in steps:
+            z = step(z)
+        return z
+
+    return transform

@@ -1,0 +1,99 @@
+"""The generic backend's ModelSpec: any causal LM transformers provides (`model.backend: hf`, or `auto` for a
+model_type with no native family). Keys are transformers' own under the wrapper's `hf.` prefix; the cost
+model counts the built model's parameters exactly and takes FLOPs and activation bytes from the Llama
+family's formulas over the same shape (an approximation for families whose blocks differ)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from shardforge.models.generic.config import PREFIX, GenericConfig, config_from_hf, hf_config_from
+from shardforge.models.generic.model import HFCausalLM
+from shardforge.models.llama.costs import costs as llama_costs
+from shardforge.models.spec import CostModel, ModelSpec, ParamCounts, register_generic
+
+_KEY_PREFIX = "hf."
+_COUNTS: dict[str, ParamCounts] = {}
+
+
+def key_to_hf(key: str) -> str:
+    return key.removeprefix(_KEY_PREFIX)
+
+
+def key_from_hf(key: str) -> str:
+    return _KEY_PREFIX + key
+
+
+def provides(model_type: str | None) -> bool:
+    """Whether transformers has a causal LM class for this model_type."""
+    return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def costs(cfg: GenericConfig) -> CostModel:
+    """The Llama formulas over this shape, with the parameter counts of the model itself."""
+    return dataclasses.replace(llama_costs(cfg), params=_counts(cfg))
+
+
+def _counts(cfg: GenericConfig) -> ParamCounts:
+    """Parameters by group of the model built on the meta device: the embedding, each decoder layer's
+    attention / MLP / the rest (norms), what lies between the last layer and the head (the final norm) and an
+    untied head."""
+    key = cfg.hf.to_json_string()  # built once per shape (the planner asks many times)
+    cached = _COUNTS.get(key)
+    if cached is not None:
+        return cached
+    with torch.device("meta"):
+        model = HFCausalLM(cfg)
+    blocks = model.blocks()
+    attention, mlp, norms = [], [], []
+    in_blocks = set()
+    for block in blocks:
+        a = m = n = 0
+        for name, p in block.named_parameters():
+            in_blocks.add(id(p))
+            if "attn" in name or "attention" in name:
+                a += p.numel()
+            elif "mlp" in name or "feed_forward" in name or "ffn" in name:
+                m += p.numel()
+            else:
+                n += p.numel()
+        attention.append(a)
+        mlp.append(m)
+        norms.append(n)
+    embed = model.embed_tokens.weight
+    head = model.lm_head.weight
+    rest = sum(
+        p.numel() for p in model.parameters() if id(p) not in in_blocks and p is not embed and p is not head
+    )
+    counts = ParamCounts(
+        embedding=embed.numel(),
+        attention=tuple(attention),
+        mlp=tuple(mlp),
+        norms=tuple(norms),
+        final_norm=rest,
+        head=0 if head is embed else head.numel(),
+    )
+    _COUNTS[key] = counts
+    return counts
+
+
+def _config_from_hf(hf: object) -> GenericConfig:
+    return config_from_hf(hf)  # type: ignore[arg-type]
+
+
+GENERIC = ModelSpec(
+    name="hf",
+    model_type=PREFIX.rstrip(":"),
+    architecture="AutoModelForCausalLM",
+    model_cls=HFCausalLM,
+    config_from_hf=_config_from_hf,
+    hf_config_from=hf_config_from,
+    key_to_hf=key_to_hf,
+    key_from_hf=key_from_hf,
+    costs=costs,
+    tp_plan=None,
+)
+register_generic(GENERIC, provides)
