@@ -3,7 +3,7 @@
 full: all of them. freeze: the last N decoder layers (negative N: the first N) and the named extra modules.
 lora: every targeted linear of the decoder blocks becomes a `LoRALinear`; only the adapters train. Names are
 the model's own (`layers.<i>....`), so a pipeline rank, which holds some layers only, transforms exactly its
-part of what the whole model would get.
+part of what the whole model would get. The generic backend's names are read as ours (`canonical_name`).
 """
 
 from __future__ import annotations
@@ -43,11 +43,16 @@ def add_lora(model: nn.Module, section: LoraSection, seed: int) -> list[str]:
     """Wrap the targeted linears; returns their names. Base weights (and everything else) are frozen."""
     for param in model.parameters():
         param.requires_grad_(False)
-    targets = LINEAR_TARGETS if section.targets == "all" else tuple(section.targets)
+    canonical = getattr(model, "canonical_name", None)  # the generic backend: transformers' module names
+    every = section.targets == "all"
+    targets = LINEAR_TARGETS if every else tuple(section.targets)
     wrapped = []
     for name, module in list(model.named_modules()):
         parent_name, _, leaf = name.rpartition(".")
-        if not name.startswith("layers.") or leaf not in targets or type(module) is not nn.Linear:
+        in_block = (canonical(name) if canonical is not None else name).startswith("layers.")
+        # `all` on the generic backend: every linear of the blocks (PEFT's all-linear; e.g. Phi-3's qkv_proj)
+        chosen = leaf in targets or (every and canonical is not None)
+        if not in_block or not chosen or type(module) is not nn.Linear:
             continue
         lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)
         lora.reset_adapter(name, seed)

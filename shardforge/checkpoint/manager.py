@@ -11,6 +11,7 @@ at once.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,11 @@ def signature(
     model_config: Any, vocab_rows: int, global_batch: int, rows: int | str, seed: int, finetuning: Any = None
 ) -> dict:
     """What a continuation depends on. The model is its whole config (every field of the family's config
-    dataclass except the original config.json it was read from), so a new field is compared without being
-    listed here."""
-    model = {k: v for k, v in dataclasses.asdict(model_config).items() if k != "hf_config"}
+    dataclass except the original config.json it was read from, or the generic backend's transformers
+    config), so a new field is compared without being listed here."""
+    fields = dataclasses.fields(model_config)
+    model = {f.name: getattr(model_config, f.name) for f in fields if f.name not in ("hf_config", "hf")}
+    model = json.loads(json.dumps(model, default=str))  # as the checkpoint's JSON holds it
     return {
         "model": model,
         "vocab_rows": vocab_rows,  # as the embedding holds it (padded for tensor parallel)

@@ -163,24 +163,28 @@ def layout_of(cfg: Config, world: int) -> Layout:
 
 
 def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
-    """What the generic backend (transformers' modules, models/generic) cannot run: model-parallel layouts
-    (each rank runs the whole model: data parallel only), NF4 and LoRA (their transforms name our modules),
-    and the stages that generate with our engine or need a score head."""
+    """What the generic backend (transformers' modules, models/generic) cannot run: pipeline, context and
+    expert parallel, sequence parallel (tensor parallel runs transformers' own plan of the family), NF4 (its
+    transform names our modules), and the reward model's score head."""
     from shardforge.models.spec import supported  # the native families, named in the messages
 
     kind = f"the generic backend ({shape.model_type}: transformers' modules)"
     native = ", ".join(supported())
-    for key, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
+    for key, degree in (("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
         if degree > 1:
             raise ConfigError(
-                f"parallel.{key}={degree} is not available on {kind}: tensor, pipeline, context and expert "
-                f"parallel need a native family ({native}); use data parallel (parallel.dp_shard with "
-                f"zero_stage 1-3, or dp_replicate)"
+                f"parallel.{key}={degree} is not available on {kind}: pipeline, context and expert parallel "
+                f"need a native family ({native}); use data parallel (parallel.dp_shard with zero_stage 1-3, "
+                f"or dp_replicate) and tensor parallel (parallel.tp, from transformers' plan of the family)"
             )
+    if dims.tp > 1 and cfg.parallel.sequence_parallel:
+        raise ConfigError(
+            f"parallel.tp={dims.tp} with sequence_parallel on {kind}: transformers' modules keep the "
+            f"residual stream whole; set parallel.sequence_parallel: false"
+        )
     rules = [
         (cfg.model.quantize != "none", f"model.quantize={cfg.model.quantize}"),
-        (cfg.method.finetuning == "lora", "method.finetuning=lora"),
-        (cfg.method.stage in ("grpo", "ppo", "rm"), f"method.stage={cfg.method.stage}"),
+        (cfg.method.stage == "rm", f"method.stage={cfg.method.stage}"),
     ]
     for broken, what in rules:
         if broken:

@@ -1,13 +1,16 @@
-"""The generic backend (transformers' modules) under data parallel: DDP, ZeRO-1, ZeRO-2, FSDP2 ZeRO-3
-(sharded per decoder layer) and ZeRO-3 with activation checkpointing, on 2 ranks, equal one process for two
-families built tiny in the test (one launch for all)."""
+"""The generic backend (transformers' modules) on 2 ranks: DDP, ZeRO-1, ZeRO-2, FSDP2 ZeRO-3 (sharded per
+decoder layer), ZeRO-3 with activation checkpointing and TP2 (transformers' plan of the family: OLMo 2's
+gathered q/k projections too) equal one process for two families built tiny in the test (one launch); a
+checkpoint saved by ZeRO-3 resumes in one process."""
 
 from __future__ import annotations
 
 import pytest
 
+from shardforge.config import load_config
+from shardforge.train.trainer import Trainer
 from tests.dist._harness import run_ranks
-from tests.dist._training import assert_same, train_runs
+from tests.dist._training import Interrupted, assert_same, logged_losses, train_runs
 from tests.unit.test_generic_backend import _train_config, hf_folder
 
 DATA = {"max_length": 48}
@@ -28,6 +31,7 @@ def test_generic_backend_on_two_ranks_equals_one_process(tmp_path, folders):
         "zero2": {"dp_shard": 2, "zero_stage": 2},
         "zero3": {"dp_shard": 2, "zero_stage": 3},
         "zero3-ckpt": {"dp_shard": 2, "zero_stage": 3, "activation_checkpoint": "full"},
+        "tp2": {"tp": 2, "dp_shard": 1, "sequence_parallel": False},  # transformers' plan of the family
     }
     refs = {
         name: train_runs([_train_config(tmp_path, folder, f"one-{name}", data=DATA, train=ONE)])[0]
@@ -37,9 +41,39 @@ def test_generic_backend_on_two_ranks_equals_one_process(tmp_path, folders):
     for family, folder in folders.items():
         for layout, parallel in layouts.items():
             name = f"{family}-{layout}"
-            configs.append(_train_config(tmp_path, folder, name, parallel=parallel, data=DATA, train=RANKS))
+            train = ONE if parallel.get("tp") else RANKS  # no data parallel under tp2: 2 x 2 rows per rank
+            configs.append(_train_config(tmp_path, folder, name, parallel=parallel, data=DATA, train=train))
             names.append(family)
     runs = run_ranks(train_runs, 2, configs)[0]
     for family, run in zip(names, runs, strict=True):
         assert run["layout"] != refs[family]["layout"]
         assert_same(run, refs[family], rel=1e-5, atol=1e-4)
+
+
+def _stopped_at(cfg: dict, step: int) -> None:
+    """Train until the checkpoint of `step` is saved, then die (as a killed job would)."""
+    trainer = Trainer(load_config(None, base=cfg))
+
+    def stop(_trainer, saved, _folder):
+        if saved == step:
+            raise Interrupted
+
+    trainer.add_hook("save", stop)
+    with pytest.raises(Interrupted):
+        trainer.train()
+
+
+def test_a_generic_checkpoint_resumes_on_another_layout(tmp_path, folders):
+    """Saved by FSDP2 ZeRO-3 on 2 ranks (DCP, sharded per decoder layer), resumed in one process: the
+    steps after the checkpoint have the losses of a run that was never stopped."""
+    sections = {"data": DATA, "checkpoint": {"every": 2, "save_final": False}}
+    straight = _train_config(tmp_path, folders["gemma2"], "straight", train={**ONE, "steps": 4}, **sections)
+    whole = [r["loss"] for r in Trainer(load_config(None, base=straight)).train().history]
+    sharded = _train_config(tmp_path, folders["gemma2"], "resumed", train={**RANKS, "steps": 4},
+                            parallel={"dp_shard": 2, "zero_stage": 3}, **sections)  # fmt: skip
+    run_ranks(_stopped_at, 2, sharded, 2)
+    resumed = _train_config(tmp_path, folders["gemma2"], "resumed", train={**ONE, "steps": 4}, **sections)
+    trainer = Trainer(load_config(None, base=resumed))
+    trainer.train()
+    assert trainer.start_step == 2
+    assert logged_losses(tmp_path / "resumed" / "run") == pytest.approx(whole, rel=1e-5)

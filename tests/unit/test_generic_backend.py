@@ -5,19 +5,27 @@ loop; what the backend cannot do is refused with the model_type named."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardforge import load_model, save_model
+from shardforge.adapters.apply import add_lora
+from shardforge.adapters.peft_format import merged_state, save_adapter
 from shardforge.config import load_config
+from shardforge.config.schema import LoraSection
 from shardforge.errors import ConfigError, ModelError
+from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.sampling import SamplingParams
 from shardforge.models.build import check_model_source
 from shardforge.models.generic.model import HFCausalLM
 from shardforge.models.spec import spec_for
 from shardforge.planner.layout import check_layout
 from shardforge.train.trainer import Trainer
-from tests.conftest import TOKENIZER, tiny_config, write_jsonl
+from tests.conftest import REPO, TOKENIZER, tiny_config, write_jsonl
+from tests.unit.test_lora import _trained_adapters
 
 VOCAB = 1024  # the bundled tokenizer's
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -28,6 +36,7 @@ FAMILIES = {
     "olmo2": dict(),
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5),
     "glm4": dict(head_dim=16, pad_token_id=0),
+    "gpt2": dict(),  # other names (transformer.h, wte, ln_f) and Conv1D layers instead of linears
 }
 
 
@@ -72,9 +81,35 @@ def test_generic_model_equals_transformers(tmp_path, model_type):
         logps = ours(ids, output_mask=output_mask, targets=targets)
     torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-5)
-    again = load_model(save_model(ours, tmp_path / "saved"))
+    again = load_model(save_model(ours, tmp_path / "saved")).eval()  # (GPT-2 has dropout)
     with torch.no_grad():
         torch.testing.assert_close(again(ids), expected_logits, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["glm4", "granite", "olmo2", "phi3"])
+def test_the_engine_decodes_a_generic_model_as_transformers_does(tmp_path, model_type):
+    """Continuous batching over the paged KV cache (prompts of different lengths, prefill chunks, decodes
+    batched): each prompt's greedy tokens equal transformers' own generate. Granite scales its attention
+    scores, which the engine's attention takes as a query scale."""
+    folder = hf_folder(tmp_path, model_type)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompts = [
+        torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 9)
+    ]
+    engine = Engine(load_model(folder), config=EngineConfig(block_size=4, num_blocks=64, max_step_tokens=16))
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for prompt, done in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None
+            )
+        assert done[0].tokens == out[0, len(prompt) :].tolist()
+
+
+def test_the_engine_refuses_attention_soft_capping(tmp_path):
+    engine = Engine(load_model(hf_folder(tmp_path, "gemma2")))
+    with pytest.raises(ModelError, match="soft-caps its attention scores"):
+        engine.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2))
 
 
 def test_backend_choice(tmp_path):
@@ -87,6 +122,78 @@ def test_backend_choice(tmp_path):
     with pytest.raises(ModelError, match="transformers has no causal LM"):
         spec_for("no_such_model")
     assert isinstance(load_model(folder), HFCausalLM)
+
+
+@pytest.mark.parametrize(("model_type", "per_layer"), [("olmo2", 7), ("phi3", 4)])
+def test_lora_on_the_generic_backend_loads_in_peft(tmp_path, model_type, per_layer):
+    """`targets: all` adapts every linear of the blocks (Phi-3's fused qkv_proj and gate_up_proj too); the
+    adapter folder loads in peft over transformers' model with the same logits, and merged into an HF
+    folder it gives them too."""
+    from peft import PeftModel
+
+    folder = hf_folder(tmp_path, model_type)
+    ours = load_model(folder).eval()
+    section = LoraSection(rank=4, dora=model_type == "phi3")
+    wrapped = add_lora(ours, section, seed=0)
+    assert len(wrapped) == 2 * per_layer
+    assert all(p.requires_grad == (".lora_" in n) for n, p in ours.named_parameters())
+    _trained_adapters(ours)
+    state = ours.state_dict()
+    adapters = {k: v for k, v in state.items() if ".lora_" in k}
+    out = save_adapter(tmp_path / "adapter", ours.config.family, adapters, section, str(folder))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out).eval()
+    ids, _ = _batch()
+    with torch.no_grad():
+        want = ours(ids)
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        merged = load_model(save_model(ours, tmp_path / "merged", state_dict=merged_state(ours, state)))
+        torch.testing.assert_close(merged(ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_lora_run_on_the_generic_backend_hands_back_a_peft_adapter(tmp_path):
+    from peft import PeftModel
+
+    from shardforge.infer.load import load_for_inference
+
+    folder = hf_folder(tmp_path, "gemma2")
+    config = _train_config(tmp_path, folder, "lora", method={"finetuning": "lora"}, train={"lr": 1e-2})
+    result = Trainer(load_config(None, base=config)).train()
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+    final = result.final_model
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), final).eval()
+    ids, _ = _batch()
+    with torch.no_grad():
+        ours = load_for_inference(final).model
+        torch.testing.assert_close(ours(ids), peft_model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("stage", "data", "fmt"), [("dpo", "demo_pref.jsonl", "alpaca"), ("kto", "demo_kto.jsonl", "openai"),
+                               ("pt", "demo_alpaca.jsonl", "alpaca"), ("grpo", "demo_math.jsonl", "alpaca"),
+                               ("ppo", "demo_math.jsonl", "alpaca")],
+)  # fmt: skip
+def test_the_alignment_objectives_run_on_the_generic_backend(tmp_path, stage, data, fmt):
+    """DPO (a frozen copy as the reference), KTO, pretraining and RL (rollouts by the paged engine over
+    transformers' modules; PPO with a value head) through the one loop."""
+    folder = hf_folder(tmp_path, "olmo2")
+    model = {"path": str(folder), "preset": None, "tokenizer": str(TOKENIZER)}
+    config = tiny_config(
+        tmp_path / stage, REPO / "examples" / "data" / data, fmt, model=model, method={"stage": stage},
+        data={"packing": False, "max_length": 64},
+        train={"steps": 4, "micro_batch": 2, "lr": 3e-3, "warmup": 0, "log_every": 1},
+    )  # fmt: skip
+    if stage in ("grpo", "ppo"):
+        rewards = [
+            {"name": "length", "weight": 1.0}
+        ]  # DAPO's overlong shaping: scores that differ in a group
+        config["method"]["rl"] = {"group_size": 4, "max_new_tokens": 6, "rewards": rewards}
+    history = Trainer(load_config(None, base=config)).train().history
+    losses = [r["loss"] for r in history]
+    assert all(math.isfinite(x) for x in losses)
+    if stage in ("grpo", "ppo"):
+        assert all(r["rollout_tokens_per_s"] > 0 and abs(r["logprob_delta"]) < 1e-5 for r in history)
+    else:
+        assert losses[-1] < losses[0]
 
 
 def _train_config(tmp_path, folder, name: str, **sections) -> dict:
@@ -123,21 +230,21 @@ def test_native_and_generic_backends_train_alike(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (
-            ["parallel.tp=2", "parallel.dp_shard=1"],
-            r"parallel\.tp=2 is not available on the generic backend \(olmo2",
-        ),
+        (["parallel.tp=2", "parallel.dp_shard=1"], r"tp=2 with sequence_parallel on the generic backend"),
+        (["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=false"], None),
         (["parallel.pp=2", "parallel.dp_shard=1"], r"parallel\.pp=2 .*native family \(.*llama"),
-        (["method.finetuning=lora"], r"method\.finetuning=lora is not available on the generic backend"),
         (["model.quantize=nf4", "method.finetuning=lora"], r"model\.quantize=nf4"),
-        (["method.stage=grpo"], r"method\.stage=grpo is not available"),
+        (["method.stage=rm"], r"method\.stage=rm is not available"),
     ],
 )
 def test_what_the_generic_backend_refuses(tmp_path, overrides, message):
     """Before any process starts (the preflight's layout check, for 2 processes), naming the model_type and
-    the native families."""
+    the native families (None: allowed)."""
     folder = hf_folder(tmp_path, "olmo2")
     cfg = load_config(None, overrides, base=_train_config(tmp_path, folder, "refused"))
+    if message is None:  # allowed
+        check_layout(cfg, 2, check_model_source(cfg.model))
+        return
     with pytest.raises(ConfigError, match=message):
         check_layout(cfg, 2, check_model_source(cfg.model))
 

@@ -123,11 +123,15 @@ def test_packed_positions_match_separate_documents(tmp_path):
 
 
 def test_unsupported_model_is_clear_error(tmp_path):
+    """A model_type neither we nor transformers implement; one only transformers does, on `native`."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_lm", "architectures": ["NoLM"]}))
+    with pytest.raises(ModelError, match=r"supported: .*llama.*transformers has no causal LM"):
+        load_model(tmp_path)
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     )
-    with pytest.raises(ModelError, match=r"supported: .*llama"):
-        load_model(tmp_path)
+    with pytest.raises(ModelError, match=r"model_type='gpt2' has no native family .*model\.backend: auto"):
+        load_model(tmp_path, backend="native")
 
 
 def test_missing_weights_is_clear_error(tmp_path):

@@ -6,7 +6,8 @@ The wrapper holds transformers' `...ForCausalLM` as `hf`; parameter names are tr
 transformers (causal attention over right-padded rows; no packing), then the head runs only where
 `output_mask` says, and with `targets` as our fused head (models/head.py: no full-vocabulary logits),
 unless the family changes its logits after the projection (Gemma 2's soft-capping, Granite's and Cohere's
-scaling), in which case the logits are made and transformed as transformers does."""
+scaling), in which case the logits are made and transformed as transformers does. In shardforge's inference
+engine the family's attention runs over the paged KV cache (attention.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from shardforge.errors import ModelError
+from shardforge.models.generic.attention import CACHE, NAME
 from shardforge.models.generic.config import GenericConfig
 from shardforge.models.head import target_logprobs
 
@@ -63,6 +66,7 @@ class HFCausalLM(nn.Module):
         self._buffers_made = {name: b.detach().clone() for name, b in self.hf.named_buffers()}
         self.value_head: nn.Linear | None = None
         self._logit_transform = _logit_transform(cfg.hf)
+        self._renames = self._canonical_prefixes()
 
     # ---- what the loop and the layouts ask of a model -----------------------------------------------------
     @property
@@ -86,9 +90,22 @@ class HFCausalLM(nn.Module):
         return found
 
     def canonical_name(self, name: str) -> str:
-        """A parameter's or module's name as the Llama family spells it where the layouts agree
-        (`layers.<i>...`, `embed_tokens`, `norm`, `lm_head`): what freeze selects layers and modules by."""
+        """A parameter's or module's name as the Llama family spells it (`layers.<i>...`, `embed_tokens`,
+        `lm_head`; the rest without the wrapper's and the base model's prefixes): what freeze, LoRA and the
+        planner's inventory select by, whatever the family calls them (GPT-2: `transformer.h.<i>`, `wte`)."""
+        for prefix, ours in self._renames:
+            if name == prefix or name.startswith(prefix + "."):
+                return ours + name[len(prefix) :]
         return name.removeprefix(f"hf.{self.hf.base_model_prefix}.").removeprefix("hf.")
+
+    def _canonical_prefixes(self) -> list[tuple[str, str]]:
+        names = {id(m): n for n, m in self.named_modules()}
+        container = names[id(self.blocks()[0])].rpartition(".")[0]  # e.g. hf.model.layers, hf.transformer.h
+        return [
+            (container, "layers"),
+            (names[id(self.embed_tokens)], "embed_tokens"),
+            (names[id(self.lm_head)], "lm_head"),
+        ]
 
     def tie_weights(self) -> None:
         if self.config.tie_embeddings:
@@ -131,20 +148,20 @@ class HFCausalLM(nn.Module):
         summed: bool = False,
         values: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The Llama family's forward arguments (models/llama/model.py: Decoder.forward); packed rows
-        (`doc_ids`, `doc_layout`) and the paged cache are not available on this backend."""
-        if cache is not None:
-            raise ModelError(
-                f"the generic backend ({self.config.model_type}) does not run in shardforge's inference "
-                f"engine; generation uses transformers' own cache"
-            )
+        """The Llama family's forward arguments (models/llama/model.py: Decoder.forward). With `cache` (an
+        inference engine step: infer/paged.py) attention runs over the paged KV cache (attention.py);
+        packed rows (`doc_ids`, `doc_layout`) are not available on this backend."""
         if doc_layout is not None or (doc_ids is not None and bool((doc_ids > 0).any())):
             raise ModelError(
                 f"packed rows need per-document attention, which the generic backend "
                 f"({self.config.model_type}) does not provide: set data.packing: false"
             )
-        out = self.hf.base_model(input_ids=x, position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state
+        if cache is not None:
+            hidden = self._paged_body(x, position_ids, cache)
+        else:
+            hidden = self.hf.base_model(
+                input_ids=x, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
         if output_mask is not None:
             hidden = hidden[output_mask]
         if return_hidden:
@@ -153,7 +170,9 @@ class HFCausalLM(nn.Module):
             if self._logit_transform is None:
                 logps = target_logprobs(self.lm_head, hidden, targets, summed)
             else:
-                logits = self._logit_transform(self.lm_head(hidden).float())
+                logits = self.lm_head(hidden)
+                logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # TP's shards
+                logits = self._logit_transform(logits.float())
                 logps = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
             if values:
                 assert self.value_head is not None, "values=True needs add_value_head()"
@@ -161,6 +180,22 @@ class HFCausalLM(nn.Module):
             return logps
         logits = self.lm_head(hidden)
         return self._logit_transform(logits) if self._logit_transform is not None else logits
+
+    def _paged_body(self, x: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One engine step through transformers' body, its attention switched to the paged one for the
+        call (the family's attention modules read the implementation's name from the config each time)."""
+        config = self.hf.config
+        kept = config._attn_implementation
+        cache.context(self.config, position_ids)
+        config._attn_implementation = NAME
+        try:
+            out = self.hf.base_model(
+                input_ids=x, position_ids=position_ids, use_cache=False, **{CACHE: cache}
+            )
+        finally:
+            config._attn_implementation = kept
+        cache.advance(position_ids.shape[1])
+        return out.last_hidden_state
 
 
 def _logit_transform(hf: Any) -> Any:

@@ -12,6 +12,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from shardforge.models.generic.config import PREFIX, GenericConfig, config_from_hf, hf_config_from
 from shardforge.models.generic.model import HFCausalLM
+from shardforge.models.generic.plan import tensor_parallel_plan
 from shardforge.models.llama.costs import costs as llama_costs
 from shardforge.models.spec import CostModel, ModelSpec, ParamCounts, register_generic
 
@@ -94,6 +95,6 @@ GENERIC = ModelSpec(
     key_to_hf=key_to_hf,
     key_from_hf=key_from_hf,
     costs=costs,
-    tp_plan=None,
+    tp_plan=tensor_parallel_plan,
 )
 register_generic(GENERIC, provides)
