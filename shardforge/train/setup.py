@@ -31,6 +31,7 @@ from shardforge.data.stream import StreamSource, stream_shards
 from shardforge.errors import ConfigError
 from shardforge.infer.sampling import GenerationDefaults
 from shardforge.models.build import build_model, model_source
+from shardforge.models.generic.model import packs_by_position
 from shardforge.models.spec import CostModel, spec_for
 from shardforge.objectives import Objective, build_objective
 from shardforge.objectives.rewards import build_rewards
@@ -117,9 +118,9 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     cfg = config
     world = world_size_from_env()
     shape, tokenizer = model_source(cfg.model)
-    if str(shape.family).startswith("hf:") and cfg.data.packing:
+    if str(shape.family).startswith("hf:") and cfg.data.packing and not packs_by_position(shape.hf):
         console.print(
-            f"data.packing is off: the generic backend ({shape.model_type}) has no per-document attention, "
+            f"data.packing is off: the generic backend has no per-document attention for {shape.model_type}, "
             f"so rows are padded (one example each)"
         )
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"packing": False})})

@@ -3,7 +3,8 @@ the layouts and checkpoints treat it as one of ours.
 
 The wrapper holds transformers' `...ForCausalLM` as `hf`; parameter names are transformers' own under `hf.`
 (checkpoint keys map by that prefix alone). The forward takes the Llama family's arguments: the body runs in
-transformers (causal attention over right-padded rows; no packing), then the head runs only where
+transformers (causal attention over right-padded rows; packed rows attend per document through position ids
+that restart, where the family builds its masks with transformers' helpers), then the head runs only where
 `output_mask` says, and with `targets` as our fused head (models/head.py: no full-vocabulary logits),
 unless the family changes its logits after the projection (Gemma 2's soft-capping, Granite's and Cohere's
 scaling), in which case the logits are made and transformed as transformers does. In shardforge's inference
@@ -12,6 +13,8 @@ engine the family's attention runs over the paged KV cache (attention.py)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardforge.errors import ModelError
 from shardforge.models.generic.attention import CACHE, NAME
@@ -67,6 +71,7 @@ class HFCausalLM(nn.Module):
         self.value_head: nn.Linear | None = None
         self._logit_transform = _logit_transform(cfg.hf)
         self._renames = self._canonical_prefixes()
+        self.packs = packs_by_position(cfg.hf)
 
     # ---- what the loop and the layouts ask of a model -----------------------------------------------------
     @property
@@ -151,10 +156,10 @@ class HFCausalLM(nn.Module):
         """The Llama family's forward arguments (models/llama/model.py: Decoder.forward). With `cache` (an
         inference engine step: infer/paged.py) attention runs over the paged KV cache (attention.py);
         packed rows (`doc_ids`, `doc_layout`) are not available on this backend."""
-        if doc_layout is not None or (doc_ids is not None and bool((doc_ids > 0).any())):
+        if not self.packs and (doc_layout is not None or (doc_ids is not None and bool((doc_ids > 0).any()))):
             raise ModelError(
-                f"packed rows need per-document attention, which the generic backend "
-                f"({self.config.model_type}) does not provide: set data.packing: false"
+                f"packed rows need per-document attention, which the generic backend does not provide for "
+                f"{self.config.model_type}: set data.packing: false"
             )
         if cache is not None:
             hidden = self._paged_body(x, position_ids, cache)
@@ -196,6 +201,16 @@ class HFCausalLM(nn.Module):
             config._attn_implementation = kept
         cache.advance(position_ids.shape[1])
         return out.last_hidden_state
+
+
+def packs_by_position(hf: Any) -> bool:
+    """Whether the family attends per document in packed rows: transformers' mask helpers (`masking_utils`)
+    find the documents of a row from position ids that restart (when no attention mask and no cache are
+    given, as in our training forward) and mask across them, sliding windows included. Families whose
+    modeling code does not build its masks with them would attend across documents: no packing there."""
+    module = sys.modules.get(MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)].__module__)
+    source = inspect.getsource(module) if module is not None else ""
+    return "create_causal_mask" in source
 
 
 def _logit_transform(hf: Any) -> Any:
