@@ -116,6 +116,7 @@ def _cmd_env(args: argparse.Namespace, console: Console) -> int:
 
     from shardforge import __version__
     from shardforge.models import preset_names, supported
+    from shardforge.models.generic.spec import generic_families
     from shardforge.planner.peak import peak_flops
 
     rows = [
@@ -128,7 +129,12 @@ def _cmd_env(args: argparse.Namespace, console: Console) -> int:
         ("torch threads", str(torch.get_num_threads())),
         ("cuda", f"{torch.cuda.device_count()} device(s)" if torch.cuda.is_available() else "not available"),
         ("distributed backends", ", ".join(b for b in ("gloo", "nccl", "mpi") if _has_backend(b))),
-        ("model families", ", ".join(supported())),
+        ("model families", f"native: {', '.join(supported())}"),
+        (
+            "",
+            f"generic backend (model.backend: auto | hf): {generic_families()} more causal LM types "
+            f"through transformers' own modules (no pipeline / context / expert parallel, NF4 or rm)",
+        ),
         ("presets", ", ".join(preset_names())),
     ]
     for i in range(torch.cuda.device_count()):

@@ -123,6 +123,7 @@ def test_env_reports_versions_and_peak():
     assert proc.returncode == 0, proc.stderr
     assert torch.__version__ in proc.stdout  # the torch this environment runs, not a pinned string
     assert "peak fp32 (cpu)" in proc.stdout and "GFLOP/s (measured: best of" in proc.stdout
+    assert "native: llama" in proc.stdout and "generic backend (model.backend: auto | hf)" in proc.stdout
 
 
 def test_demo_config_runs(tmp_path):

@@ -28,6 +28,11 @@ def key_from_hf(key: str) -> str:
     return _KEY_PREFIX + key
 
 
+def generic_families() -> int:
+    """How many model_types transformers has a causal LM for (the generic backend can run them)."""
+    return len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
 def provides(model_type: str | None) -> bool:
     """Whether transformers has a causal LM class for this model_type."""
     return model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
