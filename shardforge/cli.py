@@ -132,8 +132,8 @@ def _cmd_env(args: argparse.Namespace, console: Console) -> int:
         ("model families", f"native: {', '.join(supported())}"),
         (
             "",
-            f"generic backend (model.backend: auto | hf): {generic_families()} more causal LM types "
-            f"through transformers' own modules (no pipeline / context / expert parallel, NF4 or rm)",
+            f"generic backend (model.backend: auto | hf): any of transformers' {generic_families()} causal "
+            f"LM types, through its own modules (no pipeline / context / expert parallel, NF4 or rm)",
         ),
         ("presets", ", ".join(preset_names())),
     ]
