@@ -94,6 +94,8 @@ def load_model(
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"), backend)
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
+    if spec.load_folder is not None:  # the generic backend: no pipeline part, NF4 or score head there
+        return spec.load_folder(folder, cfg, dtype, device)
     fresh_head = num_labels > 0 and cfg.num_labels != num_labels
     if fresh_head:
         cfg = cfg.with_score_head(num_labels)
@@ -239,7 +241,9 @@ def save_model(
     shards = _shards(tensors, max_shard_bytes)
     for stale in [folder / SINGLE_FILE, folder / INDEX_FILE, *folder.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
-    if len(shards) == 1:
+    if spec.save_folder is not None:
+        spec.save_folder(model, folder, tensors, max_shard_bytes)
+    elif len(shards) == 1:
         save_file(shards[0], str(folder / SINGLE_FILE), metadata={"format": "pt"})
     else:
         weight_map = {}

@@ -149,6 +149,11 @@ class ModelSpec:
     mlp: Callable[[Any, int], nn.Module] | None = None  # (config, layer) -> a block's MLP; None: the default
     # (our key, tensor, layout) -> HF (key, tensor) pairs, where one of ours is written as several (experts)
     split_to_hf: Callable[[str, Any, str], list[tuple[str, Any]]] | None = None
+    # A family that reads and writes its folders itself (the generic backend: transformers' own loading and
+    # saving, with the weight conversions of its families): (folder, config, dtype, device) -> model, and
+    # (model, folder, HF-named tensors, max shard bytes) -> None
+    load_folder: Callable[[Any, Any, Any, Any], nn.Module] | None = None
+    save_folder: Callable[[nn.Module, Any, dict, int], None] | None = None
 
     def tensors_to_hf(self, key: str, tensor: Any, layout: str = "per_expert") -> list[tuple[str, Any]]:
         """The HF tensors one of our parameters is written as."""

@@ -37,13 +37,27 @@ FAMILIES = {
     "granite": dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5),
     "glm4": dict(head_dim=16, pad_token_id=0),
     "gpt2": dict(),  # other names (transformer.h, wte, ln_f) and Conv1D layers instead of linears
+    # DeepSeek-V2-Lite-like: multi-head latent attention and a mixture of experts after a dense first layer
+    "deepseek_v2": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+    ),
 }
 
 
 def hf_folder(root, model_type: str):
     """A random tiny model of the family, saved by transformers (weights perturbed off their init so that
     a missed norm or bias shows)."""
-    cfg = AutoConfig.for_model(model_type, **SHAPE, **FAMILIES[model_type])
+    cfg = AutoConfig.for_model(model_type, **{**SHAPE, **FAMILIES[model_type]})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -129,6 +143,20 @@ def test_packed_rows_attend_per_document(tmp_path, model_type):
         alone = torch.cat([reference(input_ids=d[None]).logits for d in (first, second)], dim=1)
         packed = ours(row, position_ids=positions, doc_ids=doc_ids)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_a_trained_moe_is_handed_back_as_transformers_writes_it(tmp_path):
+    """DeepSeek-V2-like: transformers fuses the per-expert checkpoint tensors when it loads and splits them
+    back when it saves; the run's final folder loads in transformers with the trained model's logits."""
+    folder = hf_folder(tmp_path, "deepseek_v2")
+    trainer = Trainer(load_config(None, base=_train_config(tmp_path, folder, "moe", train={"steps": 2})))
+    result = trainer.train()
+    ids, _ = _batch()
+    with torch.no_grad():
+        live = trainer.model.eval()(ids)
+        exported = AutoModelForCausalLM.from_pretrained(result.final_model).eval()(input_ids=ids).logits
+    torch.testing.assert_close(exported, live, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(live, AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=ids).logits)
 
 
 def test_backend_choice(tmp_path):

@@ -54,7 +54,10 @@ class HFCausalLM(nn.Module):
     sequence_split = None  # context parallel is refused for this backend (parallel/parallelize.py)
     untied_copy = False
 
-    def __init__(self, cfg: GenericConfig, mlp: Any = None) -> None:
+    def __init__(self, cfg: GenericConfig, mlp: Any = None, pretrained: Any = None) -> None:
+        """`pretrained`: a folder transformers loads the weights from (its own loading: the weight conversions
+        of its families, e.g. per-expert checkpoint keys into fused expert tensors); None: built on the meta
+        device (the loop's build_empty and the planner's inventory)."""
         super().__init__()
         if mlp is not None:
             raise ModelError("the generic backend builds the family's own MLPs")
@@ -64,8 +67,11 @@ class HFCausalLM(nn.Module):
                 f"use a natively supported family for reward models"
             )
         self.config = cfg
-        with _parameters_on_meta():
-            self.hf = AutoModelForCausalLM.from_config(cfg.hf)
+        if pretrained is not None:
+            self.hf = AutoModelForCausalLM.from_pretrained(pretrained, config=cfg.hf, dtype=torch.float32)
+        else:
+            with _parameters_on_meta():
+                self.hf = AutoModelForCausalLM.from_config(cfg.hf)
         # to_empty() leaves buffers unset: their values, made on the CPU, are put back by reset_buffers()
         self._buffers_made = {name: b.detach().clone() for name, b in self.hf.named_buffers()}
         self.value_head: nn.Linear | None = None

@@ -39,6 +39,8 @@ def tensor_parallel_plan(cfg: GenericConfig, tp: int, sequence_parallel: bool) -
     declared = dict(getattr(cfg.hf, "base_model_tp_plan", None) or {})
     unknown = sorted({style for style in declared.values() if style not in STYLES})
     if not declared or unknown:
+        if tp == 1:  # asked for the plan's structure only (the planner's inventory): nothing is split
+            return {}
         why = (
             f"its styles {', '.join(unknown)} are not supported" if unknown else "transformers declares none"
         )

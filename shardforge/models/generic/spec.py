@@ -6,6 +6,8 @@ family's formulas over the same shape (an approximation for families whose block
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -86,6 +88,18 @@ def _counts(cfg: GenericConfig) -> ParamCounts:
     return counts
 
 
+def load_folder(folder: Path, cfg: GenericConfig, dtype: torch.dtype, device: Any) -> HFCausalLM:
+    """The folder's weights read by transformers, in `dtype` on `device`."""
+    return HFCausalLM(cfg, pretrained=folder).to(dtype=dtype, device=device)
+
+
+def save_folder(model: HFCausalLM, folder: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> None:
+    """Weights written by transformers (its reverse conversions: fused experts back to per-expert keys);
+    `tensors` are the whole model's under transformers' in-memory names."""
+    inner = model.hf if isinstance(model, HFCausalLM) else model.module.hf
+    inner.save_pretrained(folder, state_dict=tensors, max_shard_size=max_bytes, safe_serialization=True)
+
+
 def _config_from_hf(hf: object) -> GenericConfig:
     return config_from_hf(hf)  # type: ignore[arg-type]
 
@@ -101,5 +115,7 @@ GENERIC = ModelSpec(
     key_from_hf=key_from_hf,
     costs=costs,
     tp_plan=tensor_parallel_plan,
+    load_folder=load_folder,
+    save_folder=save_folder,
 )
 register_generic(GENERIC, provides)
