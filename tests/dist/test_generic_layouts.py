@@ -1,7 +1,7 @@
 """The generic backend (transformers' modules) on 2 ranks: DDP, ZeRO-1, ZeRO-2, FSDP2 ZeRO-3 (sharded per
-decoder layer), ZeRO-3 with activation checkpointing and TP2 (transformers' plan of the family: OLMo 2's
-gathered q/k projections too) equal one process for two families built tiny in the test (one launch); a
-checkpoint saved by ZeRO-3 resumes in one process."""
+decoder layer), ZeRO-3 with activation checkpointing or optimizer offload, TP2 (transformers' plan of the
+family: OLMo 2's gathered q/k projections too) equal one process for two families built tiny in the test
+(one launch); HSDP on 4 ranks too; a checkpoint saved by ZeRO-3 resumes in one process."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def test_generic_backend_on_two_ranks_equals_one_process(tmp_path, folders):
         "zero3": {"dp_shard": 2, "zero_stage": 3},
         "zero3-ckpt": {"dp_shard": 2, "zero_stage": 3, "activation_checkpoint": "full"},
         "tp2": {"tp": 2, "dp_shard": 1, "sequence_parallel": False},  # transformers' plan of the family
+        "zero3-offload": {"dp_shard": 2, "zero_stage": 3, "offload": "optimizer"},
     }
     refs = {
         name: train_runs([_train_config(tmp_path, folder, f"one-{name}", data=DATA, train=ONE)])[0]
@@ -77,3 +78,14 @@ def test_a_generic_checkpoint_resumes_on_another_layout(tmp_path, folders):
     trainer.train()
     assert trainer.start_step == 2
     assert logged_losses(tmp_path / "resumed" / "run") == pytest.approx(whole, rel=1e-5)
+
+
+def test_generic_backend_under_hsdp_equals_one_process(tmp_path, folders):
+    """HSDP on 4 ranks: replicated over 2 groups, sharded over 2 ranks in each."""
+    ref = train_runs([_train_config(tmp_path, folders["olmo2"], "one", data=DATA, train=ONE)])[0]
+    hsdp = {"dp_replicate": 2, "dp_shard": 2, "zero_stage": 3}
+    train = {"micro_batch": 1, "grad_accum": 1}  # 1 x 1 x 4 ranks = the 4 rows of one process's step
+    cfg = _train_config(tmp_path, folders["olmo2"], "hsdp", parallel=hsdp, data=DATA, train=train)
+    run = run_ranks(train_runs, 4, [cfg])[0][0]
+    assert "dp_replicate=2" in run["layout"]
+    assert_same(run, ref, rel=1e-5, atol=1e-4)
