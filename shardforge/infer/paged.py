@@ -13,7 +13,9 @@ slice beats any gather where the keys are long (a 64-request burst of 50M ran 1.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -79,16 +81,38 @@ class _Span:
     sliding: torch.Tensor | None = None
 
     def attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool, softcap: float | None
     ) -> torch.Tensor:
         queries = q[:, :, self.lo : self.hi]
         if self.hi - self.lo == 1:  # a decode sees every cached key (or the window's): no mask
             where = self.window_keys if sliding and self.window_keys is not None else self.keys
+            if softcap is not None:
+                return capped(queries, _read(keys, where), _read(values, where), None, softcap)
             return F.scaled_dot_product_attention(
                 queries, _read(keys, where), _read(values, where), enable_gqa=True
             )
         mask = self.sliding if sliding else self.full
+        if softcap is not None:
+            n = self.hi - self.lo  # a chunk that starts its sequence has no mask: plainly causal
+            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None, None]
+            keys_, values_ = _read(keys, self.keys), _read(values, self.keys)
+            return capped(queries, keys_, values_, mask if mask is not None else causal, softcap)
         return sdpa(queries, _read(keys, self.keys), _read(values, self.keys), mask)
+
+
+def capped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, softcap: float
+) -> torch.Tensor:
+    """Attention whose scores are soft-capped before the softmax (Gemma 2: cap x tanh(score / cap)), as
+    transformers' eager attention computes it; `mask` True = attend (None: every key). SDPA has no hook for
+    it, so the scores are made whole: prefill chunks and decodes are small."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    return torch.matmul(scores.softmax(-1), v)
 
 
 class _Decodes:
@@ -117,13 +141,15 @@ class _Decodes:
         self.visible[True] = self.visible[False] & (last - key < window)
 
     def attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool, softcap: float | None
     ) -> torch.Tensor:
         """q [1, heads, T, d] -> these sequences' outputs [1, heads, batch, d], each over its visible keys."""
         kv_heads, d = keys.shape[1], keys.shape[3]
         k, v = (self._gather(pool, kv_heads, d) for pool in (keys, values))  # [batch, kv_heads, keys, d]
         queries = q[0].index_select(1, self.rows).transpose(0, 1)[:, :, None]  # [batch, heads, 1, d]
-        out = sdpa(queries, k, v, self.visible[sliding][:, None, None])  # [batch, heads, 1, d]
+        mask = self.visible[sliding][:, None, None]
+        attend = sdpa if softcap is None else partial(capped, softcap=softcap)
+        out = attend(queries, k, v, mask)  # [batch, heads, 1, d]
         return out[:, :, 0].transpose(0, 1)[None]
 
     def _gather(self, pool: torch.Tensor, kv_heads: int, d: int) -> torch.Tensor:
@@ -204,21 +230,27 @@ class PagedStep:
         return AttentionContext(cache=self)
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sliding: bool,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q [1, heads, T, d], k and v [1, kv_heads, T, d] for the step's tokens -> the attention output
-        [1, heads, T, d]."""
+        [1, heads, T, d]; `softcap`: the family soft-caps its scores (the generic backend's Gemma 2)."""
         keys, values = self.kv.layer(layer, k)
         keys[0, :, self.slots] = k[0]
         values[0, :, self.slots] = v[0]
-        decoded = self.decodes.attend(q, keys, values, sliding) if self.decodes is not None else None
+        decoded = self.decodes.attend(q, keys, values, sliding, softcap) if self.decodes is not None else None
         if not self.spans:  # a step of decodes only (in their order)
             return decoded
         out = torch.empty_like(q)
         if decoded is not None:
             out[:, :, self.decodes.rows] = decoded
         for s in self.spans:
-            out[:, :, s.lo : s.hi] = s.attend(q, keys, values, sliding)
+            out[:, :, s.lo : s.hi] = s.attend(q, keys, values, sliding, softcap)
         return out
 
     def advance(self, n: int) -> None:

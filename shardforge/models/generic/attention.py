@@ -14,8 +14,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from shardforge.errors import ModelError
-
 NAME = "shardforge_paged"  # the attention implementation a generic model switches to for an engine step
 CACHE = "shardforge_cache"  # the keyword the step's PagedStep travels under, through the family's forward
 
@@ -37,15 +35,10 @@ def paged_attention(
     paged = kwargs.get(CACHE)
     if paged is None:  # not an engine step: transformers' SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    if softcap is not None:
-        raise ModelError(
-            f"{type(module).__name__} soft-caps its attention scores, which the paged engine's attention "
-            f"does not do: generation with this family is not available"
-        )
     d = query.shape[-1]
     if scaling is not None and abs(scaling * d**0.5 - 1.0) > 1e-12:  # SDPA's default scale is d^-1/2
         query = query * (scaling * d**0.5)
-    out = paged.attend(module.layer_idx, query, key, value, sliding_window is not None)
+    out = paged.attend(module.layer_idx, query, key, value, sliding_window is not None, softcap)
     return out.transpose(1, 2), None
 
 
