@@ -23,6 +23,18 @@ CHUNK_BYTES = 16 << 20
 _MIN_CHUNK = 64  # positions: fewer make the head's matmuls too thin to run at speed
 
 
+def value_head(hidden_size: int, like: torch.Tensor, seed: int) -> nn.Linear:
+    """A scalar value head on the final hidden states, as TRL's `...WithValueHead` puts on the policy (PPO's
+    critic sharing the policy's body): weights N(0, 0.02) drawn from `seed`, bias 0, on `like`'s device and
+    in its dtype."""
+    head = nn.Linear(hidden_size, 1, device=like.device, dtype=like.dtype)
+    with torch.no_grad():
+        draw = torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+        head.weight.copy_(draw)
+        head.bias.zero_()
+    return head
+
+
 def chunk_rows(vocab: int) -> int:
     return max(_MIN_CHUNK, CHUNK_BYTES // (4 * vocab))
 

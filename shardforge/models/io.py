@@ -94,7 +94,16 @@ def load_model(
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"), backend)
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
-    if spec.load_folder is not None:  # the generic backend: no pipeline part, NF4 or score head there
+    if spec.load_folder is not None:  # the generic backend
+        asked = [
+            what
+            for what, on in (("a pipeline part", prune), ("NF4", quantize), ("a score head", num_labels))
+            if on
+        ]
+        if asked:
+            raise ModelError(
+                f"{folder}: {', '.join(asked)} is not available on the generic backend ({cfg.family})"
+            )
         return spec.load_folder(folder, cfg, dtype, device)
     fresh_head = num_labels > 0 and cfg.num_labels != num_labels
     if fresh_head:

@@ -4,7 +4,7 @@ vocabulary serves every backend)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -23,9 +23,6 @@ class GenericConfig(DecoderConfig):
     @property
     def model_type(self) -> str:
         return self.family.removeprefix(PREFIX)
-
-    def with_score_head(self, num_labels: int) -> GenericConfig:
-        return replace(self, num_labels=num_labels, tie_embeddings=False)
 
 
 def config_from_hf(hf: PretrainedConfig) -> GenericConfig:

@@ -27,7 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from shardforge.errors import ModelError
 from shardforge.models.generic.attention import CACHE, NAME
 from shardforge.models.generic.config import GenericConfig
-from shardforge.models.head import target_logprobs
+from shardforge.models.head import target_logprobs, value_head
 
 
 @contextlib.contextmanager
@@ -51,8 +51,7 @@ def _parameters_on_meta() -> Iterator[None]:
 
 
 class HFCausalLM(nn.Module):
-    sequence_split = None  # context parallel is refused for this backend (parallel/parallelize.py)
-    untied_copy = False
+    sequence_split = None  # context parallel is refused for this backend (planner/layout.py)
 
     def __init__(self, cfg: GenericConfig, mlp: Any = None, pretrained: Any = None) -> None:
         """`pretrained`: a folder transformers loads the weights from (its own loading: the weight conversions
@@ -136,14 +135,8 @@ class HFCausalLM(nn.Module):
         )
 
     def add_value_head(self, seed: int = 0) -> None:
-        """PPO's critic on the final hidden states (as the Llama family's `add_value_head`)."""
-        ref = self.lm_head.weight
-        head = nn.Linear(self.config.hidden_size, 1, device=ref.device, dtype=ref.dtype)
-        with torch.no_grad():
-            draw = torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
-            head.weight.copy_(draw)
-            head.bias.zero_()
-        self.value_head = head
+        """PPO's critic on the final hidden states (models/head.py: value_head)."""
+        self.value_head = value_head(self.config.hidden_size, self.lm_head.weight, seed)
 
     # ---- forward -----------------------------------------------------------------------------------------
     def forward(

@@ -100,16 +100,12 @@ def save_folder(model: HFCausalLM, folder: Path, tensors: dict[str, torch.Tensor
     inner.save_pretrained(folder, state_dict=tensors, max_shard_size=max_bytes, safe_serialization=True)
 
 
-def _config_from_hf(hf: object) -> GenericConfig:
-    return config_from_hf(hf)  # type: ignore[arg-type]
-
-
 GENERIC = ModelSpec(
     name="hf",
     model_type=PREFIX.rstrip(":"),
     architecture="AutoModelForCausalLM",
     model_cls=HFCausalLM,
-    config_from_hf=_config_from_hf,
+    config_from_hf=config_from_hf,
     hf_config_from=hf_config_from,
     key_to_hf=key_to_hf,
     key_from_hf=key_from_hf,

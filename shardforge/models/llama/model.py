@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardforge.models.attention import DocLayout, attention_per_document, sdpa
-from shardforge.models.head import target_logprobs
+from shardforge.models.head import target_logprobs, value_head
 from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
 from shardforge.models.moe import SparseMoE
@@ -260,18 +260,10 @@ class Decoder(nn.Module):
         self.reset_rope()
 
     def add_value_head(self, seed: int = 0) -> None:
-        """A scalar value head on the final hidden states, as TRL's `...WithValueHead` puts on the policy
-        (PPO's critic sharing the policy's body): weights N(0, 0.02) drawn from `seed`, bias 0. A pipeline
-        stage without the LM head gets none."""
-        if self.lm_head is None:
-            return
-        ref = self.norm.weight
-        head = nn.Linear(self.config.hidden_size, 1, device=ref.device, dtype=ref.dtype)
-        with torch.no_grad():
-            draw = torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
-            head.weight.copy_(draw)
-            head.bias.zero_()
-        self.value_head = head
+        """PPO's critic on the final hidden states (models/head.py: value_head). A pipeline stage without the
+        LM head gets none."""
+        if self.lm_head is not None:
+            self.value_head = value_head(self.config.hidden_size, self.norm.weight, seed)
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the checkpoint says so (again after `to_empty`). A
