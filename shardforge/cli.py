@@ -133,7 +133,7 @@ def _cmd_env(args: argparse.Namespace, console: Console) -> int:
         (
             "",
             f"generic backend (model.backend: auto | hf): any of transformers' {generic_families()} causal "
-            f"LM types, through its own modules (no pipeline / context / expert parallel, NF4 or rm)",
+            f"LM types, through its own modules (no pipeline / context / expert / sequence parallel)",
         ),
         ("presets", ", ".join(preset_names())),
     ]

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from shardforge.errors import ModelError
-from shardforge.models.quantize import QUANTIZED, set_nf4
+from shardforge.models.quantize import QUANTIZED, quantize_model, set_nf4
 from shardforge.models.spec import ModelSpec, Slot, spec_for
 
 SINGLE_FILE = "model.safetensors"
@@ -94,17 +94,20 @@ def load_model(
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"), backend)
     cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
-    if spec.load_folder is not None:  # the generic backend
-        asked = [
-            what
-            for what, on in (("a pipeline part", prune), ("NF4", quantize), ("a score head", num_labels))
-            if on
-        ]
-        if asked:
+    if spec.load_folder is not None:  # the generic backend: transformers reads the folder
+        if prune is not None:
             raise ModelError(
-                f"{folder}: {', '.join(asked)} is not available on the generic backend ({cfg.family})"
+                f"{folder}: a pipeline part is not available on the generic backend ({cfg.family})"
             )
-        return spec.load_folder(folder, cfg, dtype, device)
+        fresh_head = num_labels > 0 and cfg.num_labels != num_labels
+        if num_labels > 0:
+            cfg = cfg.with_score_head(num_labels)
+        model = spec.load_folder(folder, cfg, dtype, device)
+        if fresh_head:
+            model.init_head(seed=seed)
+        if quantize:  # QLoRA: the block linears in NF4, once loaded
+            quantize_model(model)
+        return model
     fresh_head = num_labels > 0 and cfg.num_labels != num_labels
     if fresh_head:
         cfg = cfg.with_score_head(num_labels)

@@ -110,10 +110,24 @@ def _glibc() -> ctypes.CDLL | None:
 _LIBC = _glibc()
 
 
+def quantized_names(model: nn.Module) -> set[str]:
+    """The parameters NF4 holds: the block linears' weights (our names; on the generic backend, the weight of
+    every nn.Linear inside the decoder blocks, whatever the family calls it)."""
+    canonical = getattr(model, "canonical_name", None)
+    if canonical is None:
+        return {key for key, _ in model.named_parameters() if QUANTIZED.match(key)}
+    return {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and canonical(name).startswith("layers.")
+    }
+
+
 def quantize_model(model: nn.Module) -> None:
     """Quantize a built model's block linears in place, one weight at a time."""
+    names = quantized_names(model)
     for key, param in list(model.named_parameters()):
-        if QUANTIZED.match(key):
+        if key in names:
             set_nf4(model, key, param.detach())
 
 

@@ -164,8 +164,7 @@ def layout_of(cfg: Config, world: int) -> Layout:
 
 def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
     """What the generic backend (transformers' modules, models/generic) cannot run: pipeline, context and
-    expert parallel, sequence parallel (tensor parallel runs transformers' own plan of the family), NF4 (its
-    transform names our modules), and the reward model's score head."""
+    expert parallel and sequence parallel (tensor parallel runs transformers' own plan of the family)."""
     from shardforge.models.spec import supported  # the native families, named in the messages
 
     kind = f"the generic backend ({shape.model_type}: transformers' modules)"
@@ -182,15 +181,6 @@ def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
             f"parallel.tp={dims.tp} with sequence_parallel on {kind}: transformers' modules keep the "
             f"residual stream whole; set parallel.sequence_parallel: false"
         )
-    rules = [
-        (cfg.model.quantize != "none", f"model.quantize={cfg.model.quantize}"),
-        (cfg.method.stage == "rm", f"method.stage={cfg.method.stage}"),
-    ]
-    for broken, what in rules:
-        if broken:
-            raise ConfigError(
-                f"{what} is not available on {kind} yet; it runs on the native families ({native})"
-            )
 
 
 def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int, PipelinePlan | None]:

@@ -21,7 +21,7 @@ import torch
 
 from shardforge.adapters.apply import apply_finetuning
 from shardforge.config.schema import LINEAR_TARGETS, Config
-from shardforge.models.quantize import QUANTIZED, nf4_storage_bytes
+from shardforge.models.quantize import nf4_storage_bytes, quantized_names
 from shardforge.models.spec import ActivationBytes, CostModel, spec_for
 from shardforge.parallel.dims import MESH_ORDER
 from shardforge.parallel.pipeline_plan import PipelinePlan
@@ -119,12 +119,13 @@ def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
     itemsize = DTYPE_BYTES[cfg.model.dtype]
     nf4 = cfg.model.quantize == "nf4"
     out = []
+    quantized = quantized_names(model) if cfg.model.quantize == "nf4" else set()
     canonical = getattr(model, "canonical_name", None)  # the generic backend's names, as ours are spelled
     for name, p in model.named_parameters():
         parts = (canonical(name) if canonical is not None else name).split(".")
         layer = int(parts[1]) if parts[0] == "layers" else None
         size = itemsize
-        if nf4 and not p.requires_grad and QUANTIZED.match(name):
+        if nf4 and not p.requires_grad and name in quantized:
             size = nf4_storage_bytes(p.numel(), itemsize) / p.numel()
         vocab = parts[0] in ("embed_tokens", "lm_head") and not getattr(shape, "num_labels", 0)
         split = tp_dims.get(name)

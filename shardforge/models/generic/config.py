@@ -4,10 +4,12 @@ vocabulary serves every backend)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 from shardforge.models.llama.config import DecoderConfig
 
@@ -23,6 +25,13 @@ class GenericConfig(DecoderConfig):
     @property
     def model_type(self) -> str:
         return self.family.removeprefix(PREFIX)
+
+    def with_score_head(self, num_labels: int) -> GenericConfig:
+        """A reward model: transformers' ...ForSequenceClassification of the family, `num_labels` outputs."""
+        hf = copy.deepcopy(self.hf)
+        hf.num_labels, hf.tie_word_embeddings = num_labels, False
+        hf.architectures = [MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(hf)].__name__]
+        return replace(self, num_labels=num_labels, tie_embeddings=False, hf=hf)
 
 
 def config_from_hf(hf: PretrainedConfig) -> GenericConfig:
@@ -43,8 +52,14 @@ def config_from_hf(hf: PretrainedConfig) -> GenericConfig:
         tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         sliding_window=getattr(text, "sliding_window", None),
         family=PREFIX + hf.model_type,
+        num_labels=hf.num_labels if _classifies(hf) else 0,
         hf=hf,
     )
+
+
+def _classifies(hf: PretrainedConfig) -> bool:
+    """A folder saved as a sequence classifier (a reward model's export)."""
+    return any(a.endswith("ForSequenceClassification") for a in (getattr(hf, "architectures", None) or []))
 
 
 def hf_config_from(cfg: GenericConfig) -> PretrainedConfig:

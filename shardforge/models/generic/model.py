@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardforge.errors import ModelError
@@ -60,17 +60,14 @@ class HFCausalLM(nn.Module):
         super().__init__()
         if mlp is not None:
             raise ModelError("the generic backend builds the family's own MLPs")
-        if cfg.num_labels:
-            raise ModelError(
-                f"a score head (stage rm) is not available on the generic backend ({cfg.model_type}); "
-                f"use a natively supported family for reward models"
-            )
         self.config = cfg
+        # num_labels > 0: a reward model, transformers' ...ForSequenceClassification (its head: `score`)
+        auto = AutoModelForSequenceClassification if cfg.num_labels else AutoModelForCausalLM
         if pretrained is not None:
-            self.hf = AutoModelForCausalLM.from_pretrained(pretrained, config=cfg.hf, dtype=torch.float32)
+            self.hf = auto.from_pretrained(pretrained, config=cfg.hf, dtype=torch.float32)
         else:
             with _parameters_on_meta():
-                self.hf = AutoModelForCausalLM.from_config(cfg.hf)
+                self.hf = auto.from_config(cfg.hf)
         # to_empty() leaves buffers unset: their values, made on the CPU, are put back by reset_buffers()
         self._buffers_made = {name: b.detach().clone() for name, b in self.hf.named_buffers()}
         self.value_head: nn.Linear | None = None
@@ -81,7 +78,8 @@ class HFCausalLM(nn.Module):
     # ---- what the loop and the layouts ask of a model -----------------------------------------------------
     @property
     def lm_head(self) -> nn.Module:
-        return self.hf.get_output_embeddings()
+        """The head: the LM head, or a reward model's score head."""
+        return self.hf.score if self.config.num_labels else self.hf.get_output_embeddings()
 
     @property
     def embed_tokens(self) -> nn.Module:
@@ -134,6 +132,14 @@ class HFCausalLM(nn.Module):
             f"not from fresh weights"
         )
 
+    @torch.no_grad()
+    def init_head(self, std: float = 0.02, seed: int = 0) -> None:
+        """Fresh weights for a score head put on a pretrained body: N(0, std) from a generator of its own."""
+        weight = self.lm_head.weight
+        weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * std)
+        if getattr(self.lm_head, "bias", None) is not None:
+            self.lm_head.bias.zero_()
+
     def add_value_head(self, seed: int = 0) -> None:
         """PPO's critic on the final hidden states (models/head.py: value_head)."""
         self.value_head = value_head(self.config.hidden_size, self.lm_head.weight, seed)
@@ -183,7 +189,8 @@ class HFCausalLM(nn.Module):
                 return logps, self.value_head(hidden).squeeze(-1).float()
             return logps
         logits = self.lm_head(hidden)
-        return self._logit_transform(logits) if self._logit_transform is not None else logits
+        transform = self._logit_transform if not self.config.num_labels else None  # a score is not a logit
+        return transform(logits) if transform is not None else logits
 
     def _paged_body(self, x: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """One engine step through transformers' body, its attention switched to the paged one for the
