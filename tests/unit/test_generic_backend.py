@@ -264,6 +264,19 @@ def test_a_reward_model_on_the_generic_backend_exports_as_transformers_scores(tm
     assert load_model(result.final_model).config.num_labels == 1
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "olmo2"])
+def test_freeze_selects_layers_by_the_canonical_names(tmp_path, model_type):
+    """The last decoder layer and the final norm train, whatever the family calls them (GPT-2:
+    transformer.h.1, ln_f)."""
+    from shardforge.adapters.apply import freeze
+    from shardforge.config.schema import FreezeSection
+
+    model = load_model(hf_folder(tmp_path, model_type))
+    freeze(model, FreezeSection(trainable_layers=1, extra_modules=["norm"]))
+    names = [model.canonical_name(n).split(".") for n, p in model.named_parameters() if p.requires_grad]
+    assert {".".join(n[:2]) if n[0] == "layers" else n[0] for n in names} == {"layers.1", "norm"}
+
+
 def test_qlora_on_the_generic_backend(tmp_path):
     """model.quantize: nf4 with LoRA: every linear of the blocks is held in NF4 and frozen, the adapters
     train over it, and the run hands back a PEFT adapter."""

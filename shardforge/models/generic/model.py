@@ -109,11 +109,18 @@ class HFCausalLM(nn.Module):
     def _canonical_prefixes(self) -> list[tuple[str, str]]:
         names = {id(m): n for n, m in self.named_modules()}
         container = names[id(self.blocks()[0])].rpartition(".")[0]  # e.g. hf.model.layers, hf.transformer.h
-        return [
+        renames = [
             (container, "layers"),
             (names[id(self.embed_tokens)], "embed_tokens"),
             (names[id(self.lm_head)], "lm_head"),
         ]
+        # the final norm: the base model's part with parameters after its layers (norm, GPT-2's ln_f)
+        children = list(self.hf.base_model.named_children())
+        after = [n for n, _ in children][[n for n, _ in children].index(container.rpartition(".")[2]) + 1 :]
+        held = [n for n in after if any(True for _ in self.hf.base_model.get_submodule(n).parameters())]
+        if len(held) == 1:
+            renames.append((f"{container.rpartition('.')[0]}.{held[0]}", "norm"))
+        return renames
 
     def tie_weights(self) -> None:
         if self.config.tie_embeddings:
