@@ -166,7 +166,9 @@ def test_backend_choice(tmp_path):
     assert isinstance(load_model(folder), HFCausalLM)
 
 
-@pytest.mark.parametrize(("model_type", "per_layer"), [("olmo2", 7), ("phi3", 4)])
+@pytest.mark.parametrize(
+    ("model_type", "per_layer"), [("gemma2", 7), ("granite", 7), ("olmo2", 7), ("phi3", 4)]
+)
 def test_lora_on_the_generic_backend_loads_in_peft(tmp_path, model_type, per_layer):
     """`targets: all` adapts every linear of the blocks (Phi-3's fused qkv_proj and gate_up_proj too); the
     adapter folder loads in peft over transformers' model with the same logits, and merged into an HF
