@@ -359,6 +359,16 @@ def test_what_the_generic_backend_refuses(tmp_path, overrides, message):
         check_layout(cfg, 2, check_model_source(cfg.model))
 
 
+def test_a_family_without_a_tensor_parallel_plan_is_named(tmp_path):
+    """GPT-2 declares no plan in transformers (its attention is a fused Conv1D): tp is refused before any
+    process starts, naming it; its layouts without tp stay available."""
+    folder = hf_folder(tmp_path, "gpt2")
+    overrides = ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=false"]
+    cfg = load_config(None, overrides, base=_train_config(tmp_path, folder, "gpt2-tp"))
+    with pytest.raises(ConfigError, match=r"no tensor-parallel plan for gpt2 .*transformers declares none"):
+        check_layout(cfg, 2, check_model_source(cfg.model))
+
+
 def test_packing_is_switched_off_with_a_message(tmp_path, capsys, monkeypatch):
     """For a family whose masks are not built by transformers' helpers (made so here)."""
     import shardforge.train.setup as setup
