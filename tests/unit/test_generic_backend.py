@@ -313,10 +313,11 @@ def _train_config(tmp_path, folder, name: str, **sections) -> dict:
     return tiny_config(tmp_path / name, data, model=model, data=data_section, train=train, **sections)
 
 
-def test_native_and_generic_backends_train_alike(tmp_path):
-    """The same llama folder on both backends: the same losses over five SFT steps, padded and packed, and
-    in bf16 mixed precision as close as bf16 allows (a cross-check of both implementations)."""
-    cfg = AutoConfig.for_model("llama", **SHAPE, head_dim=16)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_native_and_generic_backends_train_alike(tmp_path, model_type):
+    """The same folder on both backends: the same losses over five SFT steps, padded and packed, and in
+    bf16 mixed precision as close as bf16 allows (a cross-check of both implementations)."""
+    cfg = AutoConfig.for_model(model_type, **SHAPE, head_dim=16)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "llama")
     losses = {}
