@@ -186,7 +186,6 @@ class PagedStep:
                 self.spans.append(_Span(lo, lo + c.length, c.start, self._where(slices, 0)))
                 self.slices.append(slices)
             lo += c.length
-        self.tokens = lo
         self.decodes = (
             _Decodes([r for r, _ in decodes], [c for _, c in decodes], bs, device) if decodes else None
         )

@@ -25,7 +25,6 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardforge.errors import ModelError
-from shardforge.models.generic.attention import CACHE, NAME
 from shardforge.models.generic.config import GenericConfig
 from shardforge.models.head import target_logprobs, value_head
 
@@ -201,7 +200,11 @@ class HFCausalLM(nn.Module):
 
     def _paged_body(self, x: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """One engine step through transformers' body, its attention switched to the paged one for the
-        call (the family's attention modules read the implementation's name from the config each time)."""
+        call (the family's attention modules read the implementation's name from the config each time).
+        attention.py is imported here, not at the top: its transformers modules pull in quantization
+        libraries (torchao) whose import prints warnings and costs a second, which every other command
+        would pay."""
+        from shardforge.models.generic.attention import CACHE, NAME
         config = self.hf.config
         kept = config._attn_implementation
         cache.context(self.config, position_ids)
