@@ -11,7 +11,7 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.text import Text
 
-from shardforge.errors import ShardforgeError
+from shardforge.errors import ConfigError, ShardforgeError
 
 
 def _cmd_train(args: argparse.Namespace, console: Console) -> int:
@@ -89,6 +89,37 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
     checkpoint, out, what = export_checkpoint(Path(args.source), Path(args.to), warn, args.merge)
     console.print(f"exported {checkpoint} to {out}: {what}, with the tokenizer")
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace, console: Console) -> int:
+    """A LLaMA-Factory YAML as a shardforge config: printed (or written with --to), checked by the schema."""
+    from pathlib import Path
+
+    import yaml
+
+    from shardforge.config import load_config
+    from shardforge.config.lf_convert import convert_lf
+
+    source = Path(args.source)
+    if not source.is_file():
+        raise ConfigError(f"{source}: no such LLaMA-Factory config file")
+    lf = yaml.safe_load(source.read_text()) or {}
+    if not isinstance(lf, dict):
+        raise ConfigError(f"{source}: a LLaMA-Factory config is a YAML mapping of keys to values")
+    out = convert_lf(lf, source.parent)
+    load_config(None, base=out.config)  # a key or value the schema refuses is an error here, with its name
+    lines = [f"# converted from {source} (LLaMA-Factory) by shardforge convert"]
+    lines += [f"# note: {n}" for n in out.notes]
+    lines += [f"# unknown LLaMA-Factory key, not converted: {k}" for k in out.unknown]
+    text = "\n".join(lines) + "\n" + yaml.safe_dump(out.config, sort_keys=False)
+    if args.to:
+        Path(args.to).write_text(text)
+        console.print(f"wrote {args.to}", highlight=False)
+    else:
+        console.print(text, highlight=False, markup=False, end="")
+    for key in out.unknown:
+        console.print(f"[yellow]warning:[/] unknown LLaMA-Factory key {key!r} was not converted")
     return 0
 
 
@@ -332,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--merge", action="store_true", help="LoRA: merge the adapters into the base (a plain HF folder)"
     )
     p_export.set_defaults(func=_cmd_export)
+    p_convert = sub.add_parser("convert", help="a LLaMA-Factory training YAML as a shardforge config")
+    p_convert.add_argument("source", help="the LLaMA-Factory YAML")
+    p_convert.add_argument("--to", help="write the config here (default: print it)")
+    p_convert.set_defaults(func=_cmd_convert)
     p_data = sub.add_parser("data", help="data utilities")
     data_sub = p_data.add_subparsers(dest="data_command", required=True)
     p_prepare = data_sub.add_parser(

@@ -205,6 +205,7 @@ class HFCausalLM(nn.Module):
         libraries (torchao) whose import prints warnings and costs a second, which every other command
         would pay."""
         from shardforge.models.generic.attention import CACHE, NAME
+
         config = self.hf.config
         kept = config._attn_implementation
         cache.context(self.config, position_ids)
