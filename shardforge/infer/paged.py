@@ -132,7 +132,8 @@ class _Decodes:
         self.batch, self.keys = len(chunks), width * block_size
         key = torch.arange(self.keys, device=device)[None]
         end = torch.tensor(ends, device=device)[:, None]
-        self.visible = {False: key < end, True: key < end}  # [batch, keys]: which padded keys it attends
+        visible = key < end  # [batch, keys]: which padded keys it attends (a sliding layer's: slide())
+        self.visible = {False: visible, True: visible}
 
     def slide(self, window: int) -> None:
         """Sliding layers see only the last `window` keys (the query is the sequence's last position)."""

@@ -48,7 +48,7 @@ from shardforge.objectives.rewards import Completions, Reward
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import dp_sum
 from shardforge.parallel.tensor_parallel import loss_context
-from shardforge.planner.memory import ROLLOUT_BLOCK as BLOCK_SIZE  # the planner counts the cache in these
+from shardforge.planner.memory import ROLLOUT_BLOCK  # the planner counts the cache in these blocks
 
 
 @dataclass(frozen=True)
@@ -180,10 +180,10 @@ class RolloutSource:
     def _generate(self, prompts: list[Prompt], positions: list[int]) -> list[list[Any]]:
         rl, n = self.rl, self.rl.group_size
         model = self.engine.inner
-        need = sum(n * math.ceil((len(p.ids) + rl.max_new_tokens) / BLOCK_SIZE) for p in prompts)
+        need = sum(n * math.ceil((len(p.ids) + rl.max_new_tokens) / ROLLOUT_BLOCK) for p in prompts)
         sequences = n * len(prompts)
         config = EngineConfig(
-            BLOCK_SIZE, need + 1, max_step_tokens=max(1024, 2 * sequences), max_running=sequences
+            ROLLOUT_BLOCK, need + 1, max_step_tokens=max(1024, 2 * sequences), max_running=sequences
         )
         params = [
             SamplingParams(

@@ -67,8 +67,10 @@ class HFCausalLM(nn.Module):
         else:
             with _parameters_on_meta():
                 self.hf = auto.from_config(cfg.hf)
-        # to_empty() leaves buffers unset: their values, made on the CPU, are put back by reset_buffers()
-        self._buffers_made = {name: b.detach().clone() for name, b in self.hf.named_buffers()}
+        # to_empty() (the meta build's) leaves buffers unset: their values, made on the CPU, are put back by
+        # reset_buffers(); a model transformers loaded has them already
+        buffers = self.hf.named_buffers() if pretrained is None else ()
+        self._buffers_made = {name: b.detach().clone() for name, b in buffers}
         self.value_head: nn.Linear | None = None
         self._logit_transform = _logit_transform(cfg.hf)
         self._renames = self._canonical_prefixes()
