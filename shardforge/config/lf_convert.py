@@ -12,9 +12,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
+from shardforge.config.schema import Tracker
 from shardforge.errors import ConfigError
+
+TRACKERS = get_args(Tracker)
 
 # LF keys that need nothing in shardforge (the behaviour is built in, or belongs to HF Trainer's bookkeeping)
 NOTHING_TO_DO = {
@@ -166,11 +169,13 @@ def _precision(name: str) -> Rule:
 
 
 def _report_to(value: Any, lf: dict, out: Converted) -> None:
-    names = _names(value)
-    _put(out.config, "log.tensorboard", "tensorboard" in names)
-    others = [n for n in names if n not in ("tensorboard", "none")]
+    names = [n for n in _names(value) if n != "none"]
+    if "all" in names:  # transformers' "all": every integration installed; ours are these
+        names = list(TRACKERS)
+    _put(out.config, "log.report_to", [n for n in names if n in TRACKERS])
+    others = [n for n in names if n not in TRACKERS]
     if others:
-        out.unknown.append(f"report_to: {', '.join(others)} (log.report_to is not built yet)")
+        out.unknown.append(f"report_to: {', '.join(others)} (log.report_to offers {', '.join(TRACKERS)})")
 
 
 RULES: dict[str, Rule] = {
@@ -212,6 +217,7 @@ RULES: dict[str, Rule] = {
     "save_total_limit": _simple("checkpoint.keep", int),
     "plot_loss": _simple("log.plot", bool),
     "report_to": _report_to,
+    "run_name": _simple("log.run_name"),
     "per_device_train_batch_size": _simple("train.micro_batch", int),
     "gradient_accumulation_steps": _simple("train.grad_accum", int),
     "learning_rate": _simple("train.lr", float),

@@ -338,6 +338,13 @@ class ParallelSection(Section):
             )
 
 
+class ProfileSection(Section):
+    """torch.profiler over a few steps (train/profiling.py): Chrome traces and where the time went."""
+
+    start: int = Field(default=10, ge=1)  # the first profiled step (later than warm-up steps)
+    steps: int = Field(default=3, ge=1)
+
+
 class TrainSection(Section):
     steps: int | None = Field(default=200, gt=0)
     epochs: float | None = Field(default=None, gt=0)
@@ -359,6 +366,7 @@ class TrainSection(Section):
     max_bad_steps: int = Field(default=5, ge=1)  # consecutive non-finite steps (skipped) before the run halts
     eval_every: int | None = Field(default=None, ge=1)
     compile: bool = False
+    profile: ProfileSection | None = None  # {start, steps}: profile those steps (None: no profiling)
 
     @model_validator(mode="after")
     def _length(self) -> TrainSection:
@@ -379,10 +387,39 @@ class CheckpointSection(Section):
     expert_layout: Literal["per_expert", "fused"] = "per_expert"
 
 
+Tracker = Literal["tensorboard", "mlflow", "wandb"]
+
+
 class LogSection(Section):
-    tensorboard: bool = True
+    """Where metric records go besides metrics.jsonl and the console (train/tracking.py)."""
+
+    report_to: list[Tracker] = ["tensorboard"]  # as LLaMA-Factory's report_to; [] or none: no tracker
+    tracking_uri: str | None = None  # MLflow: a server URL or a folder (None: <output_dir>/mlruns)
+    experiment: str | None = None  # the MLflow experiment / W&B project (None: "shardforge")
+    run_name: str | None = None  # the tracked run's name (None: the output folder's name)
     plot: bool = True
     progress: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spellings(cls, data: object) -> object:
+        """`report_to: mlflow` and `none` as LLaMA-Factory writes them; `tensorboard: false` (the older key)
+        removes TensorBoard from report_to, `true` adds it."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        names = data.get("report_to", ["tensorboard"])
+        if isinstance(names, str):
+            names = [] if names == "none" else [n.strip() for n in names.split(",")]
+        if "tensorboard" in data:
+            on = data.pop("tensorboard")
+            names = [n for n in names if n != "tensorboard"] + (["tensorboard"] if on else [])
+        data["report_to"] = list(dict.fromkeys(names)) if isinstance(names, list) else names
+        return data
+
+    @property
+    def tensorboard(self) -> bool:
+        return "tensorboard" in self.report_to
 
 
 class HardwareSection(Section):

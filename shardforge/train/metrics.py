@@ -17,14 +17,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from shardforge.config.schema import LogSection
 from shardforge.objectives.base import finish_means
 from shardforge.train.runtime import memory_bytes
+from shardforge.train.tracking import Trackers
 
 Flops = Callable[[int, int, int], float]  # (tokens, scored tokens, attention pairs) -> training FLOPs
 
 
 class MetricsWriter:
-    """Writes each logged step to every enabled sink; only constructed on the logging rank."""
+    """Writes each logged step to every enabled sink (metrics.jsonl, the console, the trackers of
+    log.report_to); only constructed on the logging rank."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool, console: Console, resume_step: int = 0) -> None:
+    def __init__(self, run_dir: Path, trackers: Trackers, console: Console, resume_step: int = 0) -> None:
         """A resumed run keeps the records up to `resume_step` and drops later ones (logged after the
         checkpoint it resumes from, before the interruption): they are computed again."""
         self.run_dir = run_dir
@@ -37,27 +39,18 @@ class MetricsWriter:
         self._jsonl = open(path, "w", buffering=1)  # noqa: SIM115 - closed in close()
         for record in self.history:
             self._jsonl.write(json.dumps(record) + "\n")
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            purge = resume_step + 1 if resume_step else None  # TensorBoard hides events past the resume
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge)
+        self.trackers = trackers
 
     def write(self, record: dict[str, Any]) -> None:
         self.history.append(record)
         self._jsonl.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, record["step"])
+        self.trackers.log(record)
         shown = {k: v for k, v in record.items() if k in _CONSOLE_KEYS}
         self.console.print(" ".join(_fmt(k, v) for k, v in shown.items()))
 
-    def close(self) -> None:
+    def close(self, artifacts: dict[str, str]) -> None:
         self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        self.trackers.finish(artifacts)
 
 
 _CONSOLE_KEYS = (
@@ -159,13 +152,16 @@ class MetricsProcessor:
         if self.writer is not None:
             self.writer.write(record)
 
-    def close(self) -> list[dict]:
-        """Close the sinks, draw the loss curve; returns the run's records (rank 0's; empty elsewhere)."""
+    def close(self, final: Path | None) -> list[dict]:
+        """Draw the loss curve, close the sinks (the trackers get the paths of what the run wrote); returns
+        the run's records (rank 0's; empty elsewhere)."""
         if self.writer is None:
             return []
-        self.writer.close()
-        if self.plot is not None:
-            plot_loss(self.writer.history, self.plot)
+        plot = plot_loss(self.writer.history, self.plot) if self.plot is not None else None
+        run_dir = self.writer.run_dir
+        written = {"final": final, "metrics": run_dir / "metrics.jsonl", "loss_plot": plot}
+        written |= {name: run_dir / name for name in ("checkpoints", "profile")}
+        self.writer.close({k: str(v) for k, v in written.items() if v is not None and v.exists()})
         return self.writer.history
 
 

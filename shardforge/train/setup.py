@@ -57,6 +57,7 @@ from shardforge.train.precision import Precision
 from shardforge.train.reference import precompute_reference
 from shardforge.train.rollout import RolloutSource, load_prompts
 from shardforge.train.runtime import seed_everything
+from shardforge.train.tracking import open_trackers
 
 
 def console_for(quiet: bool = False) -> Console:
@@ -432,7 +433,10 @@ def _describe_rows(rows: RowSet, cfg: Config) -> str:
 def metrics_for(run: Run, start_step: int, warn: Callable[[str], None]) -> MetricsProcessor:
     """The run's metrics processor: JSONL/TensorBoard sinks and the plot on rank 0 only."""
     log = run.config.log
-    writer = MetricsWriter(run.run_dir, log.tensorboard, run.console, start_step) if run.is_main else None
+    writer = None
+    if run.is_main:
+        trackers = open_trackers(log, run.run_dir, start_step, warn)
+        writer = MetricsWriter(run.run_dir, trackers, run.console, start_step)
     # The schedule's theoretical idle share, next to the measured step time.
     static = {"pp_bubble": run.plan.bubble_fraction} if run.plan is not None else {}
     plot = run.run_dir / "loss.png" if log.plot else None

@@ -23,10 +23,11 @@ from shardforge.planner.compare import planned_vs_measured
 from shardforge.train.evaluation import evaluate
 from shardforge.train.guard import NonFiniteGuard
 from shardforge.train.metrics import progress_bar
+from shardforge.train.profiling import StepProfiler
 from shardforge.train.setup import TrainResult, build_run, console_for, describe_run, metrics_for
 from shardforge.train.watchdog import Watchdog, dump, is_timeout
 
-HOOKS = ("step_end", "log", "eval", "save")  # each hook is called as fn(trainer, step, payload)
+HOOKS = ("phase", "step_end", "log", "eval", "save")  # each hook is called as fn(trainer, step, payload)
 
 
 class Trainer:
@@ -71,14 +72,16 @@ class Trainer:
         if run.plan:
             self.console.print(run.plan.describe())
         self.console.print(describe_run(run))
+        StepProfiler.attach(self)  # when train.profile asks for it
 
     def _warn(self, message: str) -> None:
         self.console.print(f"[yellow]warning:[/] {message}")
 
-    def _phase(self, what: str) -> None:
-        """Mark progress for the watchdog (what this rank is doing now, named in a hang report)."""
+    def _phase(self, what: str, tag: str | None = None) -> None:
+        """Mark progress for the watchdog (named in a hang report) and, tagged, for the "phase" hooks."""
         if self.watchdog is not None:
             self.watchdog.beat(f"step {self.step}: {what}")
+        self._fire("phase", tag)
 
     # ---- one step ----------------------------------------------------------------------------------------
     def train_step(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, int]]:
@@ -98,10 +101,10 @@ class Trainer:
         totals: dict[str, torch.Tensor] = {}
         for j, mb in enumerate(batch.micro):
             last = j == len(batch.micro) - 1
-            self._phase(f"forward/backward of micro-step {j + 1}/{len(batch.micro)} (layout collectives)")
+            self._phase(f"forward/backward {j + 1}/{len(batch.micro)} (layout collectives)", "fwd_bwd")
             sums = self.engine.forward_backward(mb.to(self.run.device), differentiate, last)
             totals = {k: totals.get(k, 0) + v for k, v in sums.items()}
-        self._phase("gradient norm (all-reduce) and the optimizer step")
+        self._phase("gradient norm (all-reduce) and the optimizer step", "optimizer")
         self.engine.reduce_tied_grads()
         overflow = precision.unscale(self.engine.params)
         grad_norm = self.engine.clip(self.config.train.clip)
@@ -176,7 +179,7 @@ class Trainer:
             task = progress.add_task("train", total=self.total_steps, completed=self.start_step, info="")
             for step in range(self.start_step + 1, self.total_steps + 1):
                 self.step, is_last = step, step == self.total_steps
-                self._phase("waiting for this step's batch (data preparation)")
+                self._phase("waiting for this step's batch (data preparation)", "data")
                 sums, grad_norm, counts = self.train_step()
                 if step == self.start_step + 1:  # measured in the first step, next to the planner's estimate
                     metrics.first_record.update(planned_vs_measured(run.estimate, self.memory, self.console))
@@ -204,10 +207,10 @@ class Trainer:
         if self.watchdog is not None:  # what follows is I/O of unbounded length (final export), not steps
             self.watchdog.stop()
         run.checkpoints.wait()  # an async save still in flight is completed and committed
-        history = metrics.close()
+        final = self._save_final() if cfg.checkpoint.save_final else None
+        history = metrics.close(final)  # the trackers are told where the final model is
         if self.start_step >= self.total_steps and history:  # resumed at the end: nothing ran this time
             last_loss, eval_loss = history[-1]["loss"], history[-1].get("eval_loss")
-        final = self._save_final() if cfg.checkpoint.save_final else None
         return TrainResult(self.run_dir, self.total_steps, last_loss, eval_loss, tokens_per_s, final, history)
 
     def _step_fields(self, grad_norm: torch.Tensor) -> dict:

@@ -79,7 +79,7 @@ def test_lora_sft_reads_as_the_same_run():
     assert (t.micro_batch, t.grad_accum, t.lr, t.epochs, t.steps) == (1, 8, 1e-4, 3.0, None)
     assert (t.schedule, t.warmup_ratio, t.precision, t.log_every) == ("cosine", 0.1, "bf16", 10)
     assert cfg.checkpoint.every == 500 and cfg.output_dir == "saves/llama3-8b/lora/sft"
-    assert cfg.log.tensorboard is False and cfg.parallel.timeout_minutes == 3000000
+    assert cfg.log.report_to == [] and cfg.parallel.timeout_minutes == 3000000
     assert out.unknown == ["some_future_key"]
     assert any(n.startswith("template: llama3 -> data.template: auto") for n in out.notes)
     assert any(n.startswith("do_train: nothing to set") for n in out.notes)
@@ -118,6 +118,16 @@ def test_dpo_and_qlora_kto():
         convert_lf({**kto, "quantization_bit": 8})
     with pytest.raises(ConfigError, match="stage: 'grpo' is not one of"):
         convert_lf({**kto, "stage": "grpo"})
+
+
+def test_report_to_names_the_trackers_and_lists_the_rest():
+    lf = {"model_name_or_path": "m", "stage": "sft", "dataset": "d", "run_name": "exp-7"}
+    out = convert_lf({**lf, "report_to": "wandb,mlflow,comet_ml"})
+    cfg = load_config(None, base=out.config)
+    assert (cfg.log.report_to, cfg.log.run_name) == (["wandb", "mlflow"], "exp-7")
+    assert out.unknown == ["report_to: comet_ml (log.report_to offers tensorboard, mlflow, wandb)"]
+    everything = load_config(None, base=convert_lf({**lf, "report_to": "all"}).config)
+    assert everything.log.report_to == ["tensorboard", "mlflow", "wandb"]
 
 
 def test_the_command_prints_a_config_that_trains_as_written(tmp_path):
