@@ -7,6 +7,7 @@ one that cannot start is an error before the first step."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import time
@@ -85,7 +86,8 @@ class MLflowTracker:
             uri = Path(uri).resolve().as_uri()
         if uri.startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.uri, self.client = uri, MlflowClient(uri)
+        self.uri, self.client, self.finished = uri, MlflowClient(uri), False
+        atexit.register(self._abandoned)
         if run_id is not None:  # a resumed run goes on logging into the same tracked run
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
@@ -109,6 +111,12 @@ class MLflowTracker:
         for key, path in artifacts.items():
             self.client.set_tag(self.run_id, f"artifact.{key}", path)
         self.client.set_terminated(self.run_id, status="FINISHED")
+        self.finished = True
+
+    def _abandoned(self) -> None:
+        """A run that ended in an error is marked FAILED when the process exits (W&B does this itself)."""
+        if not self.finished and hasattr(self, "run_id"):
+            self.client.set_terminated(self.run_id, status="FAILED")
 
 
 class WandbTracker:

@@ -179,3 +179,15 @@ def test_a_tracker_that_fails_during_training_is_dropped_with_a_warning():
         "flaky failed to log a record (ConnectionError: the server went away); no longer reporting to it"
     ]
     assert steady.artifacts == {"final": "/runs/x/final"}
+
+
+def test_an_mlflow_run_left_unfinished_is_marked_failed_at_exit(tmp_path):
+    from shardforge.config.schema import LogSection
+    from shardforge.train.tracking import MLflowTracker
+
+    tracker = MLflowTracker(LogSection(report_to=["mlflow"]), tmp_path, {"a": {"b": 1}}, "a: {b: 1}\n", None)
+    tracker.log({"step": 1, "loss": 2.0, "note": "text is not a metric"})
+    tracker._abandoned()  # what atexit runs when training raised before finish()
+    run = tracker.client.get_run(tracker.run_id)
+    assert run.info.status == "FAILED" and run.data.params == {"a.b": "1"}
+    assert run.data.metrics == {"loss": 2.0}
