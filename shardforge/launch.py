@@ -1,5 +1,7 @@
 """Starting ranks: `--nproc N` launches N local processes through torch's elastic launcher (torchrun's
-engine); under torchrun or SLURM the same command joins as one rank.
+engine); with `--nnodes N --rdzv-endpoint HOST:PORT` the same agent runs on each of N nodes and the agents
+meet in torch's c10d rendezvous (what `shardforge launch` writes for SLURM and Kubernetes); under torchrun or
+SLURM's one task per rank the command joins as one rank.
 Application layer: reads the environment."""
 
 from __future__ import annotations
@@ -7,8 +9,27 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from dataclasses import dataclass
 
 from shardforge.errors import ShardforgeError
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the nodes' agents meet: every node's agent names the same endpoint (the first node's HOST:PORT,
+    whose agent hosts the store) and run id. The default is one node: this machine, on a free port."""
+
+    nnodes: int = 1
+    endpoint: str = "localhost:0"  # a free port, as `torchrun --standalone`
+    run_id: str | None = None  # None: a fresh one (only right for one node: every node must share it)
+
+
+def parse_endpoint(text: str, flag: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """`HOST:PORT` -> (host, port), else an error naming the flag and the value."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ShardforgeError(f"{flag} {text!r}: expected HOST:PORT, a port in 1..65535 (e.g. node1:29500)")
+    return host, int(port)
 
 
 def already_a_rank(translate: bool = True) -> bool:
@@ -35,21 +56,32 @@ def _translate_slurm() -> None:
     )
 
 
-def launch_local(nproc: int, max_restarts: int, argv: list[str]) -> int:
-    """Run `python -m shardforge ARGV` as `nproc` ranks on this machine; returns the job's exit code."""
+def launch_local(nproc: int, max_restarts: int, argv: list[str], rendezvous: Rendezvous | None = None) -> int:
+    """Run `python -m shardforge ARGV` as `nproc` ranks on this machine (this node's share of a multi-node
+    job when `rendezvous` names other nodes); returns the job's exit code. A restart restarts every node's
+    ranks (the other agents see the failed node rejoin the rendezvous)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    rendezvous = rendezvous or Rendezvous()
+    if rendezvous.nnodes > 1 and rendezvous.run_id is None:
+        raise ShardforgeError(f"--nnodes {rendezvous.nnodes}: every node's agent needs the same --rdzv-id")
     # As torchrun does for several local ranks: one intra-op thread each unless the user says otherwise
     # (hardware.threads still applies inside each rank).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if rendezvous.nnodes > 1:
+        # The ranks of each rendezvous round get a store of their own (on rank 0, its address under the
+        # round's keys) instead of the agents' shared one. In the shared store, parallel/distributed.py tells
+        # restart attempts apart by TORCHELASTIC_RESTART_COUNT, which is per agent: an agent restarted by
+        # another node's failure does not count it, so after a restart ranks could read a dead rank's address.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=rendezvous.nnodes,
+        max_nodes=rendezvous.nnodes,
         nproc_per_node=nproc,
-        run_id=f"shardforge-{uuid.uuid4().hex[:8]}",
+        run_id=rendezvous.run_id or f"shardforge-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port, as `torchrun --standalone`
+        rdzv_endpoint=rendezvous.endpoint,
         max_restarts=max_restarts,
         monitor_interval=0.5,
     )

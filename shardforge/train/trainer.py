@@ -54,8 +54,7 @@ class Trainer:
         self.console, self.dims, self.objective = run.console, run.dims, run.objective
         self.engine, self.model, self.optimizer = run.engine, run.engine.model, run.optimizer
         self.total_steps, self.is_main = run.total_steps, run.is_main
-        where = str(self.run_dir / "checkpoints")
-        self.guard = NonFiniteGuard(self.config.train.max_bad_steps, self._warn, where)
+        self.guard = NonFiniteGuard(self.config.train.max_bad_steps, self._warn, str(run.checkpoints.root))
         state = run.checkpoints.resume(self.console.print)
         data_state = {"samples": 0}
         if state is not None:
@@ -63,10 +62,8 @@ class Trainer:
             self.start_step, self.samples_seen = state["step"], state["samples_seen"]
             self.guard.bad_steps = state["bad_steps"]
             if self.start_step >= self.total_steps:
-                self._warn(
-                    f"the checkpoint is at step {self.start_step} and this run has {self.total_steps} steps: "
-                    f"nothing is left to train (raise train.steps or train.epochs to continue)"
-                )
+                at = f"the checkpoint is at step {self.start_step} and this run has {self.total_steps} steps"
+                self._warn(f"{at}: nothing is left to train (raise train.steps or train.epochs to continue)")
         self.loader = GlobalBatchLoader(run.source, self.total_steps - self.start_step)
         self.loader.load_state_dict(data_state)
         if run.plan:
@@ -90,8 +87,7 @@ class Trainer:
         Each micro-batch's loss sum is divided by the objective's normalizer counted over the *global* batch
         (target tokens, sequences or groups); data-parallel gradient averaging divides by dp, so the loss is
         multiplied back by dp. The update is the gradient of the mean over the whole global batch, however it
-        is split across ranks and micro-steps.
-        """
+        is split across ranks and micro-steps."""
         batch = self.loader.next()
         precision, counts = self.run.precision, batch.counts
         scale = self.dims.averaged / counts[self.objective.normalizer]

@@ -1,0 +1,1 @@
+"""The web UI face (`shardforge webui`): forms over the config, runs as subprocesses, chat and export."""
