@@ -97,8 +97,14 @@ def test_train_watch_chat_export_and_stop_in_the_browser(webui, tmp_path, monkey
                     "train.eval_every", "train.log_every"):  # fmt: skip
             section, name = key.split(".")
             _fill(page, key, str(demo[section][name]))
+        _fill(page, "train.micro_batch", "0")  # the config's own message, under the field it is about
+        page.click("#preview-yaml")
+        page.wait_for_function("document.querySelector('#train-status').innerText.includes('error')")
+        assert "greater than or equal to 1" in _text(page, "#cfg-train-micro-batch")
+        _fill(page, "train.micro_batch", str(demo["train"]["micro_batch"]))
         page.click("#preview-yaml")
         page.wait_for_function("document.querySelector('#command-line textarea').value.length > 0")
+        assert "error" not in _text(page, "#cfg-train-micro-batch")
         preview = _text(page, "#yaml-preview .cm-content")
         page.screenshot(path=str(shots / "1-train-yaml.png"), full_page=True)
         monkeypatch.chdir(
@@ -179,6 +185,14 @@ def test_train_watch_chat_export_and_stop_in_the_browser(webui, tmp_path, monkey
             "/stopped|ended/.test(document.querySelector('#run-status').innerText)", timeout=60_000
         )
         page.screenshot(path=str(shots / "4-stopped.png"), full_page=True)
+
+        # ---- Load YAML: the first run's file back into the form
+        page.get_by_role("tab", name="Train").click()
+        page.locator("#load-path textarea").fill("runs/demo/webui-config.yaml")
+        page.click("#load-yaml")
+        page.wait_for_function("document.querySelector('#train-status').innerText.includes('loaded')")
+        assert page.locator("#cfg-train-steps textarea").input_value() == "20"
+        assert page.locator("#cfg-output-dir textarea").input_value() == "runs/demo"
         browser.close()
     assert not errors, f"console errors in the page: {errors}"
     assert len(list(shots.glob("*.png"))) == 4

@@ -137,3 +137,12 @@ def test_beyond_loopback_the_ui_needs_a_password(monkeypatch):
 def test_the_command_line_is_the_one_a_terminal_would_run():
     assert form.command_line("runs/x/webui-config.yaml", 1) == "shardforge train runs/x/webui-config.yaml"
     assert form.command_line("c.yaml", 4) == "shardforge train c.yaml --nproc 4"
+
+
+def test_the_command_refuses_a_public_host_without_a_password(monkeypatch, capsys):
+    from shardforge.cli import main
+
+    monkeypatch.delenv(AUTH_ENV, raising=False)
+    assert main(["webui", "--host", "0.0.0.0"]) == 2
+    assert "give --auth USER:PASSWORD" in capsys.readouterr().err
+    assert main(["webui", "--root", "/no/such/folder"]) == 2
