@@ -48,6 +48,7 @@ class StepProfiler:
         self.profiler: profile | None = None
         self.marks: list[AbstractContextManager] = []  # the open step and phase annotations
         self.wall: list[float] = []  # each profiled step's wall time (s), to check the trace against
+        self.t0 = 0.0  # when the step being profiled began
         self.summary: list[StepBreakdown] = []
 
     @classmethod

@@ -97,7 +97,7 @@ class Trainer:
         totals: dict[str, torch.Tensor] = {}
         for j, mb in enumerate(batch.micro):
             last = j == len(batch.micro) - 1
-            self._phase(f"forward/backward {j + 1}/{len(batch.micro)} (layout collectives)", "fwd_bwd")
+            self._phase(f"forward/backward of micro-step {j + 1}/{len(batch.micro)} (collectives)", "fwd_bwd")
             sums = self.engine.forward_backward(mb.to(self.run.device), differentiate, last)
             totals = {k: totals.get(k, 0) + v for k, v in sums.items()}
         self._phase("gradient norm (all-reduce) and the optimizer step", "optimizer")
