@@ -19,6 +19,7 @@ from shardforge.config import Config, load_config
 from shardforge.models import save_model
 from shardforge.models.build import build_model, load_tokenizer
 from shardforge.objectives import score_labels
+from shardforge.objectives.rl import critic_folder, load_critic
 from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
 
 
@@ -34,18 +35,26 @@ def write_model_folder(
     LoRA a PEFT adapter folder (the merged HF folder with `merge`). `state` None: the model's own weights.
     Returns what was written."""
     state = model.state_dict() if state is None else state
-    state = {k: v for k, v in state.items() if not k.startswith("value_head.")}  # PPO's critic stays behind
+    state = {
+        k: v for k, v in state.items() if not k.startswith("value_head.")
+    }  # PPO's value head stays behind
+    critic = {k.removeprefix("critic."): v for k, v in state.items() if k.startswith("critic.")}
+    if critic:  # PPO's separate critic: an HF sequence classifier of its own, in critic/
+        state = {k: v for k, v in state.items() if not k.startswith("critic.")}
+        save_model(model.critic, to / "critic", tokenizer=tokenizer, state_dict=critic)
+    beside = " and its critic (critic/)" if critic else ""
     merge = merge or getattr(model.config, "num_labels", 0) > 0  # a score head trains whole: not an adapter
     if config.method.finetuning == "lora" and not merge:
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
         save_adapter(to, model.config.family, adapters, config.method.lora, config.model.path, tokenizer)
-        return "LoRA adapter (PEFT format)"
+        return "LoRA adapter (PEFT format)" + beside
     if config.method.finetuning == "lora":
         state = merged_state(model, state)
     save_model(
         model, to, tokenizer=tokenizer, state_dict=state, expert_layout=config.checkpoint.expert_layout
     )
-    return "model (HF format, adapters merged)" if config.method.finetuning == "lora" else "model (HF format)"
+    merged = ", adapters merged" if config.method.finetuning == "lora" else ""
+    return f"model (HF format{merged})" + beside
 
 
 def export_checkpoint(
@@ -62,6 +71,9 @@ def export_checkpoint(
         config.model, tokenizer, config.train.seed, torch.device("cpu"), num_labels=num_labels
     )
     apply_finetuning(model, config.method, config.train.seed)  # the checkpoint holds the adapters
+    critic = critic_folder(config.method)
+    if critic is not None:  # PPO's separate critic: the checkpoint holds its trained weights
+        model.add_critic(load_critic(critic, model))
     vocab = model.config.vocab_size
     pad_vocab(model, read_trainer_state(folder)["vocab_rows"])  # as saved: padded for the run's TP degree
     load_model_weights(folder, model)

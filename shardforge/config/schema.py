@@ -187,13 +187,15 @@ class RLSection(Section):
 
 class PPOSection(Section):
     """Stage ppo: GAE's gamma and lambda, the value loss's weight and clip range, and the critic: a value
-    head on the policy (`head`), or `auto` (the same)."""
+    head on the policy (`head`; `auto` is the same), or a separate critic model, a folder (an `rm` run's
+    output, or any HF model of the policy's vocabulary, given a fresh one-output score head), trained whole
+    beside the policy."""
 
     gamma: float = Field(default=1.0, ge=0, le=1)
     lam: float = Field(default=0.95, ge=0, le=1)
     vf_coef: float = Field(default=0.1, ge=0)
     value_clip: float = Field(default=0.2, gt=0)
-    critic: Literal["auto", "head"] = "auto"
+    critic: str = Field(default="auto", min_length=1)
 
 
 class MoESection(Section):

@@ -12,6 +12,8 @@ token loss: SFT, pretraining), which backward checks, and recomputed chunk by ch
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,19 @@ def value_head(hidden_size: int, like: torch.Tensor, seed: int) -> nn.Linear:
         head.weight.copy_(draw)
         head.bias.zero_()
     return head
+
+
+def critic_values(
+    model: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, **inputs: Any
+) -> torch.Tensor:
+    """PPO's value estimates [n] (fp32) at the positions the policy scores: the value head on the policy's
+    final hidden states there [n, hidden], or a separate critic model (`model.critic`: a body of its own
+    with a one-output score head, as an `rm` run makes) run on the same tokens, positions and output mask."""
+    critic = getattr(model, "critic", None)
+    if critic is not None:
+        return critic(tokens, **inputs).squeeze(-1).float()
+    assert model.value_head is not None, "values=True needs add_value_head() or add_critic()"
+    return model.value_head(hidden).squeeze(-1).float()
 
 
 def chunk_rows(vocab: int) -> int:

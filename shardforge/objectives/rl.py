@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from shardforge.config.schema import DataSection, MethodSection
 from shardforge.data.batching import IGNORE, Batch
 from shardforge.data.examples import Encoder
 from shardforge.errors import ConfigError
+from shardforge.models import load_model
 from shardforge.objectives.base import CausalLM, Normalizer
 from shardforge.objectives.preference import ReferencedObjective
 from shardforge.objectives.rl_losses import (
@@ -35,6 +37,8 @@ from shardforge.objectives.rl_losses import (
     gae,
     group_advantages,
 )
+
+CRITIC_HEAD = ("auto", "head")  # method.ppo.critic values meaning a value head on the policy
 
 # Sums over all data-parallel ranks of a small float64 vector (the rollout source's reduction).
 Total = Callable[[torch.Tensor], torch.Tensor]
@@ -196,10 +200,34 @@ def sampling_delta(logps: torch.Tensor, batch: Batch, mask: torch.Tensor) -> tor
     return (logps.detach() - batch.extras["sampled_logps"][mask]).abs()
 
 
+def critic_folder(method: MethodSection) -> Path | None:
+    """PPO's separate critic model's folder (method.ppo.critic), None for a value head on the policy."""
+    critic = method.ppo.critic
+    return Path(critic) if method.stage == "ppo" and critic not in CRITIC_HEAD else None
+
+
+def load_critic(folder: Path, policy: nn.Module) -> nn.Module:
+    """method.ppo.critic as a folder: an HF model (an `rm` run's sequence classifier keeps its score head;
+    any other gets a fresh one-output head, N(0, 0.02) from seed 0, on its body), in the policy's dtype and
+    on its device, trained whole whatever the policy's method; it reads the policy's token ids, so its
+    vocabulary must be the policy's."""
+    weight = next(policy.parameters())
+    critic = load_model(folder, dtype=weight.dtype, device=weight.device, num_labels=1, seed=0)
+    if critic.config.vocab_size != policy.config.vocab_size:
+        raise ConfigError(
+            f"method.ppo.critic {str(folder)!r} has a vocabulary of {critic.config.vocab_size} tokens, the "
+            f"policy {policy.config.vocab_size}: the critic must share the policy's tokenizer"
+        )
+    return critic.requires_grad_(True).train()
+
+
 class PPOObjective(GRPOObjective):
-    """Stage `ppo`: the policy and a value head on its final hidden states (the critic shares the body, as
-    TRL's `...WithValueHead`; `Decoder.add_value_head`, made before any layout so it is sharded, trained
-    and checkpointed with the policy, and left out of exports). Per completion token the reward is
+    """Stage `ppo`: the policy and its critic, either a value head on its final hidden states (the critic
+    shares the body, as TRL's `...WithValueHead`; `Decoder.add_value_head`, made before any layout so it is
+    sharded, trained and checkpointed with the policy, and left out of exports) or a separate critic model
+    (method.ppo.critic a folder, as TRL's `value_model`: `Decoder.add_critic`, attached after the reference
+    copy is taken, laid out, trained and checkpointed as part of the model, exported beside the policy as
+    `critic/`). Per completion token the reward is
     -kl_beta x (log pi_old - log pi_ref) (TRL's k1 penalty in the reward), plus the sequence's score at its
     last token; GAE (method.ppo gamma, lam) over the rollout's values gives advantages (whitened over the
     global batch) and returns; the loss is the clipped surrogate plus vf_coef x the clipped value loss, both
@@ -216,8 +244,13 @@ class PPOObjective(GRPOObjective):
     def bind_reference(
         self, model: nn.Module, finetuning: str, adapter: str | None, base: str | None, blocker: str | None
     ) -> str:
-        model.add_value_head(seed=0)  # before the reference copy: the copy never uses it
-        return super().bind_reference(model, finetuning, adapter, base, blocker)
+        folder = critic_folder(self.method)
+        if folder is None:
+            model.add_value_head(seed=0)  # before the reference copy: the copy never uses it
+            return super().bind_reference(model, finetuning, adapter, base, blocker)
+        said = super().bind_reference(model, finetuning, adapter, base, blocker)  # the copy has no critic
+        model.add_critic(load_critic(folder, model))
+        return f"{said}; critic: the model in {folder} (trained beside the policy, exported as critic/)"
 
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
         return super().model_inputs(batch) | {"values": True}

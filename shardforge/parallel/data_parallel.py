@@ -99,6 +99,9 @@ def _fully_shard(
     precision: str,
     device: torch.device,
 ) -> None:
+    critic = getattr(model, "critic", None)
+    if critic is not None:  # PPO's separate critic: units of its own, not part of the policy's root
+        _fully_shard(critic, mesh, stage, parallel, precision, device)
     mp, offload = _policies(parallel, precision, device)
     reshard = stage == 3  # ZeRO-3 frees gathered params after forward; ZeRO-2 keeps them until backward
     for block in model.blocks():

@@ -5,7 +5,8 @@ take as they are; expert parallel next (it keeps this rank's experts, as DTensor
 context parallel (the model's attention over the sequence split across the cp group).
 Activation checkpointing wraps whole (TP-sharded) blocks: `full` recomputation repeats their TP collectives
 (in the same order on every rank), `selective` keeps their outputs. Compile sees the final
-block code. Pipeline stages are then cut over the wrapped blocks. Data parallel comes last: DDP wraps the
+block code. PPO's separate critic model, a submodule of the policy, gets the same treatment. Pipeline
+stages are then cut over the wrapped blocks. Data parallel comes last: DDP wraps the
 model, or FSDP2 shards the (TP) parameters over the data-parallel mesh dims, with one root per pipeline stage.
 Under pipeline parallel the model given here is already pruned to this rank's stages (on the meta device,
 before its weights existed).
@@ -42,13 +43,20 @@ def parallelize(
     device: torch.device,
 ) -> Engine:
     parallel, precision = config.parallel, config.train.precision
-    apply_tensor_parallel(model, dims, mesh, parallel)
+    # PPO's separate critic (a submodule: `model.critic`) is laid out as the policy is: tensor parallel with
+    # its own plan, checkpointed and compiled blocks, and FSDP2 units of its own (data_parallel.py). Expert,
+    # context and pipeline parallel are refused with it (planner/layout.py: check_critic).
+    critic = getattr(model, "critic", None)
+    towers = (model,) if critic is None else (model, critic)
+    for net in towers:
+        apply_tensor_parallel(net, dims, mesh, parallel)
     experts_mesh = apply_expert_parallel(model, dims, mesh)
     apply_context_parallel(model, dims, mesh, parallel.cp_mode)
-    apply_activation_checkpointing(model, parallel.activation_checkpoint)
-    if config.train.compile:
-        for block in model.blocks():
-            block.compile()
+    for net in towers:
+        apply_activation_checkpointing(net, parallel.activation_checkpoint)
+        if config.train.compile:
+            for block in net.blocks():
+                block.compile()
     if plan is None:
         wrapped = apply_data_parallel(model, dims, mesh, parallel, precision, device, None, experts_mesh)
         return PlainEngine(wrapped, unwrap(wrapped), objective, dims, mesh, autocast, device)

@@ -193,7 +193,7 @@ class PipelineEngine:
         self._prepare(batch)
         fields = batch.fields()
         with loss_context(self.dims):
-            self._through_stages(batch.input_ids, lambda index, h: self.stages[index](h, **fields))
+            self.through_stages(batch.input_ids, lambda index, h: self.stages[index](h, **fields))
         return self._everywhere()
 
     @torch.no_grad()
@@ -214,10 +214,10 @@ class PipelineEngine:
             )
             return part(h, **inputs)
 
-        out = self._through_stages(input_ids, run)
+        out = self.through_stages(input_ids, run)
         return out if last in self.stages else None
 
-    def _through_stages(self, input_ids: torch.Tensor, run: Callable[[int, torch.Tensor], Any]) -> Any:
+    def through_stages(self, input_ids: torch.Tensor, run: Callable[[int, torch.Tensor], Any]) -> Any:
         """Each of the rank's stages in model order, the stream received from the previous stage's rank and
         sent to the next one's with point-to-point messages; returns the rank's last stage's output."""
         rows, width = input_ids.shape
@@ -231,7 +231,11 @@ class PipelineEngine:
                 dist.recv(h, group=self.group, group_src=self.plan.rank_of(index - 1))
             out = run(index, h)
             if index < self.plan.num_stages - 1 and self.plan.rank_of(index + 1) != self.pp_rank:
-                dist.send(out.contiguous(), group=self.group, group_dst=self.plan.rank_of(index + 1))
+                dist.send(
+                    out.to(self.stream_dtype).contiguous(),
+                    group=self.group,
+                    group_dst=self.plan.rank_of(index + 1),
+                )
             h = out
         return h
 

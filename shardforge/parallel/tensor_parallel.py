@@ -163,8 +163,8 @@ def _mask_padded_logits(vocab: int) -> Callable[[nn.Module, tuple, DTensor], DTe
 
 def strip_vocab_padding(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """Full weights as the unpadded model has them (for export)."""
-    for key in _VOCAB_KEYS:
-        if key in state and state[key].shape[0] > vocab_size:
+    for key in state:  # the model's, and those of a submodule of the same vocabulary (PPO's critic)
+        if key.endswith(_VOCAB_KEYS) and state[key].shape[0] > vocab_size:
             state[key] = state[key][:vocab_size]
     return state
 

@@ -3,13 +3,15 @@ rules a layout must keep (`check_layout`: the launcher's, the preflight's and th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from shardforge.config.schema import Config, ParallelSection
-from shardforge.errors import ConfigError
+from shardforge.config.schema import Config, ModelSection, ParallelSection
+from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.parallel.context_parallel import check_context_parallel
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.expert_parallel import check_expert_parallel
@@ -183,6 +185,49 @@ def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
         )
 
 
+@functools.lru_cache(maxsize=8)
+def critic_shape(folder: str) -> Any:
+    """The shape of PPO's separate critic model (method.ppo.critic a folder), with its one-output score
+    head; read once per folder (the planner checks every candidate layout against it)."""
+    from shardforge.models.build import check_model_source  # torch and transformers only when asked
+
+    if not (Path(folder) / "config.json").is_file():
+        raise ConfigError(
+            f"method.ppo.critic {folder!r} is not auto, head or a model folder (no config.json there): give "
+            f"an rm run's final/ folder, or another HF model folder of the policy's vocabulary"
+        )
+    try:
+        shape = check_model_source(ModelSection(path=folder))
+    except ShardforgeError as exc:
+        raise ConfigError(f"method.ppo.critic {folder!r}: {exc}") from None
+    return shape if getattr(shape, "num_labels", 0) == 1 else shape.with_score_head(1)
+
+
+def check_critic(cfg: Config, dims: ParallelDims) -> None:
+    """PPO's separate critic model follows the policy's data and tensor parallel layout; a pipeline (whose
+    stages pass the policy's stream, not token ids), expert parallel and MoE critics are not built."""
+    critic = cfg.method.ppo.critic
+    if cfg.method.stage != "ppo" or critic in ("auto", "head"):
+        return
+    shape = critic_shape(critic)
+    for key, degree in (("pp", dims.pp), ("ep", dims.ep)):
+        if degree > 1:
+            raise ConfigError(
+                f"parallel.{key}={degree} with a separate critic model (method.ppo.critic {critic!r}): the "
+                f"critic follows data parallel (ZeRO 0-3) and tensor parallel only; use method.ppo.critic: "
+                f"head (a value head on the policy), or parallel.{key}: 1"
+            )
+    if getattr(shape, "num_experts", 0):
+        raise ConfigError(
+            f"method.ppo.critic {critic!r} is a mixture-of-experts model: a separate critic must be dense "
+            f"(or use method.ppo.critic: head)"
+        )
+    try:
+        check_tensor_parallel(shape, cfg.parallel)
+    except ConfigError as exc:
+        raise ConfigError(f"method.ppo.critic {critic!r}: {exc}") from None
+
+
 def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int, PipelinePlan | None]:
     """Degrees against the world size, the batch split, the model's TP shape rules (`shape`: the model's
     config, from `model_source`) and the pipeline plan. Returns (dims, grad_accum, pipeline plan)."""
@@ -201,16 +246,12 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
     check_expert_parallel(shape, dims)
     check_context_parallel(shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)
     stage = cfg.method.stage
-    if stage in ("grpo", "ppo") and dims.pp > 1 and cfg.parallel.pp_virtual > 1:
-        raise ConfigError(
-            f"parallel.pp_virtual={cfg.parallel.pp_virtual} with method.stage={stage}: rollouts pass the "
-            f"stream through one stage per rank; use pp_virtual: 1 (1f1b or gpipe)"
-        )
     if stage in ("grpo", "ppo") and dims.tp > 1 and cfg.parallel.sequence_parallel:
         raise ConfigError(
             f"parallel.tp={dims.tp} with method.stage={stage}: the rollout engine's steps have any number of "
             f"tokens, which sequence parallel cannot split evenly; set parallel.sequence_parallel: false"
         )
+    check_critic(cfg, dims)
     plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
     return dims, grad_accum, plan
 

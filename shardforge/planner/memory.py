@@ -26,7 +26,7 @@ from shardforge.models.spec import ActivationBytes, CostModel, spec_for
 from shardforge.parallel.dims import MESH_ORDER
 from shardforge.parallel.pipeline_plan import PipelinePlan
 from shardforge.parallel.tensor_parallel import matches_plan_key
-from shardforge.planner.layout import Layout, sequences_per_group
+from shardforge.planner.layout import Layout, critic_shape, sequences_per_group
 from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -188,6 +188,16 @@ class StateBytes:
     def on_host(self) -> int:
         return self.total - sum(self.on_device.values())
 
+    def plus(self, other: StateBytes) -> StateBytes:
+        """The states of two models held together, laid out alike (the policy and PPO's critic model)."""
+        return dataclasses.replace(
+            self,
+            params=self.params + other.params,
+            frozen=self.frozen + other.frozen,
+            grads=self.grads + other.grads,
+            optimizer=self.optimizer + other.optimizer,
+        )
+
 
 class StateCounter:
     """Counts the model states of any rank of any layout over one model's parameter list."""
@@ -256,6 +266,22 @@ class StateCounter:
         return StateBytes(params, frozen, grads, optimizer, layout.offload)
 
 
+def critic_memory(cfg: Config) -> MemoryModel | None:
+    """PPO's separate critic model (method.ppo.critic a folder) as a memory model of its own: the folder's
+    shape with a one-output head, trained whole, unquantized, on the same rows."""
+    folder = cfg.method.ppo.critic
+    if cfg.method.stage != "ppo" or folder in ("auto", "head"):
+        return None
+    shape = critic_shape(folder)
+    method = cfg.method.model_copy(
+        update={"finetuning": "full", "ppo": cfg.method.ppo.model_copy(update={"critic": "head"})}
+    )
+    critic = cfg.model_copy(
+        update={"method": method, "model": cfg.model.model_copy(update={"quantize": "none"})}
+    )
+    return MemoryModel(critic, shape, spec_for(shape.family).costs(shape))
+
+
 def _stages_of(layout: Layout, stages: tuple[tuple[int, ...], ...], pp_rank: int) -> list[int]:
     """The stages a pipeline rank runs, as the pipeline plan places them (round robin, or V-shaped)."""
     plan = PipelinePlan(
@@ -319,6 +345,7 @@ class MemoryModel:
         self._per_token_cache: dict[tuple, ActivationBytes] = {}
         self.act_dtype_bytes = activation_itemsize(cfg)
         self.group = sequences_per_group(cfg)  # rows per micro-batch group
+        self.critic = critic_memory(cfg)
 
     def activations(
         self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, scored: float = 1.0
@@ -381,6 +408,8 @@ class MemoryModel:
                 (self.counter.count(layout, Coords(pp=r), stages) for r in range(layout.pp)),
                 key=lambda s: s.total - s.on_host,
             )
+            if self.critic is not None:  # PPO's separate critic: states of its own, sharded as the policy's
+                states = states.plus(self.critic.states(layout, None)[0])
             self._states[key] = states, self._buffers(layout, stages)
         return self._states[key]
 
@@ -416,7 +445,11 @@ class MemoryModel:
         held = method.stage in ("dpo", "kto") or (method.stage in ("grpo", "ppo") and method.rl.kl_beta > 0)
         if held and method.finetuning != "lora" and method.pref.ref == "auto":
             reference = worst.params  # a frozen copy of the starting weights, sharded as the policy is
+            if self.critic is not None:  # (without PPO's critic model, attached after the copy is taken)
+                reference -= self.critic.states(layout, None)[0].params
         activations = self.activations(layout, stages)
+        if self.critic is not None:  # PPO's critic model runs on the same rows, its activations held too
+            activations += self.critic.activations(layout, None)
         memory = Memory(worst, activations, reference, buffers, 0.0, self.rollout(layout, stages))
         if on_gpu:  # the CUDA context and NCCL's buffers, and the caching allocator's fragmentation (a tenth)
             memory = dataclasses.replace(memory, margin=GIB + 0.1 * memory.device_bytes)

@@ -85,7 +85,13 @@ def gathered(*roots: nn.Module) -> Iterator[float]:
     """The FSDP2 units under `roots` (a model, or a pipeline rank's stage modules: each an FSDP root)
     all-gathered once and kept whole until the block ends (their forward neither gathers nor frees); yields
     the seconds the gather took. A no-op (0 s) without FSDP2."""
-    units = list({id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule)}.values())
+    critics = [c for r in roots if (c := getattr(r, "critic", None)) is not None]  # PPO's: never generates
+    skip = {id(m) for c in critics for m in c.modules()}
+    units = list(
+        {
+            id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule) and id(m) not in skip
+        }.values()
+    )
     if not units:
         yield 0.0
         return
@@ -212,9 +218,7 @@ class RolloutSource:
         trainer = self.engine
         if not trainer.is_pipeline:
             return Engine(model, self.tokenizer, config, self.defaults)
-        return PipelineStageEngine(
-            model, self.tokenizer, config, self.defaults, trainer.group, trainer.stream_dtype
-        )
+        return PipelineStageEngine(model, self.tokenizer, config, self.defaults, trainer)
 
     def _score(self, prompts: list[Prompt], completions: list[list[Any]]) -> tuple[list[dict], dict]:
         """Each row's example (prompt + completion, the completion trained) and its reward, the weighted
@@ -286,7 +290,9 @@ class RolloutSource:
         if not trainer.is_pipeline or not stats:
             return stats
         values = torch.tensor(list(stats.values()), dtype=torch.float64, device=self.device)
-        dist.broadcast(values, group=trainer.group, group_src=dist.get_world_size(trainer.group) - 1)
+        dist.broadcast(
+            values, group=trainer.group, group_src=trainer.plan.rank_of(trainer.plan.num_stages - 1)
+        )
         return dict(zip(stats, values.tolist(), strict=True))
 
     def _sum(self, value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

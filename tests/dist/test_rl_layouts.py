@@ -4,22 +4,27 @@ tensor parallel (both TP ranks running the engine in lockstep) and under a pipel
 layers of every engine step, the stream passed on, the last stage's logits broadcast) samples the same
 completions, and gives the same losses, gradient norms and weights. Covered: full fine-tuning without a
 reference, LoRA with the KL term (the reference is the adapters disabled), full fine-tuning with the KL
-term against a frozen copy (sharded as the policy is), and PPO with its value head. Three steps, the second
+term against a frozen copy (sharded as the policy is), and PPO with its value head or with a separate
+critic model (ZeRO-3, TP2, DDP). Three steps, the second
 training on the first rollout again (epochs_per_rollout: 2, so ratios move off 1), the third sampling with
 updated weights. One launch for all."""
 
 from __future__ import annotations
 
 import pytest
+from transformers import AutoTokenizer
 
-from tests.conftest import tiny_config, write_jsonl
+from tests.conftest import TOKENIZER, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
-from tests.dist._training import assert_same, train_runs
+from tests.dist._training import assert_same, tiny_model_folder, train_runs
 
 
 def digit_share(prompts, completions, answers):
     """A reward that differs between a random model's completions (so advantages are not all zero)."""
     return [sum(ch.isdigit() or ch in "aeiou" for ch in text) / max(1, len(text)) for text in completions]
+
+
+VOCAB = len(AutoTokenizer.from_pretrained(TOKENIZER))
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +34,22 @@ def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("rl") / "prompts.jsonl", records)
 
 
-def _cfg(tmp_path, name, data, stage="grpo", finetuning="full", kl=0.0, mb=2, epochs=2, **parallel):
+@pytest.fixture(scope="module")
+def critic(tmp_path_factory):
+    """PPO's separate critic model: a decoder of its own shape with a score head, as an rm run exports it."""
+    from tests.unit.test_ppo_critic import critic_folder
+
+    return str(critic_folder(tmp_path_factory.mktemp("critic")))
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """A 4-layer model: two stages per rank on a pipeline of 2 (interleaved or V-shaped)."""
+    return tiny_model_folder(tmp_path_factory.mktemp("four"), VOCAB, seed=3, num_layers=4, num_kv_heads=2)
+
+
+def _cfg(tmp_path, name, data, stage="grpo", finetuning="full", kl=0.0, mb=2, epochs=2, critic="auto",
+         model=None, **parallel):  # fmt: skip
     rl = {
         "group_size": 4, "max_new_tokens": 8, "kl_beta": kl, "epochs_per_rollout": epochs, "temperature": 1.0,
         "rewards": [{"name": "tests.dist.test_rl_layouts:digit_share"}, {"name": "length", "weight": 0.5}],
@@ -51,7 +71,8 @@ def _cfg(tmp_path, name, data, stage="grpo", finetuning="full", kl=0.0, mb=2, ep
         },
         parallel=parallel,
         checkpoint={"save_final": False},
-        method={"stage": stage, "finetuning": finetuning, "rl": rl},
+        method={"stage": stage, "finetuning": finetuning, "rl": rl, "ppo": {"critic": critic}},
+        **({"model": model} if model else {}),
     )
 
 
@@ -64,13 +85,30 @@ CASES = {
 }
 
 
-def test_rl_on_two_ranks_equals_one_process(tmp_path, data):
+def test_rl_on_two_ranks_equals_one_process(tmp_path, data, critic, four_layers):
+    cases = {
+        **CASES,
+        "ppo-critic": {"stage": "ppo", "kl": 0.05, "critic": critic},
+        "grpo-4l-kl": {"kl": 0.1, "model": four_layers},
+        "ppo-4l-kl": {"stage": "ppo", "kl": 0.05, "model": four_layers},
+    }
     refs = {
-        name: train_runs([_cfg(tmp_path, f"one-{name}", data, **case)])[0] for name, case in CASES.items()
+        name: train_runs([_cfg(tmp_path, f"one-{name}", data, **case)])[0] for name, case in cases.items()
     }
     for ref in refs.values():
         assert ref["losses"][0] != 0 and ref["grad_norms"][0] > 0  # the rewards differ: there is a gradient
+    assert any(k.startswith("critic.") for k in refs["ppo-critic"]["state"])  # compared with the policy's
     zero3, tp2 = {"zero_stage": 3}, {"dp_shard": 1, "tp": 2, "sequence_parallel": False}
+    ddp = {"dp_shard": 1, "dp_replicate": 2, "zero_stage": 0}
+    # Two stages per rank: interleaved (the last stage on the last rank) and V-shaped (on the first).
+    interleaved = {
+        "dp_shard": 1,
+        "pp": 2,
+        "pp_microbatches": 2,
+        "pp_schedule": "interleaved_1f1b",
+        "pp_virtual": 2,
+    }
+    v_shaped = {"dp_shard": 1, "pp": 2, "pp_microbatches": 2, "pp_schedule": "zbv", "pp_virtual": 2}
     layouts = [
         ("grpo-full", _cfg(tmp_path, "grpo-zero3", data, mb=1, **zero3)),
         ("grpo-full", _cfg(tmp_path, "grpo-tp2", data, **tp2)),
@@ -79,11 +117,20 @@ def test_rl_on_two_ranks_equals_one_process(tmp_path, data):
         ("grpo-full-kl", _cfg(tmp_path, "full-kl-zero3", data, kl=0.1, mb=1, **zero3)),
         ("ppo-full-kl", _cfg(tmp_path, "ppo-zero3", data, stage="ppo", kl=0.05, mb=1, **zero3)),
         ("ppo-full-kl", _cfg(tmp_path, "ppo-tp2", data, stage="ppo", kl=0.05, **tp2)),
+        # A separate critic model: FSDP2 units of its own inside the policy's root, its own TP plan, DDP.
+        (
+            "ppo-critic",
+            _cfg(tmp_path, "critic-zero3", data, stage="ppo", kl=0.05, critic=critic, mb=1, **zero3),
+        ),
+        ("ppo-critic", _cfg(tmp_path, "critic-tp2", data, stage="ppo", kl=0.05, critic=critic, **tp2)),
+        ("ppo-critic", _cfg(tmp_path, "critic-ddp", data, stage="ppo", kl=0.05, critic=critic, mb=1, **ddp)),
         (
             "ppo-full-kl",
             _cfg(tmp_path, "ppo-pp2", data, stage="ppo", kl=0.05, dp_shard=1, pp=2, pp_microbatches=2),
         ),
         ("grpo-once", _cfg(tmp_path, "grpo-pp2", data, epochs=1, dp_shard=1, pp=2, pp_microbatches=2)),
+        ("grpo-4l-kl", _cfg(tmp_path, "kl-interleaved", data, kl=0.1, model=four_layers, **interleaved)),
+        ("ppo-4l-kl", _cfg(tmp_path, "ppo-zbv", data, stage="ppo", kl=0.05, model=four_layers, **v_shaped)),
         # Under a pipeline the rollout policy's and the reference's log-probs go through the stages.
         ("grpo-full", _cfg(tmp_path, "grpo-epochs-pp2", data, dp_shard=1, pp=2, pp_microbatches=2)),
         ("grpo-full-kl", _cfg(tmp_path, "full-kl-pp2", data, kl=0.1, dp_shard=1, pp=2, pp_microbatches=2)),

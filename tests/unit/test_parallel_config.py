@@ -115,8 +115,6 @@ def test_slurm_task_becomes_a_rank(monkeypatch):
          r"multiple of 8"),
         ("tiny-llama", ["parallel.cp=4", "parallel.cp_mode=ulysses"], 4, r"cp_mode: ulysses.*kv"),
         ("tiny-llama", ["parallel.cp=2", "method.stage=grpo"], 2, r"cp=2 with method\.stage=grpo"),
-        ("tiny-llama", ["parallel.pp=2", "parallel.dp_shard=1", "method.stage=ppo", "parallel.pp_virtual=2",
-                        "parallel.pp_schedule=interleaved_1f1b"], 2, r"pp_virtual=2 with method\.stage=ppo"),
         ("tiny-llama", ["parallel.tp=2", "parallel.dp_shard=1", "method.stage=grpo"], 2,
          r"set parallel\.sequence_parallel: false"),
     ],

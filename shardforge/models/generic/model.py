@@ -26,7 +26,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardforge.errors import ModelError
 from shardforge.models.generic.config import GenericConfig
-from shardforge.models.head import target_logprobs, value_head
+from shardforge.models.head import critic_values, target_logprobs, value_head
 
 
 @contextlib.contextmanager
@@ -72,6 +72,7 @@ class HFCausalLM(nn.Module):
         buffers = self.hf.named_buffers() if pretrained is None else ()
         self._buffers_made = {name: b.detach().clone() for name, b in buffers}
         self.value_head: nn.Linear | None = None
+        self.critic: nn.Module | None = None  # PPO's separate critic model (add_critic)
         self._logit_transform = _logit_transform(cfg.hf)
         self._renames = self._canonical_prefixes()
         self.packs = packs_by_position(cfg.hf)
@@ -152,6 +153,10 @@ class HFCausalLM(nn.Module):
         """PPO's critic on the final hidden states (models/head.py: value_head)."""
         self.value_head = value_head(self.config.hidden_size, self.lm_head.weight, seed)
 
+    def add_critic(self, critic: nn.Module) -> None:
+        """PPO's separate critic model (models/llama/model.py: Decoder.add_critic)."""
+        self.critic = critic
+
     # ---- forward -----------------------------------------------------------------------------------------
     def forward(
         self,
@@ -193,8 +198,8 @@ class HFCausalLM(nn.Module):
                 logits = self._logit_transform(logits.float())
                 logps = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
             if values:
-                assert self.value_head is not None, "values=True needs add_value_head()"
-                return logps, self.value_head(hidden).squeeze(-1).float()
+                inputs = {"position_ids": position_ids, "doc_ids": doc_ids, "doc_layout": doc_layout}
+                return logps, critic_values(self, hidden, x, output_mask=output_mask, **inputs)
             return logps
         logits = self.lm_head(hidden)
         transform = self._logit_transform if not self.config.num_labels else None  # a score is not a logit

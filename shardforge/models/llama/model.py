@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardforge.models.attention import DocLayout, attention_per_document, sdpa
-from shardforge.models.head import target_logprobs, value_head
+from shardforge.models.head import critic_values, target_logprobs, value_head
 from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
 from shardforge.models.moe import SparseMoE
@@ -255,6 +255,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.num_labels or cfg.vocab_size, bias=False)
         self.value_head: nn.Linear | None = None  # PPO's critic on the policy (add_value_head); not exported
+        self.critic: nn.Module | None = None  # or PPO's separate critic model (add_critic)
         self.tie_weights()
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.reset_rope()
@@ -264,6 +265,12 @@ class Decoder(nn.Module):
         LM head gets none."""
         if self.lm_head is not None:
             self.value_head = value_head(self.config.hidden_size, self.norm.weight, seed)
+
+    def add_critic(self, critic: nn.Module) -> None:
+        """PPO's separate critic: a model of its own with a one-output score head, run on the policy's
+        tokens when values are asked for. Held as a submodule so that the layouts, the optimizer and the
+        checkpoints treat it as part of the trained model (its weights are `critic.*`)."""
+        self.critic = critic
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the checkpoint says so (again after `to_empty`). A
@@ -417,8 +424,8 @@ class Decoder(nn.Module):
         if targets is not None:
             hidden = self.final_hidden(h, output_mask)
             logps = target_logprobs(self.lm_head, hidden, targets, summed)
-            if values:  # and the value head's estimates at the same positions [n] (fp32)
-                assert self.value_head is not None, "values=True needs add_value_head()"
-                return logps, self.value_head(hidden).squeeze(-1).float()
+            if values:  # and the critic's estimates at the same positions [n] (fp32)
+                inputs = {"position_ids": position_ids, "doc_ids": doc_ids, "doc_layout": doc_layout}
+                return logps, critic_values(self, hidden, x, output_mask=output_mask, **inputs)
             return logps
         return self.final_hidden(h, output_mask) if return_hidden else self.head(h, output_mask)
