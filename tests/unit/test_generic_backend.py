@@ -214,15 +214,20 @@ def test_a_lora_run_on_the_generic_backend_hands_back_a_peft_adapter(tmp_path):
 @pytest.mark.parametrize(
     ("stage", "data", "fmt"), [("dpo", "demo_pref.jsonl", "alpaca"), ("kto", "demo_kto.jsonl", "openai"),
                                ("pt", "demo_alpaca.jsonl", "alpaca"), ("grpo", "demo_math.jsonl", "alpaca"),
-                               ("ppo", "demo_math.jsonl", "alpaca")],
+                               ("ppo", "demo_math.jsonl", "alpaca"),
+                               ("ppo-critic", "demo_math.jsonl", "alpaca")],
 )  # fmt: skip
 def test_the_alignment_objectives_run_on_the_generic_backend(tmp_path, stage, data, fmt):
     """DPO (a frozen copy as the reference), KTO, pretraining and RL (rollouts by the paged engine over
-    transformers' modules; PPO with a value head) through the one loop."""
+    transformers' modules; PPO with a value head, or with a separate critic model: the family's
+    ...ForSequenceClassification, exported beside the policy) through the one loop."""
     folder = hf_folder(tmp_path, "olmo2")
     model = {"path": str(folder), "preset": None, "tokenizer": str(TOKENIZER)}
+    critic = stage == "ppo-critic"
+    stage = "ppo" if critic else stage
+    method = {"stage": stage, "ppo": {"critic": str(folder) if critic else "auto"}}
     config = tiny_config(
-        tmp_path / stage, REPO / "examples" / "data" / data, fmt, model=model, method={"stage": stage},
+        tmp_path / stage, REPO / "examples" / "data" / data, fmt, model=model, method=method,
         data={"packing": False, "max_length": 64},
         train={"steps": 4, "micro_batch": 2, "lr": 3e-3, "warmup": 0, "log_every": 1},
     )  # fmt: skip
@@ -231,9 +236,16 @@ def test_the_alignment_objectives_run_on_the_generic_backend(tmp_path, stage, da
             {"name": "length", "weight": 1.0}
         ]  # DAPO's overlong shaping: scores that differ in a group
         config["method"]["rl"] = {"group_size": 4, "max_new_tokens": 6, "rewards": rewards}
-    history = Trainer(load_config(None, base=config)).train().history
+    result = Trainer(load_config(None, base=config)).train()
+    history = result.history
     losses = [r["loss"] for r in history]
     assert all(math.isfinite(x) for x in losses)
+    if critic:
+        from transformers import AutoModelForSequenceClassification
+
+        exported = AutoModelForSequenceClassification.from_pretrained(result.final_model / "critic")
+        assert type(exported).__name__ == "Olmo2ForSequenceClassification"
+        assert history[0]["value_loss"] > 0
     if stage in ("grpo", "ppo"):
         assert all(r["rollout_tokens_per_s"] > 0 and abs(r["logprob_delta"]) < 1e-5 for r in history)
     else:
