@@ -24,6 +24,10 @@ _ADVICE = {
         "the checkpoint holds what its method trains (adapters, or some layers) over its base model: resume "
         "with the same method.finetuning and settings over the same model.path"
     ),
+    "critic": (
+        "the checkpoint holds PPO's separate critic model (method.ppo.critic) of that shape, or none: resume "
+        "with the critic it was trained with"
+    ),
     "optimizer_format": (
         "the optimizer states are stored in another layout (an older shardforge): resume with the version "
         "that wrote it, or export the weights (shardforge export) and start a new run from them"
@@ -39,10 +43,10 @@ def check_compatible(folder: Path, saved: dict, current: dict) -> None:
         was, now = saved.get(key), current[key]
         if was == now:
             continue
-        if key == "model" and isinstance(was, dict) and isinstance(now, dict):
+        if key in ("model", "critic") and isinstance(was, dict) and isinstance(now, dict):
             fields = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
             shown = ", ".join(f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in fields)
-            problems.append(f"model: {shown} (checkpoint -> this run; {_ADVICE[key]})")
+            problems.append(f"{key}: {shown} (checkpoint -> this run; {_ADVICE[key]})")
         elif key == "model" and not isinstance(was, dict):
             problems.append(
                 f"model: the checkpoint records its model in an older form ({_ADVICE['optimizer_format']})"

@@ -29,23 +29,33 @@ from shardforge.errors import CheckpointError
 
 
 def signature(
-    model_config: Any, vocab_rows: int, global_batch: int, rows: int | str, seed: int, finetuning: Any = None
+    model_config: Any,
+    vocab_rows: int,
+    global_batch: int,
+    rows: int | str,
+    seed: int,
+    finetuning: Any = None,
+    critic_config: Any = None,
 ) -> dict:
     """What a continuation depends on. The model is its whole config (every field of the family's config
     dataclass except the original config.json it was read from, or the generic backend's transformers
-    config), so a new field is compared without being listed here."""
-    fields = dataclasses.fields(model_config)
-    model = {f.name: getattr(model_config, f.name) for f in fields if f.name not in ("hf_config", "hf")}
-    model = json.loads(json.dumps(model, default=str))  # as the checkpoint's JSON holds it
+    config), so a new field is compared without being listed here; so is PPO's separate critic model."""
     return {
-        "model": model,
+        "model": _config_fields(model_config),
         "vocab_rows": vocab_rows,  # as the embedding holds it (padded for tensor parallel)
         "global_batch": global_batch,
         "rows": rows,
         "seed": seed,
         "finetuning": finetuning,  # None: full; else the method, its settings and the base it trains over
         "optimizer_format": OPTIMIZER_FORMAT,
+        "critic": None if critic_config is None else _config_fields(critic_config),
     }
+
+
+def _config_fields(config: Any) -> dict:
+    fields = dataclasses.fields(config)
+    values = {f.name: getattr(config, f.name) for f in fields if f.name not in ("hf_config", "hf")}
+    return json.loads(json.dumps(values, default=str))  # as the checkpoint's JSON holds it
 
 
 class CheckpointManager:

@@ -222,7 +222,11 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
             *collate,
         )  # fmt: skip
     data_id = len(train_rows.rows) if train_rows is not None else source.identity()
-    sig = signature(model_config, vocab_rows, global_batch, data_id, cfg.train.seed, _finetuning(cfg))
+    critic = getattr(model, "critic", None)  # PPO's separate critic model: checkpointed with the policy
+    critic_config = critic.config if critic is not None else None
+    sig = signature(
+        model_config, vocab_rows, global_batch, data_id, cfg.train.seed, _finetuning(cfg), critic_config
+    )
     parts = (engine.model, optimizer, scheduler, precision)
     layout = (dims.world_size, dims.describe())
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout, warn)

@@ -16,7 +16,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from shardforge.checkpoint.export import export_checkpoint
 from shardforge.config import load_config
-from shardforge.errors import ConfigError
+from shardforge.errors import CheckpointError, ConfigError
 from shardforge.models import build_preset, load_model, save_model
 from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.model import Decoder
@@ -129,6 +129,14 @@ def test_ppo_with_a_critic_model_trains_resumes_and_exports_it(tmp_path, prompts
         ours = live(ids, output_mask=torch.ones(2, 12, dtype=torch.bool)).view(2, 12)
         theirs = hf.model(input_ids=ids).last_hidden_state @ hf.score.weight.T
     torch.testing.assert_close(ours, theirs.squeeze(-1), rtol=1e-5, atol=1e-5)
+
+    # Resuming with a critic of another shape is refused by name, before any weight is read.
+    other = critic_folder(tmp_path / "other", heads=2)
+    cfg = _cfg(tmp_path / "whole", prompts, str(other), train={"steps": 4})
+    with pytest.raises(
+        CheckpointError, match=r"critic: .*hidden_size 32 -> 16.*resume with the critic it was"
+    ):
+        Trainer(load_config(None, base=cfg)).train()
 
     # `shardforge export` of the last checkpoint writes the same critic (and the same policy).
     _, out, what = export_checkpoint(tmp_path / "whole" / "run", tmp_path / "exported", print)
