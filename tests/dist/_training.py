@@ -92,6 +92,29 @@ class Interrupted(Exception):
     """Raised by a test to stop a run as if its process had died."""
 
 
+def stopped_at(config: dict, step: int) -> None:
+    """Train until the checkpoint of `step` is saved, then die (as a killed job would)."""
+    trainer = Trainer(load_config(None, base=config))
+
+    def stop(_trainer, saved, _folder):
+        if saved == step:
+            raise Interrupted
+
+    trainer.add_hook("save", stop)
+    with pytest.raises(Interrupted):
+        trainer.train()
+
+
+def stopped_and_resumed(config: dict, step: int) -> Trainer:
+    """Run `config` until its checkpoint at `step`, stop it there, and run it again to the end (the resumed
+    trainer is returned)."""
+    stopped_at(config, step)
+    resumed = Trainer(load_config(None, base=config))
+    resumed.train()
+    assert resumed.start_step == step
+    return resumed
+
+
 def logged(run_dir: Path) -> list[dict]:
     """The records of a run's metrics.jsonl."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]

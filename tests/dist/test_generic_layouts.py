@@ -11,7 +11,7 @@ import pytest
 from shardforge.config import load_config
 from shardforge.train.trainer import Trainer
 from tests.dist._harness import run_ranks
-from tests.dist._training import Interrupted, assert_same, logged_losses, train_runs
+from tests.dist._training import assert_same, logged_losses, stopped_at, train_runs
 from tests.unit.test_generic_backend import _train_config, hf_folder
 
 DATA = {"max_length": 48}
@@ -54,19 +54,6 @@ def test_generic_backend_on_two_ranks_equals_one_process(tmp_path, folders):
         assert_same(run, refs[family], rel=1e-5, atol=1e-4)
 
 
-def _stopped_at(cfg: dict, step: int) -> None:
-    """Train until the checkpoint of `step` is saved, then die (as a killed job would)."""
-    trainer = Trainer(load_config(None, base=cfg))
-
-    def stop(_trainer, saved, _folder):
-        if saved == step:
-            raise Interrupted
-
-    trainer.add_hook("save", stop)
-    with pytest.raises(Interrupted):
-        trainer.train()
-
-
 @pytest.mark.parametrize("family", ["gemma2", "phi3"])
 def test_a_generic_checkpoint_resumes_on_another_layout(tmp_path, folders, family):
     """Saved by FSDP2 ZeRO-3 on 2 ranks (DCP, sharded per decoder layer), resumed in one process: the
@@ -76,7 +63,7 @@ def test_a_generic_checkpoint_resumes_on_another_layout(tmp_path, folders, famil
     whole = [r["loss"] for r in Trainer(load_config(None, base=straight)).train().history]
     sharded = _train_config(tmp_path, folders[family], "resumed", train={**RANKS, "steps": 4},
                             parallel={"dp_shard": 2, "zero_stage": 3}, **sections)  # fmt: skip
-    run_ranks(_stopped_at, 2, sharded, 2)
+    run_ranks(stopped_at, 2, sharded, 2)
     resumed = _train_config(tmp_path, folders[family], "resumed", train={**ONE, "steps": 4}, **sections)
     trainer = Trainer(load_config(None, base=resumed))
     trainer.train()

@@ -24,7 +24,7 @@ from shardforge.objectives.rewards import answers_equal, final_answer
 from shardforge.train.rollout import load_prompts
 from shardforge.train.trainer import Trainer
 from tests.conftest import TOKENIZER, tiny_config
-from tests.dist._training import Interrupted, logged
+from tests.dist._training import logged, stopped_and_resumed
 
 pytestmark = pytest.mark.slow
 
@@ -154,18 +154,7 @@ def test_an_interrupted_grpo_run_resumes_with_the_same_losses(tmp_path):
         )  # fmt: skip
 
     whole = Trainer(load_config(None, base=config("whole"))).train()
-    stopped = Trainer(load_config(None, base=config("stopped")))
-
-    def stop(trainer, step, folder):
-        if step == 2:
-            raise Interrupted
-
-    stopped.add_hook("save", stop)
-    with pytest.raises(Interrupted):
-        stopped.train()
-    resumed = Trainer(load_config(None, base=config("stopped")))
-    resumed.train()
-    assert resumed.start_step == 2
+    stopped_and_resumed(config("stopped"), 2)
     records = logged(tmp_path / "stopped" / "run")
     assert [r["loss"] for r in records] == pytest.approx(
         [r["loss"] for r in whole.history], rel=1e-6, abs=1e-9

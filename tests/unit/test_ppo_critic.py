@@ -26,7 +26,7 @@ from shardforge.planner.memory import FP32_BYTES, MemoryModel
 from shardforge.planner.preflight import preflight
 from shardforge.train.trainer import Trainer
 from tests.conftest import TOKENIZER, tiny_config
-from tests.dist._training import Interrupted, logged
+from tests.dist._training import logged, stopped_and_resumed
 
 VOCAB = len(AutoTokenizer.from_pretrained(TOKENIZER))
 
@@ -99,18 +99,7 @@ def test_ppo_with_a_critic_model_trains_resumes_and_exports_it(tmp_path, prompts
     assert result.history[0]["value_loss"] > 0 and result.history[0]["grad_norm"] > 0
 
     # Stopped after its checkpoint at step 2 and resumed: the same losses as the run that was not stopped.
-    stopped = Trainer(load_config(None, base=_cfg(tmp_path / "stopped", prompts, str(folder))))
-
-    def stop(trainer, step, saved):
-        if step == 2:
-            raise Interrupted
-
-    stopped.add_hook("save", stop)
-    with pytest.raises(Interrupted):
-        stopped.train()
-    resumed = Trainer(load_config(None, base=_cfg(tmp_path / "stopped", prompts, str(folder))))
-    resumed.train()
-    assert resumed.start_step == 2
+    stopped_and_resumed(_cfg(tmp_path / "stopped", prompts, str(folder)), 2)
     keys = ("loss", "value_loss", "grad_norm")
     again = logged(tmp_path / "stopped" / "run")
     for key in keys:
