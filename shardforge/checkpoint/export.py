@@ -35,11 +35,10 @@ def write_model_folder(
     LoRA a PEFT adapter folder (the merged HF folder with `merge`). `state` None: the model's own weights.
     Returns what was written."""
     state = model.state_dict() if state is None else state
-    state = {
-        k: v for k, v in state.items() if not k.startswith("value_head.")
-    }  # PPO's value head stays behind
+    # PPO's value head stays behind; its separate critic model is written beside the policy
+    state = {k: v for k, v in state.items() if not k.startswith("value_head.")}
     critic = {k.removeprefix("critic."): v for k, v in state.items() if k.startswith("critic.")}
-    if critic:  # PPO's separate critic: an HF sequence classifier of its own, in critic/
+    if critic:  # an HF sequence classifier of its own, in critic/
         state = {k: v for k, v in state.items() if not k.startswith("critic.")}
         save_model(model.critic, to / "critic", tokenizer=tokenizer, state_dict=critic)
     beside = " and its critic (critic/)" if critic else ""

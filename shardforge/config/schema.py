@@ -197,6 +197,11 @@ class PPOSection(Section):
     value_clip: float = Field(default=0.2, gt=0)
     critic: str = Field(default="auto", min_length=1)
 
+    @property
+    def critic_folder(self) -> str | None:
+        """The separate critic model's folder; None for a value head on the policy (`auto`, `head`)."""
+        return None if self.critic in ("auto", "head") else self.critic
+
 
 class MoESection(Section):
     """How a mixture-of-experts model keeps its experts' loads even (models/moe.py; MoE models only)."""

@@ -38,8 +38,6 @@ from shardforge.objectives.rl_losses import (
     group_advantages,
 )
 
-CRITIC_HEAD = ("auto", "head")  # method.ppo.critic values meaning a value head on the policy
-
 # Sums over all data-parallel ranks of a small float64 vector (the rollout source's reduction).
 Total = Callable[[torch.Tensor], torch.Tensor]
 # The whole model's output for token ids and the forward's keyword inputs: the model called, or under a
@@ -202,8 +200,8 @@ def sampling_delta(logps: torch.Tensor, batch: Batch, mask: torch.Tensor) -> tor
 
 def critic_folder(method: MethodSection) -> Path | None:
     """PPO's separate critic model's folder (method.ppo.critic), None for a value head on the policy."""
-    critic = method.ppo.critic
-    return Path(critic) if method.stage == "ppo" and critic not in CRITIC_HEAD else None
+    folder = method.ppo.critic_folder
+    return Path(folder) if method.stage == "ppo" and folder is not None else None
 
 
 def load_critic(folder: Path, policy: nn.Module) -> nn.Module:

@@ -6,8 +6,8 @@ context parallel (the model's attention over the sequence split across the cp gr
 Activation checkpointing wraps whole (TP-sharded) blocks: `full` recomputation repeats their TP collectives
 (in the same order on every rank), `selective` keeps their outputs. Compile sees the final
 block code. PPO's separate critic model, a submodule of the policy, gets the same treatment. Pipeline
-stages are then cut over the wrapped blocks. Data parallel comes last: DDP wraps the
-model, or FSDP2 shards the (TP) parameters over the data-parallel mesh dims, with one root per pipeline stage.
+stages are then cut over the wrapped blocks. Data parallel comes last: DDP wraps the model, or FSDP2 shards
+the (TP) parameters over the data-parallel mesh dims, with one root per pipeline stage.
 Under pipeline parallel the model given here is already pruned to this rank's stages (on the meta device,
 before its weights existed).
 """

@@ -206,8 +206,8 @@ def critic_shape(folder: str) -> Any:
 def check_critic(cfg: Config, dims: ParallelDims) -> None:
     """PPO's separate critic model follows the policy's data and tensor parallel layout; a pipeline (whose
     stages pass the policy's stream, not token ids), expert parallel and MoE critics are not built."""
-    critic = cfg.method.ppo.critic
-    if cfg.method.stage != "ppo" or critic in ("auto", "head"):
+    critic = cfg.method.ppo.critic_folder
+    if cfg.method.stage != "ppo" or critic is None:
         return
     shape = critic_shape(critic)
     for key, degree in (("pp", dims.pp), ("ep", dims.ep)):

@@ -269,8 +269,8 @@ class StateCounter:
 def critic_memory(cfg: Config) -> MemoryModel | None:
     """PPO's separate critic model (method.ppo.critic a folder) as a memory model of its own: the folder's
     shape with a one-output head, trained whole, unquantized, on the same rows."""
-    folder = cfg.method.ppo.critic
-    if cfg.method.stage != "ppo" or folder in ("auto", "head"):
+    folder = cfg.method.ppo.critic_folder
+    if cfg.method.stage != "ppo" or folder is None:
         return None
     shape = critic_shape(folder)
     method = cfg.method.model_copy(
