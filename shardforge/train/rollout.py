@@ -213,12 +213,13 @@ class RolloutSource:
             model.train(was_training)
 
     def _engine(self, model: nn.Module, config: EngineConfig) -> Engine:
-        """The inference engine over the rank's model: the whole model, or under a pipeline its stage, whose
-        engine passes the stream on to the next stage's (infer/pp.py)."""
+        """The inference engine over the rank's model: the whole model, or under a pipeline its stages, whose
+        engine passes the stream on to the next stage's rank (infer/pp.py)."""
+        # No tokenizer: the engine streams no text token by token; `_score` decodes each completion once.
         trainer = self.engine
         if not trainer.is_pipeline:
-            return Engine(model, self.tokenizer, config, self.defaults)
-        return PipelineStageEngine(model, self.tokenizer, config, self.defaults, trainer)
+            return Engine(model, None, config, self.defaults)
+        return PipelineStageEngine(model, None, config, self.defaults, trainer)
 
     def _score(self, prompts: list[Prompt], completions: list[list[Any]]) -> tuple[list[dict], dict]:
         """Each row's example (prompt + completion, the completion trained) and its reward, the weighted
