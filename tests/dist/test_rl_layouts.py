@@ -11,12 +11,14 @@ updated weights. One launch for all."""
 
 from __future__ import annotations
 
-import pytest
-from transformers import AutoTokenizer
+from pathlib import Path
 
-from tests.conftest import TOKENIZER, tiny_config, write_jsonl
+import pytest
+
+from tests.conftest import tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
 from tests.dist._training import assert_same, tiny_model_folder, train_runs
+from tests.unit.test_ppo_critic import VOCAB, critic_folder
 
 
 def digit_share(prompts, completions, answers):
@@ -24,21 +26,21 @@ def digit_share(prompts, completions, answers):
     return [sum(ch.isdigit() or ch in "aeiou" for ch in text) / max(1, len(text)) for text in completions]
 
 
-VOCAB = len(AutoTokenizer.from_pretrained(TOKENIZER))
+def addition_prompts(path: Path) -> Path:
+    """16 alpaca records asking for a sum, with the answer (the RL tests' prompts)."""
+    records = [{"instruction": "Add the two numbers.", "input": f"{a} + {a + 3}", "output": str(2 * a + 3)}
+               for a in range(16)]  # fmt: skip
+    return write_jsonl(path, records)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    records = [{"instruction": "Add the two numbers.", "input": f"{a} + {a + 3}", "output": str(2 * a + 3)}
-               for a in range(16)]  # fmt: skip
-    return write_jsonl(tmp_path_factory.mktemp("rl") / "prompts.jsonl", records)
+    return addition_prompts(tmp_path_factory.mktemp("rl") / "prompts.jsonl")
 
 
 @pytest.fixture(scope="module")
 def critic(tmp_path_factory):
     """PPO's separate critic model: a decoder of its own shape with a score head, as an rm run exports it."""
-    from tests.unit.test_ppo_critic import critic_folder
-
     return str(critic_folder(tmp_path_factory.mktemp("critic")))
 
 

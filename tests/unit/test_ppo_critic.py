@@ -6,7 +6,6 @@ follow and bad folders are refused by name; the planner counts its memory."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -43,11 +42,9 @@ def critic_folder(root: Path, vocab: int = VOCAB, score_head: bool = True, heads
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory) -> Path:
-    records = [{"instruction": "Add the two numbers.", "input": f"{a} + {a + 3}", "output": str(2 * a + 3)}
-               for a in range(16)]  # fmt: skip
-    path = tmp_path_factory.mktemp("ppo") / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
+    from tests.dist.test_rl_layouts import addition_prompts  # (that module imports this one)
+
+    return addition_prompts(tmp_path_factory.mktemp("ppo") / "prompts.jsonl")
 
 
 def _cfg(tmp_path: Path, data: Path, critic: str, **sections) -> dict:
