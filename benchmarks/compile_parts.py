@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from shardforge.models.common.attention import AttentionContext
 from shardforge.models.io import load_model
-from shardforge.models.llama.model import AttentionContext
 from shardforge.models.llama.rope import apply_rope, rope_cos_sin
 
 

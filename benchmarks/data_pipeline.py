@@ -61,13 +61,15 @@ from shardforge.data.batch_source import DatasetSource
 from shardforge.data.stream import StreamSource
 from shardforge.models.build import load_tokenizer
 from shardforge.objectives import build_objective
-from shardforge.train.setup import build_data, console_for
+from shardforge.data.build import build_data
+from shardforge.objectives import reading_of
+from shardforge.train.runtime import console_for
 more = int(sys.argv[2])
 config = load_config(sys.argv[1], sys.argv[3:])
 tokenizer, objective = load_tokenizer(config.model), build_objective(config.method)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 start = time.perf_counter()
-train, _ = build_data(config, tokenizer, objective, console_for(quiet=True))
+train, _ = build_data(config, tokenizer, objective, reading_of(objective))
 split, collate = (config.train.micro_batch, 1, 1, 0), (objective.collate, tokenizer.pad_token_id)
 if train is None:
     source = StreamSource(config.data, "pt", objective.encoder(tokenizer, config.data), 0, split, *collate)

@@ -65,7 +65,7 @@ def main() -> None:
     import torch
 
     from shardforge.models import save_model
-    from shardforge.models.llama.config import DecoderConfig
+    from shardforge.models.common.config import DecoderConfig
     from shardforge.models.llama.model import Decoder
 
     with tempfile.TemporaryDirectory() as tmp:

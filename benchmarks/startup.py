@@ -34,13 +34,16 @@ def timed(module, name, label):
     setattr(module, name, wrapper)
 from shardforge.config import load_config
 from shardforge.train.trainer import Trainer
+import shardforge.data.build as data_build
+import shardforge.train.policy as policy
+import shardforge.train.runtime as runtime
 import shardforge.train.setup as setup
 marks["imports"] = time.perf_counter() - t0
 timed(setup, "model_source", "tokenizer and model source")
-timed(setup, "build_datasets", "data (read, tokenize, pack)")
-timed(setup, "build_model", "model build")
+timed(data_build, "build_datasets", "data (read, tokenize, pack)")
+timed(policy, "build_model", "model build")
 timed(setup, "parallelize", "layout (parallelize)")
-timed(setup, "peak_flops", "peak probe")
+timed(runtime, "peak_flops", "peak probe")
 overrides = ["train.steps=1", "train.eval_every=null", "checkpoint.save_final=false", "log.tensorboard=false",
              "log.plot=false", f"output_dir={sys.argv[2]}"]
 trainer = Trainer(load_config(sys.argv[1], overrides))

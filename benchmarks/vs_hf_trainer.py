@@ -140,13 +140,15 @@ def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
 
     from shardforge.config.schema import DataSection, DatasetSpec
     from shardforge.data.loader import read_dataset
-    from shardforge.objectives import build_objective
+    from shardforge.objectives import build_objective, reading_for
 
     tokenizer = AutoTokenizer.from_pretrained(folder / "model")
     data = DataSection(train=[{"path": str(folder / f"{split}.jsonl"), "format": "alpaca"}], max_length=4096)
     encoder = build_objective("sft").encoder(tokenizer, data)
     out = []
-    for record in read_dataset(DatasetSpec(path=str(folder / f"{split}.jsonl"), format="alpaca"), "sft"):
+    for record in read_dataset(
+        DatasetSpec(path=str(folder / f"{split}.jsonl"), format="alpaca"), reading_for("sft")
+    ):
         [(ids, trained)] = encoder(record)
         ids, trained = ids.tolist(), trained.tolist()
         out.append((ids, [t if m else -100 for t, m in zip(ids, trained, strict=True)]))

@@ -46,9 +46,10 @@ def read_pairs(path: Path) -> list[tuple[list[dict], str, str]]:
     sys.path.insert(0, str(REPO))
     from shardforge.config.schema import DatasetSpec
     from shardforge.data.loader import read_dataset
+    from shardforge.objectives import reading_for
 
     fmt = "sharegpt" if path.suffix == ".json" else "alpaca"
-    records = read_dataset(DatasetSpec(path=str(path), format=fmt), "pref")
+    records = read_dataset(DatasetSpec(path=str(path), format=fmt), reading_for("dpo"))
     return [(list(r.messages[:-1]), r.messages[-1]["content"], r.rejected) for r in records]
 
 

@@ -38,14 +38,15 @@ def _cmd_train(args: argparse.Namespace, console: Console) -> int:
         (args.nproc > 1 or args.max_restarts > 0) and not already_a_rank(translate=False)
     ):
         from shardforge.models.build import model_source
-        from shardforge.planner.preflight import preflight
+        from shardforge.planner.preflight import resolve_layout
 
         # Restarts need the elastic agent, even for a single process.
         # Layout errors surface here, once, before any process starts. Every node's agent must choose the
         # same `parallel: auto` layout: no measured (per-node) CPU peak in the search when there are several.
         world = rendezvous.nnodes * args.nproc
         shape = model_source(config.model)[0]
-        _, dims, _, _, estimate = preflight(config, world, shape, measure=rendezvous.nnodes == 1)
+        resolved = resolve_layout(config, world, shape, measure=rendezvous.nnodes == 1)
+        dims, estimate = resolved.dims, resolved.estimate
         overrides = list(args.overrides)
         if config.parallel.auto:  # the ranks run the layout chosen here (their own searches could differ)
             console.print(f"parallel: auto chose {estimate.layout.describe()} on {dims.world_size} ranks")
@@ -145,9 +146,14 @@ def _cmd_convert(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_data_prepare(args: argparse.Namespace, console: Console) -> int:
     from shardforge.config import load_config
-    from shardforge.train.setup import prepare_data
+    from shardforge.data.build import prepare_data
+    from shardforge.log import log_to_console
+    from shardforge.objectives import build_objective, reading_of
 
-    report = prepare_data(load_config(args.config, args.overrides), console)
+    config = load_config(args.config, args.overrides)
+    objective = build_objective(config.method)
+    log_to_console(console)
+    report = prepare_data(config, objective, reading_of(objective))
     for what, stats in report.items():
         histogram = stats.pop("length_histogram")
         console.print(

@@ -84,3 +84,17 @@ def tiny_config(tmp_path: Path, train_file: Path, fmt: str = "alpaca", **section
             section, values
         )
     return cfg
+
+
+# The quick tier (`pytest -m "not slow"`, README): every single-process test under tests/unit (every package
+# of the library is exercised there), without the multi-process parity runs and the end-to-end CLI, server and
+# browser runs, which are the slow tier and run in CI with the rest.
+SLOW_FOLDERS = ("dist", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).parent
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(root).parts
+        if parts and parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)

@@ -18,6 +18,7 @@ from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer
 from shardforge.config import Config, load_config
 from shardforge.models import save_model
 from shardforge.models.build import build_model, load_tokenizer
+from shardforge.models.head import attach_critic
 from shardforge.objectives import score_labels
 from shardforge.objectives.rl import critic_folder, load_critic
 from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
@@ -72,7 +73,7 @@ def export_checkpoint(
     apply_finetuning(model, config.method, config.train.seed)  # the checkpoint holds the adapters
     critic = critic_folder(config.method)
     if critic is not None:  # PPO's separate critic: the checkpoint holds its trained weights
-        model.add_critic(load_critic(critic, model))
+        attach_critic(model, load_critic(critic, model))
     vocab = model.config.vocab_size
     pad_vocab(model, read_trainer_state(folder)["vocab_rows"])  # as saved: padded for the run's TP degree
     load_model_weights(folder, model)

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from shardforge.parallel.data_parallel import unwrap
 from shardforge.parallel.memory import local_tensor
 from shardforge.parallel.offload import OffloadedAdamW
 
@@ -108,7 +109,7 @@ def _common_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 def _stored_name(model: nn.Module) -> Callable[[str], str]:
     """A pipeline stage's copy of a tied embedding (its LM head) is stored as the embedding it equals, so a
     checkpoint has one optimizer state for it whatever the layout."""
-    if getattr(model, "untied_copy", False):
+    if unwrap(model).untied_copy:
         return lambda fqn: "embed_tokens.weight" if fqn == "lm_head.weight" else fqn
     return lambda fqn: fqn
 

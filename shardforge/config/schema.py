@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from shardforge.config.stages import STAGES, Choices, known_stage
+
+# A registered stage name (config/stages.py); the web form offers the registry's names.
+StageName = Annotated[str, AfterValidator(known_stage), Choices(lambda: STAGES)]
 
 
 class Section(BaseModel):
@@ -223,7 +228,7 @@ class MoESection(Section):
 
 
 class MethodSection(Section):
-    stage: Literal["pt", "sft", "rm", "dpo", "kto", "grpo", "ppo"] = "sft"
+    stage: StageName = "sft"
     finetuning: Literal["full", "freeze", "lora"] = "full"
     lora: LoraSection = LoraSection()
     freeze: FreezeSection = FreezeSection()
@@ -254,6 +259,29 @@ ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "zero_bubble")  # pp_virtual >= 2 stages per rank
 V_SCHEDULES = ("zbv", "dualpipev")  # exactly 2 stages per rank: r and 2pp-1-r
 ZERO_BUBBLE_SCHEDULES = ("zero_bubble", "zbv", "dualpipev")
+
+
+def zero_bubble_refusal(parallel: ParallelSection, replicas: int = 1, world_size: int = 1) -> str | None:
+    """Why `parallel` may not run its zero-bubble schedule, else None: the schedule's weight-gradient pass
+    does not reach FSDP2's gathered parameters, and DDP does not take pipeline stages, so it runs without
+    data parallel. The one home of that rule: the config refuses what it knows (zero_stage >= 2),
+    ParallelDims what the world size tells (the data-parallel `replicas` it resolved)."""
+    if parallel.pp == 1 or parallel.pp_schedule not in ZERO_BUBBLE_SCHEDULES:
+        return None
+    if parallel.zero_stage >= 2:
+        return (
+            f"parallel.pp_schedule={parallel.pp_schedule} computes weight gradients in a pass of their own, "
+            f"which does not reach FSDP2's gathered parameters (torch 2.13), so it cannot be combined "
+            f"with data parallel: with parallel.zero_stage={parallel.zero_stage} use pp_schedule 1f1b, gpipe "
+            f"or interleaved_1f1b"
+        )
+    if replicas > 1:
+        return (
+            f"parallel.pp_schedule={parallel.pp_schedule} cannot be combined with data parallel "
+            f"({replicas} replicas here): use 1f1b, gpipe or interleaved_1f1b with "
+            f"parallel.zero_stage 2 or 3, or use all {world_size} processes for pp x tp"
+        )
+    return None
 
 
 class ParallelSection(Section):
@@ -331,13 +359,8 @@ class ParallelSection(Section):
                 f"parallel.pp_schedule={self.pp_schedule} interleaves several stages per rank: set "
                 f"parallel.pp_virtual >= 2 (it is {self.pp_virtual})"
             )
-        if self.pp_schedule in ZERO_BUBBLE_SCHEDULES and self.zero_stage >= 2:
-            raise ValueError(
-                f"parallel.pp_schedule={self.pp_schedule} computes weight gradients in a pass of their own, "
-                f"which does not reach FSDP2's gathered parameters (torch 2.13), so it cannot be combined "
-                f"with data parallel: with parallel.zero_stage={self.zero_stage} use pp_schedule 1f1b, gpipe "
-                f"or interleaved_1f1b"
-            )
+        if (refused := zero_bubble_refusal(self)) is not None:
+            raise ValueError(refused)
         if self.pp_schedule in V_SCHEDULES and self.pp_virtual != 2:
             raise ValueError(
                 f"parallel.pp_schedule={self.pp_schedule} is V-shaped, exactly two stages per rank: set "
@@ -406,6 +429,7 @@ class LogSection(Section):
     run_name: str | None = None  # the tracked run's name (None: the output folder's name)
     plot: bool = True
     progress: bool = True
+    all_ranks: bool = False  # every rank's log lines (each naming its rank), not rank 0's alone
 
     @model_validator(mode="before")
     @classmethod

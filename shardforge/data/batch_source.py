@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from shardforge.data.batching import Batch, GlobalOrder, split_global_batch
 from shardforge.data.examples import Example
@@ -35,8 +35,13 @@ class GlobalBatch:
 
 class BatchSource(Protocol):
     prefetch: bool  # may the next batch be drawn ahead on a thread while the current step runs?
+    groups: float  # the groups of an epoch (math.inf for a stream)
 
     def next_batch(self) -> GlobalBatch: ...
+
+    def identity(self) -> Any:
+        """What a checkpoint's data position refers to (part of its signature, checked on resume)."""
+        ...
 
     def load_state_dict(self, state: dict) -> None: ...
 
@@ -65,6 +70,7 @@ class DatasetSource:
         self.split = (micro_batch, grad_accum, dp, dp_rank)
         self.groups_per_step = micro_batch * grad_accum * dp
         self.order = GlobalOrder(rows.num_groups, seed)
+        self.groups: float = rows.num_groups
 
     def next_batch(self) -> GlobalBatch:
         ids = self.order.take(self.groups_per_step)
@@ -75,6 +81,9 @@ class DatasetSource:
         ]
         position = self.order.position
         return GlobalBatch(micro, counts, {"samples": position}, position / self.rows.num_groups)
+
+    def identity(self) -> int:
+        return len(self.rows.rows)
 
     def load_state_dict(self, state: dict) -> None:
         self.order.position = int(state["samples"])

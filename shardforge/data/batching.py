@@ -11,7 +11,7 @@ import torch
 
 from shardforge.data.examples import Example
 from shardforge.data.store import ExampleStore
-from shardforge.models.attention import DocLayout, doc_layout
+from shardforge.models.common.attention import DocLayout, doc_layout
 
 IGNORE = -100
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shardforge.data.formats import FieldMap, default_fields
+from shardforge.data.formats import FieldMap, Reading, default_fields
 from shardforge.errors import DataError
 
 HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
@@ -60,7 +60,7 @@ def load_dataset_info(info_path: str | Path) -> dict[str, Any]:
     return info
 
 
-def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str = "text") -> ResolvedEntry:
+def resolve_entry(name: str, info_path: str | Path, how: Reading, text_column: str = "text") -> ResolvedEntry:
     """Look up `name` in dataset_info.json and translate its file_name, formatting, columns and tags."""
     info_path = Path(info_path)
     info = load_dataset_info(info_path)
@@ -72,17 +72,17 @@ def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str
         raise DataError(f"{where} is not a JSON object")
     ranking = bool(entry.get("ranking"))
     labelled = isinstance(entry.get("columns"), dict) and "kto_tag" in entry["columns"]
-    if labelled != (stage == "kto") and not (labelled and stage == "sft"):
+    if labelled != (how.reader == "labelled") and not (labelled and how.reader == "chat"):
         raise DataError(
-            f"{where} is KTO data (a kto_tag column); it trains under method.stage: kto"
+            f"{where} is KTO data (a kto_tag column); it trains under method.stage: {how.serving('labelled')}"
             if labelled
-            else f"{where} has no kto_tag column; method.stage kto needs each example's desirable label"
+            else f"{where} has no kto_tag column; method.stage {how.stage} needs each example's label"
         )
-    if ranking != (stage == "pref"):
+    if ranking != (how.reader == "pair"):
         raise DataError(
-            f"{where} is preference data (ranking: true); it trains under method.stage: dpo or rm"
+            f"{where} is preference data (ranking: true); it trains under method.stage: {how.serving('pair')}"
             if ranking
-            else f"{where} is not preference data (no ranking: true); method.stage dpo and rm need pairs"
+            else f"{where} is not preference data (no ranking: true); method.stage {how.stage} needs pairs"
         )
     if "file_name" not in entry:
         if any(key in entry for key in HUB_KEYS):
@@ -102,7 +102,7 @@ def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str
     columns = _str_dict(entry.get("columns", {}), f"{where} columns")
     tags = _str_dict(entry.get("tags", {}), f"{where} tags")
 
-    if fmt == "alpaca" and set(columns) == {"prompt"} and stage == "pt":  # LF pretraining text
+    if fmt == "alpaca" and set(columns) == {"prompt"} and how.reader == "text":  # LF pretraining text
         return ResolvedEntry(path, "text", replace(default_fields("text"), text=columns["prompt"]))
 
     allowed = ALPACA_COLUMNS if fmt == "alpaca" else CHAT_COLUMNS
@@ -110,7 +110,7 @@ def resolve_entry(name: str, info_path: str | Path, stage: str, text_column: str
         allowed = {**allowed, "chosen": "chosen", "rejected": "rejected"}
     if labelled:
         allowed = {**allowed, "kto_tag": "label"}
-    if stage == "rl":  # a prompt's reference answer (verifiable rewards)
+    if how.reader == "prompt":  # a prompt's reference answer (verifiable rewards)
         allowed = {**allowed, "answer": "answer"}
     unknown = sorted(set(columns) - set(allowed))
     if unknown:

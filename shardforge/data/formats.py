@@ -14,9 +14,28 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from shardforge.errors import DataError
+
+# How an objective takes its records: plain text (pretraining), a conversation, a preference pair, a
+# completion labelled desirable or not (KTO), or a prompt to sample completions of (RL).
+Reader = Literal["text", "chat", "pair", "labelled", "prompt"]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the readers need of the objective a data set is read for: its reader, and for messages the
+    stage being run and the stages that read each kind of record (objectives.reading_of makes it)."""
+
+    reader: Reader
+    stage: str
+    stages: tuple[tuple[str, str], ...] = ()  # (reader, "dpo or rm"): who trains on such records
+
+    def serving(self, reader: Reader) -> str:
+        """The stages that read records of `reader`, as a message names them."""
+        return dict(self.stages).get(reader, f"a {reader} stage")
+
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")  # .txt: plain text, one document per non-empty line
 CHAT_FORMATS = ("alpaca", "sharegpt", "openai")
@@ -82,19 +101,19 @@ def default_fields(fmt: str, text_column: str = "text") -> FieldMap:
 
 
 def read_records(
-    path: Path, fmt: str, stage: str, fields: FieldMap | None = None, max_samples: int | None = None
+    path: Path, fmt: str, how: Reading, fields: FieldMap | None = None, max_samples: int | None = None
 ) -> list[Record]:
-    """Read a file or a folder of files in format `fmt`; a chat format read for stage "pt" becomes text."""
+    """Read a file or a folder of files in format `fmt`; a chat format read as text becomes text."""
     if fmt not in FORMATS:
         raise DataError(f"{path}: unknown format {fmt!r}; expected one of: {', '.join(FORMATS)}")
-    if fmt == "text" and stage != "pt":
+    if fmt == "text" and how.reader != "text":
         raise DataError(
-            f"{path}: stage {stage} needs a chat format ({', '.join(CHAT_FORMATS)}); "
-            'format "text" is plain text for pretraining (stage pt)'
+            f"{path}: stage {how.stage} needs a chat format ({', '.join(CHAT_FORMATS)}); "
+            f'format "text" is plain text for pretraining (stage {how.serving("text")})'
         )
     fields = fields or default_fields(fmt)
     rows = islice(iter_raw(path, fmt), max_samples)
-    records = [parse_record(obj, src, fmt, fields, stage) for src, obj in rows]
+    records = [parse_record(obj, src, fmt, fields, how) for src, obj in rows]
     if not records:
         raise DataError(f"{path} has no records")
     return records
@@ -286,8 +305,8 @@ def _iter_parquet(path: Path, start: int = 0) -> Iterator[tuple[str, Any, FilePo
 # ---------------------------------------------------------------- objects -> records
 
 
-def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, stage: str) -> Record:
-    """One decoded object (or .txt line) as a record of format `fmt`, for `stage`."""
+def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, how: Reading) -> Record:
+    """One decoded object (or .txt line) as a record of format `fmt`, as `how.reader` takes it."""
     if fmt == "text" and isinstance(obj, str):  # a line of a .txt file
         return Record(src, None, obj)
     if not isinstance(obj, dict):
@@ -295,26 +314,26 @@ def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, stage: str) -> Recor
     if fmt == "text":
         return Record(src, None, _text(obj, src, f))
     paired = f.chosen in obj and f.rejected in obj
-    if stage == "rl":
+    if how.reader == "prompt":
         return _rl_prompt(obj, src, fmt, f)
-    if stage == "pref":
+    if how.reader == "pair":
         msgs, rejected = _preference(obj, src, fmt, f)
         return Record(src, tuple(msgs), None, rejected)
     if paired and f.output not in obj:
         raise DataError(
             f'{src}: a preference record ("{f.chosen}" and "{f.rejected}"); it trains under method.stage: '
-            f"dpo or rm, not {stage}"
+            f"{how.serving('pair')}, not {how.stage}"
         )
-    if stage == "kto":
+    if how.reader == "labelled":
         msgs, label = _kto(obj, src, fmt, f)
         return Record(src, tuple(msgs), None, label=label)
     if f.completion in obj and f.label in obj:
         raise DataError(
-            f'{src}: a KTO record ("{f.completion}" and "{f.label}"); it trains under method.stage: kto, '
-            f"not {stage}"
+            f'{src}: a KTO record ("{f.completion}" and "{f.label}"); it trains under method.stage: '
+            f"{how.serving('labelled')}, not {how.stage}"
         )
     msgs = _alpaca(obj, src, f) if fmt == "alpaca" else _conversation(obj, src, fmt, f)
-    if stage == "pt":
+    if how.reader == "text":
         return Record(src, None, "\n".join(m["content"] for m in msgs))
     return Record(src, tuple(msgs), None)
 

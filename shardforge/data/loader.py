@@ -15,7 +15,7 @@ from shardforge.data.cache import DatasetCache, Splits, cache_key, file_fingerpr
 from shardforge.data.dataset_info import resolve_entry
 from shardforge.data.encode import encode_all
 from shardforge.data.examples import EncodeStats
-from shardforge.data.formats import FieldMap, Record, default_fields, detect_format, read_records
+from shardforge.data.formats import FieldMap, Reading, Record, default_fields, detect_format, read_records
 from shardforge.data.packing import Rows, pack_rows, single_rows
 from shardforge.data.store import ExampleStore
 from shardforge.errors import DataError
@@ -67,11 +67,11 @@ class RowSet:
         return int(self.examples.offsets[-1])
 
 
-def resolve_spec(spec: DatasetSpec, stage: str) -> tuple[Path, str, FieldMap]:
+def resolve_spec(spec: DatasetSpec, how: Reading) -> tuple[Path, str, FieldMap]:
     """Where one configured dataset (a file/folder path, or a named dataset_info.json entry) lives, its
     format and where its fields are."""
     if spec.name is not None:
-        entry = resolve_entry(spec.name, spec.dataset_info or "", stage, spec.text_column)
+        entry = resolve_entry(spec.name, spec.dataset_info or "", how, spec.text_column)
         if spec.format is not None and spec.format != entry.format:
             raise DataError(
                 f'dataset "{spec.name}": format {spec.format} conflicts with its dataset_info formatting '
@@ -83,16 +83,16 @@ def resolve_spec(spec: DatasetSpec, stage: str) -> tuple[Path, str, FieldMap]:
     return path, fmt, default_fields(fmt, spec.text_column)
 
 
-def read_dataset(spec: DatasetSpec, stage: str) -> list[Record]:
-    """Read one configured dataset for `stage`."""
-    path, fmt, fields = resolve_spec(spec, stage)
-    return read_records(path, fmt, stage, fields, spec.max_samples)
+def read_dataset(spec: DatasetSpec, how: Reading) -> list[Record]:
+    """Read one configured dataset as `how` says."""
+    path, fmt, fields = resolve_spec(spec, how)
+    return read_records(path, fmt, how, fields, spec.max_samples)
 
 
-def _read_all(specs: list[DatasetSpec], stage: str) -> list[Record]:
+def _read_all(specs: list[DatasetSpec], how: Reading) -> list[Record]:
     records: list[Record] = []
     for spec in specs:
-        records.extend(read_dataset(spec, stage))
+        records.extend(read_dataset(spec, how))
     return records
 
 
@@ -103,13 +103,13 @@ def lay_out(store: ExampleStore, stats: EncodeStats, data: DataSection, seed: in
     return RowSet(store, pack_rows(store.lengths, data.max_length, seed), stats)
 
 
-def _data_files(spec: DatasetSpec, stage: str) -> list[Path]:
+def _data_files(spec: DatasetSpec, how: Reading) -> list[Path]:
     """The files a dataset is read from (for the cache key; reading reports missing ones itself)."""
     if spec.name is not None:
         info = Path(spec.dataset_info or "")
         if not info.is_file():
             return []
-        path = resolve_entry(spec.name, str(info), stage, spec.text_column).path
+        path = resolve_entry(spec.name, str(info), how, spec.text_column).path
         return [info, *_files_at(path)]
     return _files_at(Path(spec.path or ""))
 
@@ -122,7 +122,7 @@ def _files_at(path: Path) -> list[Path]:
 
 def build_datasets(
     data: DataSection,
-    stage: str,
+    how: Reading,
     encoder: Any,
     seed: int,
     group_size: int = 1,
@@ -136,8 +136,8 @@ def build_datasets(
     out afresh either way."""
 
     def encode() -> Splits:
-        train_records, eval_records = _split_records(data, stage, seed)
-        if stage == "kto":
+        train_records, eval_records = _split_records(data, how, seed)
+        if how.reader == "labelled":
             train_records = kto_examples(train_records, "training data", both_labels=True)
             eval_records = kto_examples(eval_records, "evaluation data") if eval_records else []
         out: Splits = {"train": _encode(train_records, encoder, data, "training data", group_size, workers)}
@@ -151,12 +151,12 @@ def build_datasets(
     if cache is None:
         splits = encode()
     else:
-        files = [f for spec in [*data.train, *data.eval] for f in _data_files(spec, stage)]
+        files = [f for spec in [*data.train, *data.eval] for f in _data_files(spec, how)]
         key = {
             # packing only lays rows out, after the cache; workers change how fast, not what, is encoded
             "data": data.model_dump(exclude={"packing", "workers"}),
             "files": file_fingerprint(files),
-            "stage": stage,
+            "stage": how.stage,
             "seed": seed,
             "group_size": group_size,
             **(identity or {}),
@@ -171,9 +171,9 @@ def build_datasets(
     return train, evaluation
 
 
-def _split_records(data: DataSection, stage: str, seed: int) -> tuple[list[Record], list[Record]]:
-    train_records = _read_all(data.train, stage)
-    eval_records = _read_all(data.eval, stage) if data.eval else []
+def _split_records(data: DataSection, how: Reading, seed: int) -> tuple[list[Record], list[Record]]:
+    train_records = _read_all(data.train, how)
+    eval_records = _read_all(data.eval, how) if data.eval else []
     if data.eval_fraction > 0:
         order = list(range(len(train_records)))
         random.Random(seed).shuffle(order)

@@ -16,6 +16,7 @@ price is that every rank reads and tokenizes the whole stream, on a thread besid
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -32,7 +33,7 @@ from shardforge.data.batching import split_global_batch
 from shardforge.data.cache import file_fingerprint
 from shardforge.data.encode import encode_all
 from shardforge.data.examples import Encoder
-from shardforge.data.formats import FieldMap, Record, data_files, iter_from, parse_record
+from shardforge.data.formats import FieldMap, Reading, Record, data_files, iter_from, parse_record
 from shardforge.data.loader import RowSet, lay_out, resolve_spec
 from shardforge.errors import DataError
 
@@ -61,11 +62,11 @@ class StreamPosition:
     taken: int = 0
 
 
-def stream_shards(specs: list[DatasetSpec], stage: str) -> list[Shard]:
+def stream_shards(specs: list[DatasetSpec], how: Reading) -> list[Shard]:
     """The stream's files in reading order: the entries in turn, a folder's files by name."""
     shards = []
     for i, spec in enumerate(specs):
-        path, fmt, fields = resolve_spec(spec, stage)
+        path, fmt, fields = resolve_spec(spec, how)
         for file in data_files(path, fmt):
             if file.suffix.lower() == ".json":
                 raise DataError(
@@ -77,7 +78,7 @@ def stream_shards(specs: list[DatasetSpec], stage: str) -> list[Shard]:
 
 
 def records_from(
-    shards: list[Shard], stage: str, start: StreamPosition
+    shards: list[Shard], how: Reading, start: StreamPosition
 ) -> Iterator[tuple[Record, StreamPosition]]:
     """The records from `start` to the end of the corpus (one epoch), each with the position after it."""
     pos = start
@@ -87,7 +88,7 @@ def records_from(
             for src, obj, (offset, line) in iter_from(shard.path, (pos.offset, pos.line)):
                 taken += 1
                 yield (
-                    parse_record(obj, src, shard.fmt, shard.fields, stage),
+                    parse_record(obj, src, shard.fmt, shard.fields, how),
                     StreamPosition(pos.shard, offset, line, taken),
                 )
                 if shard.max_samples is not None and taken >= shard.max_samples:
@@ -117,7 +118,7 @@ class StreamSource:
     def __init__(
         self,
         data: DataSection,
-        stage: str,
+        how: Reading,
         encoder: Encoder,
         seed: int,
         split: tuple[int, int, int, int],
@@ -125,11 +126,12 @@ class StreamSource:
         pad_id: int,
         multiple: int = 1,
     ) -> None:
-        self.shards = stream_shards(data.train, stage)
-        self.data, self.stage, self.encoder, self.seed = data, stage, encoder, seed
+        self.shards = stream_shards(data.train, how)
+        self.data, self.how, self.encoder, self.seed = data, how, encoder, seed
         self.split, self.collate, self.pad_id, self.multiple = split, collate, pad_id, multiple
         micro_batch, grad_accum, dp, _ = split
         self.groups_per_step = micro_batch * grad_accum * dp
+        self.groups = math.inf  # an epoch's groups are not known before it is read
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardforge-stream")
         self._window: Window | None = None
         self._ahead: tuple[tuple, Future] | None = None  # the next window, being built
@@ -157,7 +159,7 @@ class StreamSource:
     def _build(self, epoch: int, index: int, start: StreamPosition) -> Window | None:
         """Read, encode and pack one window (None: the epoch has no record left from `start`)."""
         limit = self.data.stream_window
-        read = list(islice(records_from(self.shards, self.stage, start), limit))
+        read = list(islice(records_from(self.shards, self.how, start), limit))
         if not read:
             if index == 0:
                 raise DataError(f"data.train: the stream has no records ({len(self.shards)} files)")

@@ -1,5 +1,2 @@
-"""Inference: generation with the KV cache."""
-
-from shardforge.infer.generate import generate
-
-__all__ = ["generate"]
+"""Inference: the engine (continuous batching over a paged KV cache), its sampling, the OpenAI-compatible
+server and the sessions `chat`/`generate` use."""

@@ -14,10 +14,9 @@ import torch
 from torch import nn
 
 from shardforge.adapters.merge import merge_adapter, merge_lora_modules
+from shardforge.dtypes import TORCH_DTYPES
 from shardforge.errors import ModelError
 from shardforge.infer.sampling import GenerationDefaults
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -37,11 +36,11 @@ def load_for_inference(
     warn: Callable[[str], None] = lambda _m: None,
 ) -> Loaded:
     path = Path(source)
-    if dtype not in DTYPES:
-        raise ModelError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype not in TORCH_DTYPES:
+        raise ModelError(f"dtype {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
     if not path.exists():
         raise ModelError(f"{source}: no such model folder, adapter folder, run or checkpoint")
-    torch_dtype, target = DTYPES[dtype], torch.device(device)
+    torch_dtype, target = TORCH_DTYPES[dtype], torch.device(device)
     if (path / "final").is_dir():  # a run: what it handed back
         return load_for_inference(path / "final", adapter, dtype, device, warn)
     if (path / "adapter_config.json").is_file():

@@ -21,9 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shardforge.models.attention import sdpa
-from shardforge.models.llama.config import DecoderConfig
-from shardforge.models.llama.model import AttentionContext
+from shardforge.models.common.attention import AttentionContext, sdpa
+from shardforge.models.common.config import DecoderConfig
 
 
 class PagedKV:

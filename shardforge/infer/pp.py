@@ -23,6 +23,16 @@ from shardforge.infer.paged import Chunk, PagedStep
 from shardforge.infer.sampling import GenerationDefaults
 
 
+def generator_for(
+    engine: Any, model: nn.Module, tokenizer: Any, config: EngineConfig, defaults: GenerationDefaults
+) -> Engine:
+    """The inference engine over a training engine's model (RL rollouts): the whole model, or under a
+    pipeline the rank's stages, whose engine passes the stream on to the next stage's rank."""
+    if engine.is_pipeline:
+        return PipelineStageEngine(model, tokenizer, config, defaults, engine)
+    return Engine(model, tokenizer, config, defaults)
+
+
 class PipelineStageEngine(Engine):
     def __init__(
         self,

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from shardforge.config.schema import ModelSection
+from shardforge.dtypes import TORCH_DTYPES
 from shardforge.errors import ModelError
 from shardforge.models import build_preset, load_model
 from shardforge.models.io import Prune, read_config_json, weight_files
@@ -20,7 +21,6 @@ from shardforge.models.spec import spec_for
 
 # What AutoTokenizer builds a tokenizer from; without any of them it quietly makes an empty one.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_model_source(model: ModelSection, weights: bool = True) -> Any:
@@ -95,7 +95,7 @@ def build_model(
 ) -> nn.Module:
     """The model of a run, built directly on `device`; `prune` (a pipeline split) drops what this rank does
     not hold before any memory is allocated. `num_labels` > 0: a score head instead of the LM head."""
-    dtype, nf4 = _DTYPES[model.dtype], model.quantize == "nf4"
+    dtype, nf4 = TORCH_DTYPES[model.dtype], model.quantize == "nf4"
     if model.preset is not None:
         net = build_preset(
             model.preset, len(tokenizer), dtype, seed, device, prune=prune, num_labels=num_labels

@@ -1,4 +1,5 @@
-"""The LM head fused with the log-probability of each scored position's target, a chunk of positions at a
+"""Heads, the objects a model's forward ends in (logits, a score, target log-probs, PPO's values), and the
+LM head fused with the log-probability of each scored position's target, a chunk of positions at a
 time, so that full-vocabulary fp32 logits never exist for the batch: at most `chunk` rows of them do.
 
 Training: the gradient of log p(target) with respect to the logits, onehot - softmax, is known in the forward
@@ -12,6 +13,8 @@ token loss: SFT, pretraining), which backward checks, and recomputed chunk by ch
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +26,104 @@ from torch.distributed.tensor import DTensor
 # (32 MiB), so that the chunks reuse heap memory instead of faulting fresh pages in each time
 CHUNK_BYTES = 16 << 20
 _MIN_CHUNK = 64  # positions: fewer make the head's matmuls too thin to run at speed
+
+
+@dataclass(frozen=True)
+class HeadInput:
+    """What a head may read besides the final hidden states: the forward's tokens, their positions and
+    documents, and which positions are scored (the hidden states are those positions' already)."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    doc_ids: torch.Tensor | None
+    doc_layout: Any
+    output_mask: torch.Tensor | None
+
+
+class Head(ABC):
+    """What a model's forward ends in, named by the caller (an objective's model inputs, the inference
+    engine): the final hidden states of the scored positions -> one tensor. A model provides `logits` and
+    `target_logprobs` over them (models/protocol.py); heads compose those."""
+
+    @abstractmethod
+    def __call__(self, model: Any, hidden: torch.Tensor, inputs: HeadInput) -> torch.Tensor: ...
+
+
+class Logits(Head):
+    """The LM head's logits [n, vocab] (or [b, s, vocab] without an output mask): generation."""
+
+    def __call__(self, model: Any, hidden: torch.Tensor, inputs: HeadInput) -> torch.Tensor:
+        return model.logits(hidden)
+
+
+class Hidden(Head):
+    """The final (normed) hidden states themselves, for a head the caller applies."""
+
+    def __call__(self, model: Any, hidden: torch.Tensor, inputs: HeadInput) -> torch.Tensor:
+        return hidden
+
+
+class Score(Logits):
+    """A reward model's scores [n, labels] at the scored positions: its score head is its `lm_head`."""
+
+
+@dataclass(frozen=True)
+class TargetLogprobs(Head):
+    """log p(target) of each scored position [n] (fp32), without the batch's full logits. `summed`: the
+    caller sums them with one coefficient (a token loss), so the weight's gradient is made in forward."""
+
+    targets: torch.Tensor
+    summed: bool = False
+
+    def __call__(self, model: Any, hidden: torch.Tensor, inputs: HeadInput) -> torch.Tensor:
+        return model.target_logprobs(hidden, self.targets, self.summed)
+
+
+@dataclass(frozen=True)
+class PolicyValues(TargetLogprobs):
+    """PPO: the targets' log-probs and the critic's value estimates at the same positions, [2, n] (fp32):
+    the value head on the final hidden states, or the separate critic model run on the same tokens."""
+
+    def __call__(self, model: Any, hidden: torch.Tensor, inputs: HeadInput) -> torch.Tensor:
+        logps = super().__call__(model, hidden, inputs)
+        return _Rows.apply(logps.float(), critic_values(model, hidden, inputs))
+
+
+class _Rows(torch.autograd.Function):
+    """Tensors [n] stacked into one [k, n] output, whose backward gives a row no loss used (a gradient of
+    exact zeros) no gradient at all, as two separate outputs would: a value loss alone trains the critic
+    alone, and the policy's parameters keep no gradient from it."""
+
+    @staticmethod
+    def forward(ctx, *rows):
+        return torch.stack(rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(g if bool(g.any()) else None for g in grad.unbind(0))
+
+
+LOGITS = Logits()
+
+
+def apply_head(model: Any, h: torch.Tensor, head: Head | None, inputs: HeadInput) -> torch.Tensor:
+    """The one dispatch both backends end their forward with: final norm, the scored positions, the head
+    (None: logits)."""
+    return (head or LOGITS)(model, model.final_hidden(h, inputs.output_mask), inputs)
+
+
+def attach_value_head(model: Any, seed: int = 0) -> None:
+    """PPO's critic sharing the policy's body: a value head on its final hidden states (a submodule, so the
+    layouts, the optimizer and checkpoints treat it as part of the model; left out of exports). A pipeline
+    stage without the LM head gets none."""
+    if model.lm_head is not None:
+        model.value_head = value_head(model.config.hidden_size, model.lm_head.weight, seed)
+
+
+def attach_critic(model: Any, critic: nn.Module) -> None:
+    """PPO's separate critic: a model of its own with a one-output score head, run on the policy's tokens
+    when values are asked for; held as a submodule (its weights are `critic.*`) for the same reasons."""
+    model.critic = critic
 
 
 def value_head(hidden_size: int, like: torch.Tensor, seed: int) -> nn.Linear:
@@ -37,16 +138,16 @@ def value_head(hidden_size: int, like: torch.Tensor, seed: int) -> nn.Linear:
     return head
 
 
-def critic_values(
-    model: nn.Module, hidden: torch.Tensor, tokens: torch.Tensor, **inputs: Any
-) -> torch.Tensor:
+def critic_values(model: Any, hidden: torch.Tensor, inputs: HeadInput) -> torch.Tensor:
     """PPO's value estimates [n] (fp32) at the positions the policy scores: the value head on the policy's
     final hidden states there [n, hidden], or a separate critic model (`model.critic`: a body of its own
     with a one-output score head, as an `rm` run makes) run on the same tokens, positions and output mask."""
-    critic = getattr(model, "critic", None)
-    if critic is not None:
-        return critic(tokens, **inputs).squeeze(-1).float()
-    assert model.value_head is not None, "values=True needs add_value_head() or add_critic()"
+    if model.critic is not None:
+        out = model.critic(
+            inputs.tokens, inputs.position_ids, inputs.doc_ids, inputs.doc_layout, inputs.output_mask
+        )
+        return out.squeeze(-1).float()
+    assert model.value_head is not None, "PolicyValues needs attach_value_head() or attach_critic()"
     return model.value_head(hidden).squeeze(-1).float()
 
 
@@ -118,10 +219,13 @@ class _TargetLogprobs(torch.autograd.Function):
                 _accumulate(grad_w, g.t(), h)
         ctx.grad_w = grad_w  # on ctx, not saved: backward scales it in place and hands it out once
         ctx.save_for_backward(hidden, weight, targets, grad_h)
+        ctx.set_materialize_grads(False)  # no loss used these log-probs (PolicyValues): no gradient at all
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        if grad_out is None:
+            return None, None, None, None
         hidden, weight, targets, grad_h = ctx.saved_tensors
         # The weight's gradient is handed out once, scaled in place: autograd can then keep it as the .grad
         # (a copy of a fresh vocabulary-sized tensor costs as much as the product). If backward runs again

@@ -141,7 +141,7 @@ def load_hf_weights(
     `quantize`, the block linears' meta placeholders become NF4 weights on `device`. `fresh` names our
     parameters the caller initializes instead (a new head): the file's tensors of that name are skipped."""
     params = dict(model.named_parameters())
-    if getattr(model, "untied_copy", False):  # a stage's copy of the tied embedding is filled from it
+    if model.untied_copy:  # a stage's copy of the tied embedding is filled from it
         params.pop("lm_head.weight")
     known = (
         set(params) if not partial else {k for k, _ in _whole_model(spec, model.config).named_parameters()}
@@ -168,7 +168,7 @@ def load_hf_weights(
                 if key not in known:
                     raise ModelError(f"{file.name}: weight {hf_key!r} does not exist in this model config")
                 targets = [params[key]] if key in params else []
-                if key == "embed_tokens.weight" and getattr(model, "untied_copy", False):
+                if key == "embed_tokens.weight" and model.untied_copy:
                     targets.append(model.lm_head.weight)
                 if not targets:
                     continue  # another pipeline stage's weight

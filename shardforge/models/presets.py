@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from shardforge.errors import ModelError
+from shardforge.models.common.config import DecoderConfig
 from shardforge.models.io import Prune, build_empty
-from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.spec import spec_for
 
 

@@ -214,3 +214,8 @@ def spec_for(
         else f"model_type={model_type!r} has no native family (natively supported: {', '.join(supported())})"
         f"{hint}"
     )
+
+
+def costs_for(config: Any) -> CostModel:
+    """The cost model of a built model's config (its family's)."""
+    return spec_for(config.family).costs(config)

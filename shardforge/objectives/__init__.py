@@ -1,37 +1,60 @@
 """Training objectives (the config's `method.stage`): each provides encoding, grouping, collation and the
-loss; they all run in the one trainer loop."""
+loss, and declares its traits; they all run in the one trainer loop. The stages are registered in
+config/stages.py (one line each)."""
 
 from __future__ import annotations
 
-from shardforge.config.schema import MethodSection
-from shardforge.objectives.base import Objective
-from shardforge.objectives.preference import DPOObjective, KTOObjective
-from shardforge.objectives.pretrain import PretrainObjective
-from shardforge.objectives.reward import RewardObjective
-from shardforge.objectives.rl import GRPOObjective, PPOObjective
-from shardforge.objectives.sft import SFTObjective
+import importlib
 
-OBJECTIVES: dict[str, type] = {
-    "pt": PretrainObjective,
-    "sft": SFTObjective,
-    "rm": RewardObjective,
-    "dpo": DPOObjective,
-    "kto": KTOObjective,
-    "grpo": GRPOObjective,
-    "ppo": PPOObjective,
-}
+from shardforge.config.schema import MethodSection
+from shardforge.config.stages import STAGES
+from shardforge.data.formats import Reading
+from shardforge.objectives.base import BindContext, Objective, Traits
+
+
+def objective_class(stage: str) -> type[Objective]:
+    """The class registered for `stage` (imported on first use)."""
+    target = STAGES[stage]
+    if isinstance(target, str):
+        module, _, name = target.partition(":")
+        target = getattr(importlib.import_module(module), name)
+    return target
 
 
 def build_objective(method: MethodSection | str) -> Objective:
     """The objective of a `method` section (or of a bare stage name); hyper-parameters such as a beta or a
-    reference model come from that section as objectives gain them."""
+    reference model come from that section."""
     section = MethodSection(stage=method) if isinstance(method, str) else method
-    return OBJECTIVES[section.stage](section)
+    return objective_class(section.stage)(section)
 
 
 def score_labels(method: MethodSection) -> int:
     """The outputs of the score head the stage's model has instead of the LM head (0: none)."""
-    return getattr(OBJECTIVES[method.stage], "num_labels", 0)
+    return build_objective(method).traits.score_head
 
 
-__all__ = ["OBJECTIVES", "Objective", "build_objective", "score_labels"]
+def reading_of(objective: Objective) -> Reading:
+    """How the data readers take records for `objective`, with the stages that read each kind of record
+    (for messages that name the stage a data set belongs to)."""
+    serving: dict[str, list[str]] = {}
+    for stage in STAGES:
+        serving.setdefault(objective_class(stage).traits.reader, []).append(stage)
+    stages = tuple((reader, " or ".join(sorted(names))) for reader, names in serving.items())
+    return Reading(objective.traits.reader, objective.name, stages)
+
+
+def reading_for(stage: str) -> Reading:
+    """`reading_of` the stage's objective with default settings."""
+    return reading_of(build_objective(stage))
+
+
+__all__ = [
+    "BindContext",
+    "Objective",
+    "Traits",
+    "build_objective",
+    "objective_class",
+    "reading_for",
+    "reading_of",
+    "score_labels",
+]

@@ -14,51 +14,90 @@ it: a Batch rebuilt from its per-row tensors), so it can form per-token or per-s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, Protocol
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from shardforge.config.schema import DataSection, MethodSection
 from shardforge.data.batching import IGNORE, Batch, collate
-from shardforge.data.examples import Encoder, Example
+from shardforge.data.examples import Encoder
+from shardforge.data.formats import Reader
+from shardforge.models.head import Head, TargetLogprobs
 
 Normalizer = Literal["targets", "sequences", "groups"]
+# The reference model an objective compares the policy with: none, one held live during training (a frozen
+# copy or the policy with its adapters disabled), or its log-probs computed once before training.
+Reference = Literal["none", "live", "precomputed"]
 
 
-class Objective(Protocol):
-    name: str
-    normalizer: Normalizer  # the global-batch count the loss sums are divided by
-    group_size: int  # sequences per group (1: every sequence stands alone)
-    metrics: tuple[str, ...]  # the keys `loss` returns, "loss" first (the differentiated sum)
-    reads_text: bool  # records as plain text (pretraining) rather than conversations
+@dataclass(frozen=True)
+class Traits:
+    """What the other layers read of an objective, instead of its stage name: the planner (memory, layouts),
+    the layout rules, the data readers and the composition root."""
 
+    reader: Reader = "chat"  # how the readers present records (data/formats.py)
+    whole_sequences: bool = False  # scores whole sequences: context parallel may not split its rows
+    reference: Reference = "none"
+    score_head: int = 0  # outputs of a score head the model has instead of the LM head (0: the LM head)
+    rollouts: bool = False  # its rows are sampled by the job itself (no data set is encoded)
+    critic: str | None = None  # a separate critic model trained beside the policy (a folder)
+
+
+@dataclass(frozen=True)
+class BindContext:
+    """What an objective may take from the run before training starts (`Objective.bind`)."""
+
+    model: nn.Module  # the rank's model, finetuning applied, before any layout
+    adapter: str | None  # the adapter the run starts from (model.adapter)
+    base: str | None  # the run's model folder (model.path)
+    pipeline: bool  # the model runs as pipeline stages (chunks of micro-batches, never `prepare`)
+    dp_sum: Callable[[torch.Tensor], torch.Tensor]  # sum over the data-parallel ranks, in place
+    lay_out: Callable[[nn.Module], nn.Module]  # a frozen model laid out as the policy will be
+
+
+class Objective(ABC):
+    """The declared interface of a training objective. The traits and the no-op hooks have defaults; an
+    objective sets what differs."""
+
+    name: ClassVar[str] = "objective"
+    normalizer: Normalizer = "targets"  # the global-batch count the loss sums are divided by
+    group_size: int = 1  # sequences per group (1: every sequence stands alone)
+    metrics: tuple[str, ...] = ("loss",)  # the keys `loss` returns, "loss" first (the differentiated sum)
+    traits: Traits = Traits()
+    collate = staticmethod(collate)
+
+    def __init__(self, method: MethodSection | None = None) -> None:
+        self.method = method or MethodSection()  # where an objective's hyper-parameters come from
+
+    @abstractmethod
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
         """Record -> its group's sequences, each (token ids, per-token target flags)."""
-        ...
 
-    def collate(
-        self, examples: Sequence[Example], rows: Sequence[Sequence[int]], pad_id: int, multiple: int = 1
-    ) -> Batch:
-        """Rows of examples (a group's rows consecutive) -> one micro-batch, its width a multiple of
-        `multiple`."""
-        ...
-
+    @abstractmethod
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
         """Keyword arguments of the model's forward besides the token ids."""
-        ...
 
-    def loss(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+    @abstractmethod
+    def loss(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
         """Sums over the micro-batch, keyed by `metrics`; "loss" is what is differentiated."""
-        ...
 
+    def bind(self, ctx: BindContext) -> str | None:
+        """Take what the objective needs from the run (a reference model, a reduction over ranks) before
+        any layout is applied; returns a line for the run log, or None."""
+        return None
 
-def finish_means(objective: Objective, means: dict[str, float]) -> dict[str, float]:
-    """The logged means: each metric's sum over the global batch divided by the normalizer, then whatever
-    the objective's optional `finish` makes of them (e.g. means over a subset of the groups)."""
-    finish = getattr(objective, "finish", None)
-    return finish(means) if finish is not None else means
+    def prepare(self, model: nn.Module, batch: Batch) -> Batch:
+        """Before the policy's forward on a micro-batch (the plain engine; e.g. a reference's log-probs)."""
+        return batch
+
+    @staticmethod
+    def finish(means: dict[str, float]) -> dict[str, float]:
+        """The logged means (each metric's global sum over the normalizer) -> what is logged."""
+        return means
 
 
 def sequence_logprob_sums(logprobs: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -68,32 +107,38 @@ def sequence_logprob_sums(logprobs: torch.Tensor, batch: Batch) -> torch.Tensor:
     return torch.zeros(batch.targets.shape[0], device=logprobs.device).index_add(0, rows, logprobs)
 
 
-class CausalLM:
+class CausalLM(Objective):
     """Next-token prediction: cross-entropy summed over target tokens, divided by the global batch's target
     count. The LM head runs only on target positions, fused with the log-probabilities: prompts and padding
     never pay for the vocabulary projection, and no full-vocabulary logits are held."""
 
     name = "causal_lm"
-    normalizer: Normalizer = "targets"
-    group_size = 1
-    metrics = ("loss",)
-    reads_text = False
-    collate = staticmethod(collate)
     summed = True  # the loss is a plain sum of the token log-probs (the fused head's fast gradient)
 
-    def __init__(self, method: MethodSection | None = None) -> None:
-        self.method = method or MethodSection()  # where an objective's hyper-parameters come from
-
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
+        return self.scored_inputs(batch, self.head)
+
+    def scored_inputs(self, batch: Batch, head: Callable[[torch.Tensor], Head]) -> dict[str, Any]:
+        """The forward's inputs for `batch`, ending in `head` (made from the scored positions' targets)."""
         scored = batch.targets != IGNORE
         return {
             "position_ids": batch.position_ids,
             "doc_ids": batch.doc_ids,
             "doc_layout": batch.doc_layout,
             "output_mask": scored,
-            "targets": batch.targets[scored],
-            "summed": self.summed,
+            "head": head(batch.targets[scored]),
         }
+
+    def logprob_head(self, targets: torch.Tensor) -> Head:
+        """The scored positions' target log-probs."""
+        return TargetLogprobs(targets, self.summed)
+
+    def head(self, targets: torch.Tensor) -> Head:
+        """The head the model's forward ends in for training (the target log-probs, unless overridden)."""
+        return self.logprob_head(targets)
+
+    def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
+        raise NotImplementedError(f"{type(self).__name__} reads no records: give it an encoder")
 
     @staticmethod
     def loss(output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from shardforge.data.formats import Record
 from shardforge.data.templates import encode_pairs, resolve_template
 from shardforge.errors import ConfigError
 from shardforge.models import load_model
-from shardforge.objectives.base import CausalLM, Normalizer, sequence_logprob_sums
+from shardforge.objectives.base import BindContext, CausalLM, Normalizer, Traits, sequence_logprob_sums
 from shardforge.objectives.preference_losses import REFERENCE_FREE, Pairs, kto_kl, kto_loss, pair_loss
 
 
@@ -65,32 +65,46 @@ class ReferencedObjective(CausalLM):
     normalizer: Normalizer = "groups"
     group_size = 2
     summed = False  # per-sequence sums, not one sum of token log-probs
+    traits = Traits(reader="pair", whole_sequences=True)
 
     def __init__(self, method: MethodSection | None = None) -> None:
         super().__init__(method)
         self.pref = self.method.pref
         self.reference_model: nn.Module | None = None
+        # How the reference is bound (`bind`): none, unbound, precomputed, adapters or copy.
         self.reference = "none" if not self.needs_reference() else "unbound"
+        precomputed = self.pref.ref == "precompute"
+        need = "none" if self.reference == "none" else "precomputed" if precomputed else "live"
+        self.traits = replace(type(self).traits, reference=need)
 
     def needs_reference(self) -> bool:
         return True
 
-    def bind_reference(
-        self, model: nn.Module, finetuning: str, adapter: str | None, base: str | None, blocker: str | None
-    ) -> str:
-        """Choose the reference for this run's starting model (before any layout is applied); returns what it
-        is, for the run log. `adapter` is the adapter the run starts from, if any, `base` the run's model
-        folder (an explicit reference adapter's base if it names none); `blocker` names a layout a reference
-        model held during training cannot follow (None: it can)."""
-        ref = self.pref.ref
+    def bind(self, ctx: BindContext) -> str | None:
+        """Choose the reference for this run's starting model (before any layout is applied; a frozen copy
+        is laid out as the policy will be); returns what it is, for the run log. A reference model held
+        during training cannot follow a pipeline (its stages run chunks and never `prepare`), unless the
+        objective scores it through the stages itself (RL)."""
+        blocker = "pipeline parallel" if ctx.pipeline and not self.traits.rollouts else None
+        said, reference = self._bind_reference(ctx.model, ctx.adapter, ctx.base, blocker)
+        if reference is not None:
+            self.reference_model = ctx.lay_out(reference)
+        return said
+
+    def _bind_reference(
+        self, model: nn.Module, adapter: str | None, base: str | None, blocker: str | None
+    ) -> tuple[str, nn.Module | None]:
+        """What the reference is (for the run log) and the reference model to hold, if any. `adapter` is the
+        adapter the run starts from, if any, `base` the run's model folder (an explicit reference adapter's
+        base if it names none); `blocker` names a layout a reference model held during training cannot
+        follow (None: it can)."""
+        ref, finetuning = self.pref.ref, self.method.finetuning
         if self.reference == "none":
-            return f"no reference model (the {self.pref.loss} loss needs none)"
+            return f"no reference model (the {self.pref.loss} loss needs none)", None
         if ref == "precompute":
             self.reference = "precomputed"
-            return (
-                "reference: the starting policy's log-probs of every sequence, computed once before training "
-                "(no reference model is held)"
-            )
+            said = "reference: the starting policy's log-probs of every sequence, computed once before"
+            return f"{said} training (no reference model is held)", None
         if blocker is not None:
             raise ConfigError(
                 f"method.stage {self.name} with a reference model held during training does not run under "
@@ -98,22 +112,22 @@ class ReferencedObjective(CausalLM):
                 f"or use a reference-free loss (stage dpo, method.pref.loss: orpo or simpo)"
             )
         if ref != "auto":
-            self.reference_model = load_reference(Path(ref), base, model).requires_grad_(False).eval()
             self.reference = "copy"
-            return f"reference model: {ref} (frozen, laid out as the policy is)"
+            reference = load_reference(Path(ref), base, model).requires_grad_(False).eval()
+            return f"reference model: {ref} (frozen, laid out as the policy is)", reference
         if finetuning == "lora" and adapter is None:
             if not any(isinstance(m, LoRALinear) for m in model.modules()):
                 raise ConfigError("method.finetuning=lora, but the model has no LoRA layers to disable")
             self.reference = "adapters"
-            return "reference model: the policy with its LoRA adapters disabled (no second copy)"
-        self.reference_model = copy.deepcopy(model).requires_grad_(False).eval()
+            return "reference model: the policy with its LoRA adapters disabled (no second copy)", None
         self.reference = "copy"
         why = (
             " (the run starts from an adapter: disabling it would give the base, not the starting policy)"
             if adapter is not None
             else ""
         )
-        return f"reference model: a frozen copy of the starting weights, laid out as the policy is{why}"
+        said = f"reference model: a frozen copy of the starting weights, laid out as the policy is{why}"
+        return said, copy.deepcopy(model).requires_grad_(False).eval()
 
     def prepare(self, model: nn.Module, batch: Batch) -> Batch:
         """The reference's summed log-probs of each row, into `batch.extras["ref_logps"]` (precomputed ones
@@ -121,7 +135,7 @@ class ReferencedObjective(CausalLM):
         if self.reference == "none" or "ref_logps" in batch.extras:
             return batch
         if self.reference == "unbound":
-            raise RuntimeError(f"{type(self).__name__}.bind_reference was not called before training")
+            raise RuntimeError(f"{type(self).__name__}.bind was not called before training")
         if self.reference == "precomputed":
             raise RuntimeError("ref: precompute, but this batch's examples have no precomputed log-probs")
         with torch.no_grad():
@@ -170,7 +184,6 @@ class ReferencedObjective(CausalLM):
 
 class DPOObjective(ReferencedObjective):
     name = "dpo"
-    reader_stage = "pref"
     metrics = (
         "loss",
         "rewards/chosen",
@@ -209,10 +222,10 @@ class DPOObjective(ReferencedObjective):
 class KTOObjective(ReferencedObjective):
     """Each group: an example's sequence and its mismatched pair; `extras["tags"]` holds each row's label.
     The KL estimate is the mean log-ratio of the micro-batch's mismatched pairs on every data-parallel rank
-    (summed over them by the engine's `dp_sum`, bound in `bind_reduce`)."""
+    (summed over them by the run's `dp_sum`, taken in `bind`)."""
 
     name = "kto"
-    reader_stage = "kto"
+    traits = Traits(reader="labelled", whole_sequences=True)
     # Sums divided by the groups; `finish` turns the per-label ones into means over their label's examples.
     metrics = (
         "loss",
@@ -229,8 +242,9 @@ class KTOObjective(ReferencedObjective):
         self.kto = self.method.kto
         self.all_reduce: Callable[[torch.Tensor], Any] | None = None
 
-    def bind_reduce(self, dp_sum: Callable[[torch.Tensor], Any]) -> None:
-        self.all_reduce = dp_sum
+    def bind(self, ctx: BindContext) -> str | None:
+        self.all_reduce = ctx.dp_sum
+        return super().bind(ctx)
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
         return PairEncoder(tokenizer, resolve_template(tokenizer, data.template), second="mismatched")

@@ -11,7 +11,7 @@ from shardforge.config.schema import DataSection
 from shardforge.data.examples import Encoder, Sequence_
 from shardforge.data.formats import Record
 from shardforge.data.templates import encode_texts
-from shardforge.objectives.base import CausalLM
+from shardforge.objectives.base import CausalLM, Traits
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class TextEncoder:
 
 class PretrainObjective(CausalLM):
     name = "pt"
-    reads_text = True
+    traits = Traits(reader="text")
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
         return TextEncoder(tokenizer)

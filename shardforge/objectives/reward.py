@@ -2,7 +2,7 @@
 head on the final hidden state of each sequence's last non-padding token and the pairwise loss
 -log sigmoid(r_chosen - r_rejected).
 
-The model is the family's decoder with `num_labels: 1` (models/llama/config.py): the score head replaces the
+The model is the family's decoder with `num_labels: 1` (models/common/config.py): the score head replaces the
 LM head (HF's `score`), so it exports as a `...ForSequenceClassification` folder. The scored position is
 chosen as transformers chooses it (the rightmost token whose id is not the pad id), so the exported model
 gives the same scores there.
@@ -18,7 +18,8 @@ import torch
 from shardforge.data.batching import Batch, collate
 from shardforge.data.examples import Encoder, Example
 from shardforge.data.templates import resolve_template
-from shardforge.objectives.base import CausalLM, Normalizer
+from shardforge.models.head import Score
+from shardforge.objectives.base import CausalLM, Normalizer, Traits
 from shardforge.objectives.preference import PairEncoder
 from shardforge.objectives.preference_losses import reward_pair_loss
 
@@ -33,8 +34,7 @@ class RewardObjective(CausalLM):
     name = "rm"
     normalizer: Normalizer = "groups"
     group_size = 2
-    reader_stage = "pref"
-    num_labels = 1  # the model is built with a score head of this many outputs
+    traits = Traits(reader="pair", whole_sequences=True, score_head=1)  # a one-output score head
     metrics = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
 
     def encoder(self, tokenizer: Any, data: Any) -> Encoder:
@@ -57,6 +57,7 @@ class RewardObjective(CausalLM):
             "doc_ids": batch.doc_ids,
             "doc_layout": batch.doc_layout,
             "output_mask": mask,
+            "head": Score(),
         }
 
     def loss(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:

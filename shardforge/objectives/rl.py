@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ from shardforge.data.batching import IGNORE, Batch
 from shardforge.data.examples import Encoder
 from shardforge.errors import ConfigError
 from shardforge.models import load_model
-from shardforge.objectives.base import CausalLM, Normalizer
+from shardforge.models.head import Head, PolicyValues, attach_critic, attach_value_head
+from shardforge.objectives.base import BindContext, Normalizer, Traits
 from shardforge.objectives.preference import ReferencedObjective
 from shardforge.objectives.rl_losses import (
     AGGREGATION_NORMALIZER,
@@ -72,7 +74,7 @@ def at_targets(values: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
 
 class GRPOObjective(ReferencedObjective):
     name = "grpo"
-    reader_stage = "rl"
+    traits = Traits(reader="prompt", whole_sequences=True, rollouts=True)
     metrics = ("loss", "kl", "clip_fraction", "ratio", "logprob_delta")
 
     def __init__(self, method: MethodSection | None = None) -> None:
@@ -84,17 +86,17 @@ class GRPOObjective(ReferencedObjective):
     def needs_reference(self) -> bool:
         return self.rl.kl_beta > 0
 
-    def bind_reference(
-        self, model: nn.Module, finetuning: str, adapter: str | None, base: str | None, blocker: str | None
-    ) -> str:
+    def _bind_reference(
+        self, model: nn.Module, adapter: str | None, base: str | None, blocker: str | None
+    ) -> tuple[str, nn.Module | None]:
         if self.reference != "none" and self.pref.ref in ("precompute", "none"):
             raise ConfigError(
                 f"method.pref.ref={self.pref.ref}: stage {self.name} with kl_beta > 0 scores new rollouts "
                 f"against a live reference every step; use ref: auto or a folder (or kl_beta: 0)"
             )
         if self.reference == "none":
-            return "no reference model (method.rl.kl_beta is 0: no KL term)"
-        return super().bind_reference(model, finetuning, adapter, base, blocker)
+            return "no reference model (method.rl.kl_beta is 0: no KL term)", None
+        return super()._bind_reference(model, adapter, base, blocker)
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
         raise ConfigError(f"stage {self.name} samples its rows; it has no encoder of records")
@@ -130,7 +132,7 @@ class GRPOObjective(ReferencedObjective):
         assert net is not None
         disabled = adapters_disabled(model) if self.reference == "adapters" else contextlib.nullcontext()
         with disabled:  # log-probs alone, no values
-            logps = forward(net, batch.input_ids, CausalLM.model_inputs(self, batch))
+            logps = forward(net, batch.input_ids, self.scored_inputs(batch, self.logprob_head))
         batch.extras["ref_logps"] = at_targets(logps, mask)
 
     def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:
@@ -221,9 +223,9 @@ def load_critic(folder: Path, policy: nn.Module) -> nn.Module:
 
 class PPOObjective(GRPOObjective):
     """Stage `ppo`: the policy and its critic, either a value head on its final hidden states (the critic
-    shares the body, as TRL's `...WithValueHead`; `Decoder.add_value_head`, made before any layout so it is
+    shares the body, as TRL's `...WithValueHead`; `attach_value_head`, made before any layout so it is
     sharded, trained and checkpointed with the policy, and left out of exports) or a separate critic model
-    (method.ppo.critic a folder, as TRL's `value_model`: `Decoder.add_critic`, attached after the reference
+    (method.ppo.critic a folder, as TRL's `value_model`: `attach_critic`, attached after the reference
     copy is taken, laid out, trained and checkpointed as part of the model, exported beside the policy as
     `critic/`). Per completion token the reward is
     -kl_beta x (log pi_old - log pi_ref) (TRL's k1 penalty in the reward), plus the sequence's score at its
@@ -238,20 +240,19 @@ class PPOObjective(GRPOObjective):
     def __init__(self, method: MethodSection | None = None) -> None:
         super().__init__(method)
         self.ppo = self.method.ppo
+        self.traits = replace(self.traits, critic=self.ppo.critic_folder)
 
-    def bind_reference(
-        self, model: nn.Module, finetuning: str, adapter: str | None, base: str | None, blocker: str | None
-    ) -> str:
-        folder = critic_folder(self.method)
+    def bind(self, ctx: BindContext) -> str | None:
+        folder, model = critic_folder(self.method), ctx.model
         if folder is None:
-            model.add_value_head(seed=0)  # before the reference copy: the copy never uses it
-            return super().bind_reference(model, finetuning, adapter, base, blocker)
-        said = super().bind_reference(model, finetuning, adapter, base, blocker)  # the copy has no critic
-        model.add_critic(load_critic(folder, model))
+            attach_value_head(model, seed=0)  # before the reference copy: the copy never uses it
+            return super().bind(ctx)
+        said = super().bind(ctx)  # the copy has no critic
+        attach_critic(model, load_critic(folder, model))
         return f"{said}; critic: the model in {folder} (trained beside the policy, exported as critic/)"
 
-    def model_inputs(self, batch: Batch) -> dict[str, Any]:
-        return super().model_inputs(batch) | {"values": True}
+    def head(self, targets: torch.Tensor) -> Head:
+        return PolicyValues(targets, self.summed)  # and the critic's values at the same positions
 
     @torch.no_grad()
     def score_rollout(self, model: nn.Module, batch: Batch, forward: Forward = called) -> Batch:

@@ -138,20 +138,3 @@ def activation_report(model: nn.Module, forward: Forward) -> ActivationReport:
     held = created.alive(_storage_keys(out) | _storage_keys(list(model.parameters())))
     del out
     return ActivationReport(list(held.values()))
-
-
-def saved_tensor_report(model: nn.Module, forward: Forward) -> ActivationReport:
-    """What autograd's saved-tensor hooks see in one forward, among the tensors the forward created. Blind to
-    what checkpointing keeps; used to cross-check `activation_report`."""
-    saved: list[torch.Tensor] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.extend(_plain(t))
-        return t
-
-    with _tracking(model) as created, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    held = created.alive(_storage_keys(out) | _storage_keys(list(model.parameters())))
-    keys = {t.untyped_storage().data_ptr() for t in saved}
-    del out
-    return ActivationReport([t for k, t in held.items() if k in keys])

@@ -28,8 +28,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.distributed_c10d import ProcessGroup
 
 from shardforge.errors import ConfigError
-from shardforge.models.attention import sdpa
-from shardforge.models.llama.model import AttentionContext, real_tokens
+from shardforge.models.common.attention import AttentionContext, real_tokens, sdpa
 from shardforge.models.moe import moe_layers
 
 
@@ -58,11 +57,6 @@ def gathered_indices(seq_len: int, cp: int, device: torch.device | str | None = 
     ...]): the key positions of `allgather_kv_attention`. Its argsort turns gathered order into global
     order."""
     return torch.cat([local_indices(seq_len, cp, r, device) for r in range(cp)])
-
-
-def shard_sequence(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
-    """This rank's part of `t` along the sequence dimension `dim` (input ids, position ids, targets, ...)."""
-    return t.index_select(dim, local_indices(t.shape[dim], cp, rank, t.device))
 
 
 def cp_mask(
@@ -285,16 +279,17 @@ def batch_splitter(dims, mesh):
     return partial(split_batch, cp=dims.cp, rank=mesh.get_local_rank("cp"))
 
 
-def check_context_parallel(cfg, dims, parallel, stage: str, max_length: int) -> None:
-    """The rules cp must satisfy, before any process group exists."""
+def check_context_parallel(cfg, dims, parallel, max_length: int, whole_sequences: bool, stage: str) -> None:
+    """The rules cp must satisfy, before any process group exists. `whole_sequences`: the objective scores
+    whole sequences (its trait); `stage` names it in the message."""
     if dims.cp == 1:
         return
-    if stage in ("dpo", "kto", "rm", "grpo", "ppo"):
+    if whole_sequences:
         raise ConfigError(
             f"parallel.cp={dims.cp} with method.stage={stage}: the stage scores whole sequences "
             f"(per-sequence sums), which context parallel splits over ranks; use cp=1 (cp serves pt and sft)"
         )
-    multiple = row_multiple(dims, parallel.sequence_parallel)
+    multiple = dims.cp_multiple(parallel.sequence_parallel)
     if max_length % multiple:
         raise ConfigError(
             f"parallel.cp={dims.cp}: each row is cut into 2 x cp chunks"
@@ -309,9 +304,3 @@ def check_context_parallel(cfg, dims, parallel, stage: str, max_length: int) -> 
             raise ConfigError(
                 str(exc) + (f" (per tp rank: tp={dims.tp} splits the heads first)" if dims.tp > 1 else "")
             ) from None
-
-
-def row_multiple(dims, sequence_parallel: bool) -> int:
-    """Row widths must be a multiple of this under context parallel: 2 x cp chunks, each rank's part split
-    again over tp by sequence parallel."""
-    return 2 * dims.cp * (dims.tp if sequence_parallel and dims.tp > 1 else 1)

@@ -5,7 +5,8 @@ gradient compression hooks, and the mixed-precision policy for sharded parameter
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -21,9 +22,9 @@ from torch.distributed.fsdp import (
 from torch.nn.parallel import DistributedDataParallel
 
 from shardforge.config.schema import ParallelSection
+from shardforge.dtypes import PRECISION_DTYPES
+from shardforge.models.moe import moe_layers
 from shardforge.parallel.dims import ParallelDims
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def apply_data_parallel(
@@ -45,6 +46,8 @@ def apply_data_parallel(
     if dp_mesh is None:
         return model
     if dims.sharded:
+        if model.critic is not None:  # PPO's separate critic: units of its own, not part of the policy's root
+            _fully_shard(model.critic, dp_mesh, dims.zero_stage, parallel, precision, device)
         for root in roots or [model]:
             if experts_mesh is not None:
                 _fully_shard_experts(root, experts_mesh["edp"], dims, parallel, precision, device)
@@ -61,8 +64,8 @@ def apply_data_parallel(
 
 
 def _policies(parallel: ParallelSection, precision: str, device: torch.device):
-    param_dtype = None if precision == "fp32" else DTYPES[precision]
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[parallel.reduce_dtype])
+    param_dtype = None if precision == "fp32" else PRECISION_DTYPES[precision]
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=PRECISION_DTYPES[parallel.reduce_dtype])
     # Pinned host memory needs an accelerator; on a CPU-only machine plain memory is the only choice.
     offload = (
         CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -84,11 +87,9 @@ def _fully_shard_experts(
     experts' own 1 / ep scale makes that the average over all data-parallel ranks; a divide factor would
     need a pre-multiplied reduction, which gloo lacks)."""
     mp, offload = _policies(parallel, precision, device)
-    for block in model.blocks():
-        experts = getattr(block.mlp, "experts", None)
-        if experts is not None:
-            fully_shard(experts, mesh=mesh, reshard_after_forward=dims.zero_stage == 3, mp_policy=mp,
-                        offload_policy=offload)  # fmt: skip
+    for layer in moe_layers(model):
+        fully_shard(layer.experts, mesh=mesh, reshard_after_forward=dims.zero_stage == 3, mp_policy=mp,
+                    offload_policy=offload)  # fmt: skip
 
 
 def _fully_shard(
@@ -99,9 +100,6 @@ def _fully_shard(
     precision: str,
     device: torch.device,
 ) -> None:
-    critic = getattr(model, "critic", None)
-    if critic is not None:  # PPO's separate critic: units of its own, not part of the policy's root
-        _fully_shard(critic, mesh, stage, parallel, precision, device)
     mp, offload = _policies(parallel, precision, device)
     reshard = stage == 3  # ZeRO-3 frees gathered params after forward; ZeRO-2 keeps them until backward
     for block in model.blocks():
@@ -175,3 +173,44 @@ def gradient_sync(model: nn.Module, sync: bool) -> Iterator[None]:
 def unwrap(model: nn.Module) -> nn.Module:
     """The model itself, without a DDP wrapper (FSDP2 shards in place and needs no unwrapping)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def kept_unsharded(roots: Sequence[nn.Module], skip: Sequence[nn.Module] = ()) -> Iterator[float]:
+    """The FSDP2 units under `roots` (a model, or a pipeline rank's stage modules: each an FSDP root)
+    all-gathered once and kept whole until the block ends (their forward neither gathers nor frees); yields
+    the seconds the gather took. A no-op (0 s) without FSDP2. The units under `skip` are left as they are
+    (PPO's separate critic: it never generates).
+
+    The one place that reaches into FSDP2's internals (torch 2.13: `_get_fsdp_state()._lazy_init()`,
+    `_fsdp_param_groups`, `post_forward_mesh_info`), checked by tests/unit/test_data_parallel_internals.py so
+    that a torch that changes them fails loudly."""
+    skip_ids = {id(m) for c in skip for m in c.modules()}
+    units = list(
+        {
+            id(m): m
+            for r in roots
+            for m in r.modules()
+            if isinstance(m, FSDPModule) and id(m) not in skip_ids
+        }.values()
+    )
+    if not units:
+        yield 0.0
+        return
+    start = time.perf_counter()
+    for root in roots:  # the roots' own settings first, as their first forward would
+        if isinstance(root, FSDPModule):
+            root._get_fsdp_state()._lazy_init()
+    groups = [g for m in units for g in m._get_fsdp_state()._fsdp_param_groups]
+    saved = [g.post_forward_mesh_info for g in groups]
+    for g in groups:
+        g.post_forward_mesh_info = None  # no reshard after forward (set_reshard_after_forward(False))
+    for m in units:
+        m.unshard()
+    try:
+        yield time.perf_counter() - start
+    finally:
+        for g, info in zip(groups, saved, strict=True):
+            g.post_forward_mesh_info = info
+        for m in units:
+            m.reshard()

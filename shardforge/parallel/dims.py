@@ -10,12 +10,13 @@ dimensions, so `ep` must divide dp_shard x cp and does not change the world size
 from __future__ import annotations
 
 import datetime
+import math
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from shardforge.config.schema import ZERO_BUBBLE_SCHEDULES, ParallelSection
+from shardforge.config.schema import ParallelSection, zero_bubble_refusal
 from shardforge.errors import ConfigError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -92,12 +93,8 @@ class ParallelDims:
                 f"FSDP2: set parallel.zero_stage to 2 or 3 (DDP and ZeRO-1 do not take tensor-parallel "
                 f"parameters)"
             )
-        if parallel.pp > 1 and replicate > 1 and parallel.pp_schedule in ZERO_BUBBLE_SCHEDULES:
-            raise ConfigError(
-                f"parallel.pp_schedule={parallel.pp_schedule} cannot be combined with data parallel "
-                f"({replicate} replicas here): use 1f1b, gpipe or interleaved_1f1b with "
-                f"parallel.zero_stage 2 or 3, or use all {world_size} processes for pp x tp"
-            )
+        if (refused := zero_bubble_refusal(parallel, replicate, world_size)) is not None:
+            raise ConfigError(refused)
         if parallel.pp > 1 and replicas > 1 and parallel.zero_stage < 2:
             raise ConfigError(
                 f"parallel.pp={parallel.pp} with {replicate} data-parallel replicas x cp={parallel.cp} needs "
@@ -131,6 +128,22 @@ class ParallelDims:
     @property
     def sharded(self) -> bool:
         return self.zero_stage >= 2
+
+    def cp_multiple(self, sequence_parallel: bool) -> int:
+        """Row widths under context parallel: 2 x cp chunks, each rank's part split again over tp by
+        sequence parallel."""
+        return 2 * self.cp * (self.tp if sequence_parallel and self.tp > 1 else 1)
+
+    def row_multiple(self, sequence_parallel: bool, max_length: int, pipeline: bool) -> int:
+        """Every row's width is padded to a multiple of this: sequence parallel splits every row's tokens
+        evenly over the TP ranks, context parallel cuts it into 2 x cp chunks, and a pipeline builds a
+        schedule per micro-batch shape (widths rounded to 1/8 of max_length keep the shapes few)."""
+        multiple = self.tp if sequence_parallel else 1
+        if self.cp > 1:
+            multiple = math.lcm(multiple, self.cp_multiple(sequence_parallel))
+        if pipeline:
+            multiple = math.lcm(multiple, max(1, max_length // 8))
+        return multiple
 
     def degrees(self) -> dict[str, int]:
         return {

@@ -15,6 +15,11 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank_from_env() -> int:
+    """This process's global rank as its launcher set it (0 when it is the only one)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def local_rank_from_env() -> int:
     """This process's index on its node (which GPU it drives)."""
     return int(os.environ.get("LOCAL_RANK", "0"))

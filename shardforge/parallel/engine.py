@@ -11,7 +11,7 @@ batches (`input_ids`, `fields()`, `from_fields()`): the parallel layer knows nei
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shardforge.models.common.protocol import CausalModel
 from shardforge.models.quantize import dequantized, is_nf4
 from shardforge.parallel.context_parallel import batch_splitter
 from shardforge.parallel.data_parallel import gradient_sync
@@ -33,7 +34,7 @@ Autocast = Callable[[], contextlib.AbstractContextManager]
 
 class Engine(Protocol):
     model: nn.Module  # what runs forward: a DDP wrapper, an FSDP2/TP model, or the rank's pipeline part
-    inner: nn.Module  # the rank's model itself (parameter names, state dicts, checkpoints)
+    inner: CausalModel  # the rank's model itself (parameter names, state dicts, checkpoints)
     params: list[nn.Parameter]  # trainable parameters of this rank
     is_pipeline: bool
 
@@ -65,10 +66,28 @@ class Engine(Protocol):
         rank 0 (a collective call)."""
         ...
 
+    # ---- what RL's rollouts need (train/rollout.py): the layout stays hidden from them too -----------------
+    def fsdp_roots(self) -> list[nn.Module]:
+        """The modules the trained model's FSDP2 sharding hangs from (gathered once for a rollout)."""
+        ...
+
+    def forward_only(
+        self, input_ids: torch.Tensor, inputs: dict[str, Any], net: nn.Module | None = None
+    ) -> Any:
+        """The whole model's output for token ids and the forward's keyword `inputs`, without gradients:
+        the trained model's (`net` None) or a frozen copy laid out as it is (a reference); under a pipeline
+        only the rank of the last stage gets it (None elsewhere)."""
+        ...
+
+    def from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
+        """Statistics as the rank holding the model's output computed them, the same keys on every rank
+        (a pipeline's last stage; the rank itself otherwise)."""
+        ...
+
 
 @torch.no_grad()
 def clip_grad_norm(
-    params: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
     max_norm: float | None,
     pp_group: dist.ProcessGroup | None = None,
     counted_elsewhere: torch.Tensor | None = None,
@@ -105,7 +124,7 @@ def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def dp_sum(
-    value: torch.Tensor, dims: ParallelDims, mesh: DeviceMesh | None, op: dist.ReduceOp = dist.ReduceOp.SUM
+    value: torch.Tensor, dims: ParallelDims, mesh: DeviceMesh | None, op: Any = dist.ReduceOp.SUM
 ) -> torch.Tensor:
     """Sum (or `op`) over all data-parallel ranks (over each dimension of a 2-D HSDP mesh in turn)."""
     dp_mesh = dims.dp_mesh(mesh)
@@ -121,7 +140,7 @@ def gathered_state(module: nn.Module, keep: bool, device: torch.device) -> Itera
     than one gathered tensor on the device; only ranks that `keep` receive the host copies. A tensor held
     twice (tied weights) is gathered once, on every rank alike (the gathers are collectives)."""
     state = module.state_dict()  # alive throughout: the ids of its tensors stay unique
-    done: dict[int, torch.Tensor | None] = {}
+    done: dict[int, torch.Tensor] = {}  # the host copies (an empty tensor where this rank keeps none)
     for key, value in state.items():  # the same order on every rank
         original = id(value)
         if original in done:
@@ -144,7 +163,7 @@ def gathered_state(module: nn.Module, keep: bool, device: torch.device) -> Itera
                     stride=value.stride(),
                 )
             value = value.full_tensor()
-        done[original] = host = value.detach().cpu() if keep else None
+        done[original] = host = value.detach().cpu() if keep else torch.empty(0)
         if keep:
             yield key, host
 
@@ -156,8 +175,9 @@ class PlainEngine:
 
     def __init__(
         self,
+        *,
         model: nn.Module,
-        inner: nn.Module,
+        inner: CausalModel,
         objective: Any,
         dims: ParallelDims,
         mesh: DeviceMesh | None,
@@ -173,9 +193,7 @@ class PlainEngine:
         if self.split is not None:
             batch = self.split(batch)
         with self.autocast():
-            prepare = getattr(self.objective, "prepare", None)  # e.g. a reference model's log-probs
-            if prepare is not None:
-                batch = prepare(self.model, batch)
+            batch = self.objective.prepare(self.model, batch)  # e.g. a reference model's log-probs
             output = self.model(batch.input_ids, **self.objective.model_inputs(batch))
             return self.objective.loss(output, batch)
 
@@ -205,3 +223,15 @@ class PlainEngine:
         keep = not dist.is_initialized() or dist.get_rank() == 0
         state = dict(gathered_state(self.inner, keep, self.device))
         return strip_vocab_padding(state, self.inner.config.vocab_size)
+
+    def fsdp_roots(self) -> list[nn.Module]:
+        return [self.inner]
+
+    @torch.no_grad()
+    def forward_only(
+        self, input_ids: torch.Tensor, inputs: dict[str, Any], net: nn.Module | None = None
+    ) -> Any:
+        return (self.model if net is None else net)(input_ids, **inputs)
+
+    def from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
+        return stats

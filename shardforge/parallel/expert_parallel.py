@@ -47,7 +47,7 @@ def check_expert_parallel(cfg, dims: ParallelDims) -> None:
     """The shape rules ep must satisfy, before any process group exists."""
     if dims.ep == 1:
         return
-    experts = getattr(cfg, "num_experts", 0)
+    experts = cfg.num_experts
     if not experts:
         raise ConfigError(
             f"parallel.ep={dims.ep}: the model ({cfg.family}) has no experts to split; expert parallel is "

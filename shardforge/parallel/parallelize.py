@@ -22,9 +22,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardforge.config.schema import Config
+from shardforge.dtypes import PRECISION_DTYPES
 from shardforge.parallel.activation_ckpt import apply_activation_checkpointing
 from shardforge.parallel.context_parallel import apply_context_parallel
-from shardforge.parallel.data_parallel import DTYPES, apply_data_parallel, fully_shard_frozen, unwrap
+from shardforge.parallel.data_parallel import apply_data_parallel, fully_shard_frozen, unwrap
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import Autocast, Engine, PlainEngine
 from shardforge.parallel.expert_parallel import apply_expert_parallel
@@ -46,7 +47,7 @@ def parallelize(
     # PPO's separate critic (a submodule: `model.critic`) is laid out as the policy is: tensor parallel with
     # its own plan, checkpointed and compiled blocks, and FSDP2 units of its own (data_parallel.py). Expert,
     # context and pipeline parallel are refused with it (planner/layout.py: check_critic).
-    critic = getattr(model, "critic", None)
+    critic = model.critic
     towers = (model,) if critic is None else (model, critic)
     for net in towers:
         apply_tensor_parallel(net, dims, mesh, parallel)
@@ -59,20 +60,23 @@ def parallelize(
                 block.compile()
     if plan is None:
         wrapped = apply_data_parallel(model, dims, mesh, parallel, precision, device, None, experts_mesh)
-        return PlainEngine(wrapped, unwrap(wrapped), objective, dims, mesh, autocast, device)
+        return PlainEngine(
+            model=wrapped, inner=unwrap(wrapped), objective=objective, dims=dims, mesh=mesh,
+            autocast=autocast, device=device,
+        )  # fmt: skip
     from shardforge.parallel.pipeline import PipelineEngine  # torch's pipelining costs 0.4 s to import
 
     engine = PipelineEngine(
-        plan,
-        model,
-        objective,
-        dims,
-        mesh,
-        device,
-        autocast,
-        _stream_dtype(model, dims, precision),
-        parallel.sequence_parallel,
-        datetime.timedelta(minutes=parallel.timeout_minutes),
+        plan=plan,
+        model=model,
+        objective=objective,
+        dims=dims,
+        mesh=mesh,
+        device=device,
+        autocast=autocast,
+        stream_dtype=_stream_dtype(model, dims, precision),
+        sequence_parallel=parallel.sequence_parallel,
+        timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
     )
     stages = list(engine.stages.values())
     apply_data_parallel(model, dims, mesh, parallel, precision, device, stages, experts_mesh)
@@ -100,5 +104,5 @@ def _stream_dtype(model: nn.Module, dims: ParallelDims, precision: str) -> torch
     """The dtype of the residual stream between pipeline stages: FSDP2's compute dtype under mixed
     precision, else the weights' (autocast leaves the stream in the weights' dtype)."""
     if dims.sharded and precision != "fp32":
-        return DTYPES[precision]
+        return PRECISION_DTYPES[precision]
     return next(model.parameters()).dtype

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from shardforge.config.schema import ONE_STAGE_SCHEDULES
 from shardforge.parallel.context_parallel import batch_splitter
+from shardforge.parallel.data_parallel import kept_unsharded
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import Autocast, Differentiate, clip_grad_norm, dp_sum, gathered_state
 from shardforge.parallel.pipeline_plan import TORCH_SCHEDULES, PipelinePlan
@@ -74,6 +75,7 @@ class PipelineEngine:
 
     def __init__(
         self,
+        *,
         plan: PipelinePlan,
         model: nn.Module,
         objective: Any,
@@ -113,7 +115,7 @@ class PipelineEngine:
     @property
     def tied_copy(self) -> nn.Parameter | None:
         """The last stage's copy of a tied embedding (left out of the gradient norm), if this rank has it."""
-        return self.model.lm_head.weight if getattr(self.model, "untied_copy", False) else None
+        return self.model.lm_head.weight if self.model.untied_copy else None
 
     def _schedule(self, rows: int, width: int) -> schedules._PipelineSchedule:
         key = (rows, width)
@@ -202,7 +204,8 @@ class PipelineEngine:
     ) -> Any:
         """The whole model's output for a batch (its forward's keyword `inputs`), stage by stage: on the
         rank of the last stage, what the model returns there (e.g. the targets' log-probs); None elsewhere.
-        `net`: a model pruned to the same stages (a frozen reference copy); None: the trained model's
+        `net`: a model pruned to the same stages (a frozen reference copy, whose stages are views of it that
+        its FSDP2 root never sees run: it is gathered whole for the pass); None: the trained model's
         stages. RL scores its rollouts with it (train/rollout.py)."""
         last = self.plan.num_stages - 1
 
@@ -214,8 +217,19 @@ class PipelineEngine:
             )
             return part(h, **inputs)
 
-        out = self.through_stages(input_ids, run)
+        with kept_unsharded([net] if net is not None else []):
+            out = self.through_stages(input_ids, run)
         return out if last in self.stages else None
+
+    def fsdp_roots(self) -> list[nn.Module]:
+        return list(self.stages.values())
+
+    def from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
+        if not stats:
+            return stats
+        values = torch.tensor(list(stats.values()), dtype=torch.float64, device=self.device)
+        dist.broadcast(values, group=self.group, group_src=self.plan.rank_of(self.plan.num_stages - 1))
+        return dict(zip(stats, values.tolist(), strict=True))
 
     def through_stages(self, input_ids: torch.Tensor, run: Callable[[int, torch.Tensor], Any]) -> Any:
         """Each of the rank's stages in model order, the stream received from the previous stage's rank and

@@ -33,6 +33,15 @@ TORCH_SCHEDULES = {
 }
 
 
+def bubble_fraction(schedule: str, pp: int, virtual: int, microbatches: int) -> float:
+    """Idle time over compute time of the schedule, in theory: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m)
+    interleaved; zero-bubble schedules fill two thirds of that with weight-gradient work (Qi et al.'s
+    ZB-H1 estimate, with backward split into equal input- and weight-gradient halves). The plan reports it,
+    the planner's step time charges it."""
+    fraction = (pp - 1) / (virtual * microbatches)
+    return fraction / 3 if schedule in ZERO_BUBBLE_SCHEDULES else fraction
+
+
 @dataclass(frozen=True)
 class PipelinePlan:
     schedule: str
@@ -60,11 +69,7 @@ class PipelinePlan:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle time over compute time of the schedule, in theory: (p-1)/m for GPipe and 1F1B, (p-1)/(v*m)
-        interleaved; zero-bubble schedules fill two thirds of that with weight-gradient work (Qi et al.'s
-        ZB-H1 estimate, with backward split into equal input- and weight-gradient halves)."""
-        fraction = (self.pp - 1) / (self.virtual * self.microbatches)
-        return fraction / 3 if self.schedule in ZERO_BUBBLE_SCHEDULES else fraction
+        return bubble_fraction(self.schedule, self.pp, self.virtual, self.microbatches)
 
     def describe(self) -> str:
         parts = []

@@ -46,7 +46,7 @@ def apply_tensor_parallel(
     model.tie_weights()  # the head's style re-wraps a tied weight: share the embedding's DTensor again
     for name, param in model.named_parameters():  # torch's SequenceParallel re-creates norms trainable
         param.requires_grad_(trained[name])
-    if padded != cfg.vocab_size and model.lm_head is not None and not getattr(cfg, "num_labels", 0):
+    if padded != cfg.vocab_size and model.lm_head is not None and not cfg.num_labels:
         model.lm_head.register_forward_hook(_mask_padded_logits(cfg.vocab_size))
     if parallel.sequence_parallel:
         model.register_forward_pre_hook(_require_even_split(dims.tp), with_kwargs=True)
@@ -126,7 +126,7 @@ def padded_vocab(vocab: int, tp: int) -> int:
 def pad_vocab(model: nn.Module, rows: int) -> None:
     """Grow the embedding and LM head to `rows` rows (zeros); a no-op when they already have that many."""
     # A pipeline stage may hold one of them, or neither; a score head is not over the vocabulary.
-    head = model.lm_head if not getattr(model.config, "num_labels", 0) else None
+    head = model.lm_head if not model.config.num_labels else None
     present = [m for m in (model.embed_tokens, head) if m is not None]
     if not present or rows <= present[0].weight.shape[0]:
         return

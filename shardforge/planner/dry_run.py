@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from shardforge.adapters.apply import apply_finetuning
 from shardforge.config import Config
+from shardforge.dtypes import TORCH_DTYPES
 from shardforge.errors import ModelError
 from shardforge.models.build import planning_shape
 from shardforge.models.presets import preset_config
@@ -59,7 +60,6 @@ from shardforge.parallel.pipeline_plan import PipelinePlan, split_for_pipeline
 from shardforge.planner.layout import check_layout
 
 FALLBACK_VOCAB = 32000  # a preset's vocabulary when its tokenizer folder cannot be read
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper, not in checkpoints
 
 
@@ -125,13 +125,13 @@ def _build_rank(
     mesh = dims.build_mesh(device.type)
     stages = tuple(plan.stages_of(dims.pp_rank(mesh))) if plan is not None else ()
     objective = build_objective(config.method)
-    num_labels = getattr(objective, "num_labels", 0)  # a reward model's score head
+    num_labels = objective.traits.score_head  # a reward model's score head
     model_cfg = shape.with_score_head(num_labels) if num_labels else shape
     with torch.device("meta"):
         model = spec_for(model_cfg.family).build(model_cfg)
     if plan is not None:
         split_for_pipeline(model, plan, list(stages))
-    model.to(_DTYPES[config.model.dtype])
+    model.to(TORCH_DTYPES[config.model.dtype])
     apply_finetuning(model, config.method, config.train.seed, None)
     if num_labels and model.lm_head is not None:
         model.lm_head.requires_grad_(True)

@@ -3,8 +3,9 @@ efficiency constants the time model needs.
 
 Figures are the vendors' datasheets (dense peaks from planner/peak.py's table; NVLink/HCCS per device
 and direction; one NIC per device across nodes), except for `cpu`, whose constants were measured on the
-project's 2-core CI machine with gloo (docs/planner.md, "Calibrating the CPU"); its peak is measured when a
-plan is made, at the model's matmul shapes (planner/peak.py).
+project's 2-core CI machine with gloo (docs/planner.md, "Calibrating the CPU"); its peak is the machine's
+hardware peak when a plan is made (planner/peak.py: the larger of the instruction-set figure and the best
+matmul rate measured on the machine; the MFU denominator too).
 Achievable compute follows a saturating curve in the GEMM size: `max_efficiency * f / (f + half_gemm_flops)`
 of the peak for a matmul of f FLOPs, so small hidden sizes (or small tp shards) are penalized as measured
 GEMM efficiency is.
@@ -73,7 +74,7 @@ PRESETS: dict[str, Device] = {
                 inter_latency_us=20.0, max_efficiency=0.6,
                 description="Ascend 910B 64 GB, HCCS 392 GB/s per NPU (both ways), 200 Gb/s RoCE"),
         # This machine's constants, measured (docs/planner.md): one process per core, gloo over loopback;
-        # its peak is measured at the model's matmul shapes when a plan is made (planner/peak.py).
+        # its peak is the machine's hardware peak when a plan is made (planner/peak.py), at efficiency 1.
         Device("cpu", 0, {"fp32": 60e9, "bf16": 8e9, "fp16": 8e9}, 0.12, 0.12, 1e9,
                intra_latency_us=734.0, inter_latency_us=734.0, max_efficiency=1.0, half_gemm_flops=0.0,
                op_us=51.0, dtensor_us=24650.0, memory_gbps=2.9, overlap=0.0,

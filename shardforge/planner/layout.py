@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -17,6 +17,9 @@ from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.expert_parallel import check_expert_parallel
 from shardforge.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 from shardforge.parallel.tensor_parallel import check_tensor_parallel
+
+if TYPE_CHECKING:
+    from shardforge.objectives.base import Traits
 
 # The parallel keys a layout sets; the rest of the section (backend, timeouts, compression) is the user's.
 LAYOUT_KEYS = (
@@ -200,14 +203,14 @@ def critic_shape(folder: str) -> Any:
         shape = check_model_source(ModelSection(path=folder))
     except ShardforgeError as exc:
         raise ConfigError(f"method.ppo.critic {folder!r}: {exc}") from None
-    return shape if getattr(shape, "num_labels", 0) == 1 else shape.with_score_head(1)
+    return shape if shape.num_labels == 1 else shape.with_score_head(1)
 
 
 def check_critic(cfg: Config, dims: ParallelDims) -> None:
     """PPO's separate critic model follows the policy's data and tensor parallel layout; a pipeline (whose
     stages pass the policy's stream, not token ids), expert parallel and MoE critics are not built."""
-    critic = cfg.method.ppo.critic_folder
-    if cfg.method.stage != "ppo" or critic is None:
+    critic = traits_of(cfg).critic
+    if critic is None:
         return
     shape = critic_shape(critic)
     for key, degree in (("pp", dims.pp), ("ep", dims.ep)):
@@ -217,7 +220,7 @@ def check_critic(cfg: Config, dims: ParallelDims) -> None:
                 f"critic follows data parallel (ZeRO 0-3) and tensor parallel only; use method.ppo.critic: "
                 f"head (a value head on the policy), or parallel.{key}: 1"
             )
-    if getattr(shape, "num_experts", 0):
+    if shape.num_experts:
         raise ConfigError(
             f"method.ppo.critic {critic!r} is a mixture-of-experts model: a separate critic must be dense "
             f"(or use method.ppo.critic: head)"
@@ -240,13 +243,13 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
         )
     dims = ParallelDims.from_config(cfg.parallel, world)
     grad_accum = resolve_grad_accum(cfg, dims.dp)
-    if str(getattr(shape, "family", "")).startswith("hf:"):
+    if str(shape.family).startswith("hf:"):
         check_generic(cfg, dims, shape)
     check_tensor_parallel(shape, cfg.parallel)
     check_expert_parallel(shape, dims)
-    check_context_parallel(shape, dims, cfg.parallel, cfg.method.stage, cfg.data.max_length)
-    stage = cfg.method.stage
-    if stage in ("grpo", "ppo") and dims.tp > 1 and cfg.parallel.sequence_parallel:
+    traits, stage = traits_of(cfg), cfg.method.stage
+    check_context_parallel(shape, dims, cfg.parallel, cfg.data.max_length, traits.whole_sequences, stage)
+    if traits.rollouts and dims.tp > 1 and cfg.parallel.sequence_parallel:
         raise ConfigError(
             f"parallel.tp={dims.tp} with method.stage={stage}: the rollout engine's steps have any number of "
             f"tokens, which sequence parallel cannot split evenly; set parallel.sequence_parallel: false"
@@ -262,3 +265,10 @@ def sequences_per_group(cfg: Config) -> int:
     from shardforge.objectives import build_objective  # the objective's own figure (torch only when asked)
 
     return build_objective(cfg.method).group_size
+
+
+def traits_of(cfg: Config) -> Traits:
+    """The traits of the config's objective (what the planner asks instead of the stage's name)."""
+    from shardforge.objectives import build_objective
+
+    return build_objective(cfg.method).traits

@@ -7,7 +7,8 @@ engine applies: the tensor-parallel plan's dimension (the vocabulary padded to a
 parallel's dimension 0 over ep, FSDP2's dimension-0 chunks over the sharding ranks (torch.chunk sizes, so
 uneven on the last ranks), ZeroRedundancyOptimizer's greedy partition for ZeRO-1, and AdamW's two moments
 plus a 4-byte step per trained tensor. So the estimate equals `parallel.memory_report` exactly on CPU
-(tests/dist/test_planner_memory.py). The ZeRO paper's per-parameter accounting is `zero_model_states`.
+(tests/dist/test_planner_memory.py). The ZeRO paper's per-parameter accounting is tests/oracles.py's
+`zero_model_states`.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ import torch
 
 from shardforge.adapters.apply import apply_finetuning
 from shardforge.config.schema import LINEAR_TARGETS, Config
+from shardforge.dtypes import DTYPE_BYTES
 from shardforge.models.quantize import nf4_storage_bytes, quantized_names
 from shardforge.models.spec import ActivationBytes, CostModel, spec_for
 from shardforge.parallel.dims import MESH_ORDER
 from shardforge.parallel.pipeline_plan import PipelinePlan
 from shardforge.parallel.tensor_parallel import matches_plan_key
-from shardforge.planner.layout import Layout, critic_shape, sequences_per_group
+from shardforge.planner.layout import Layout, critic_shape, sequences_per_group, traits_of
 from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 1 << 30
 STEP_BYTES = 4  # AdamW's per-tensor step counter (fp32)
 FP32_BYTES = 4
@@ -39,32 +40,6 @@ ROLLOUT_BLOCK = 16  # the RL rollout engine's KV block size (train/rollout.py)
 def activation_itemsize(cfg: Config) -> int:
     """Bytes of an activation: the autocast / FSDP2 compute dtype under mixed precision, else the weights'."""
     return 2 if cfg.train.precision != "fp32" else DTYPE_BYTES[cfg.model.dtype]
-
-
-def zero_model_states(
-    params: float, stage: int, n: int, weights: float, grads: float, states: float
-) -> float:
-    """Model-state bytes per device under ZeRO stage `stage` over `n` data-parallel ranks, for `params`
-    parameters with `weights`, `grads` and `states` bytes each. Rajbhandari et al., "ZeRO: Memory
-    Optimizations Toward Training Trillion Parameter Models" (SC 2020), Figure 1: with Adam in mixed
-    precision (2 + 2 + 12 bytes) that is 16 unsharded, 4 + 12/N (P_os), 2 + 14/N (P_os+g), 16/N (P_os+g+p)."""
-    sharded = {0: 0.0, 1: states, 2: grads + states, 3: weights + grads + states}[stage]
-    return params * (weights + grads + states - sharded + sharded / n)
-
-
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                            recompute: str = "none") -> float:  # fmt: skip
-    """Activation bytes one transformer layer keeps, fp16 activations, per Korthikanti et al., "Reducing
-    Activation Recomputation in Large Transformer Models" (MLSys 2023), Table 2: s sequence, b micro-batch,
-    h hidden, a heads, t tensor-parallel degree. No parallelism sbh(34 + 5as/h); TP sbh(10 + 24/t + 5as/(ht));
-    TP + SP sbh/t (34 + 5as/h); selective recomputation (with TP + SP) 34 sbh/t, without SP sbh(10 + 24/t);
-    full recomputation 2sbh (the layer input only)."""
-    if recompute == "full":
-        return 2 * s * b * h
-    attention_core = 0 if recompute == "selective" else 5 * a * s / h
-    if sp:
-        return s * b * h / t * (34 + attention_core)
-    return s * b * h * (10 + 24 / t + attention_core / t)
 
 
 @dataclass(frozen=True)
@@ -109,8 +84,9 @@ def _tp_dims(model: torch.nn.Module, plan: dict) -> dict[str, int | None]:
 def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
     """The run's parameters in `model.parameters()` order, with how the engine splits each."""
     spec = spec_for(shape.family)
-    if cfg.method.stage == "rm" and not getattr(shape, "num_labels", 0):
-        shape = shape.with_score_head(1)
+    score_head = traits_of(cfg).score_head
+    if score_head and not shape.num_labels:
+        shape = shape.with_score_head(score_head)
     with torch.device("meta"):
         model = spec.build(shape)
         apply_finetuning(model, cfg.method, cfg.train.seed, None)
@@ -120,14 +96,13 @@ def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
     nf4 = cfg.model.quantize == "nf4"
     out = []
     quantized = quantized_names(model) if cfg.model.quantize == "nf4" else set()
-    canonical = getattr(model, "canonical_name", None)  # the generic backend's names, as ours are spelled
     for name, p in model.named_parameters():
-        parts = (canonical(name) if canonical is not None else name).split(".")
+        parts = model.canonical_name(name).split(".")  # the generic backend's names, as ours are spelled
         layer = int(parts[1]) if parts[0] == "layers" else None
         size = itemsize
         if nf4 and not p.requires_grad and name in quantized:
             size = nf4_storage_bytes(p.numel(), itemsize) / p.numel()
-        vocab = parts[0] in ("embed_tokens", "lm_head") and not getattr(shape, "num_labels", 0)
+        vocab = parts[0] in ("embed_tokens", "lm_head") and not shape.num_labels
         split = tp_dims.get(name)
         first = parts[0] == "embed_tokens"
         out.append(
@@ -135,7 +110,7 @@ def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
                 name, tuple(p.shape), size, p.requires_grad, split, "experts" in parts, vocab, layer, first
             )
         )
-    if getattr(shape, "tie_embeddings", False):  # a pipeline's last stage holds its own copy of the head
+    if shape.tie_embeddings:  # a pipeline's last stage holds its own copy of the head
         embed = next(p for p in out if p.first)
         out.append(dataclasses.replace(embed, name="lm_head.weight", first=False))
     return out
@@ -269,8 +244,8 @@ class StateCounter:
 def critic_memory(cfg: Config) -> MemoryModel | None:
     """PPO's separate critic model (method.ppo.critic a folder) as a memory model of its own: the folder's
     shape with a one-output head, trained whole, unquantized, on the same rows."""
-    folder = cfg.method.ppo.critic_folder
-    if cfg.method.stage != "ppo" or folder is None:
+    folder = traits_of(cfg).critic
+    if folder is None:
         return None
     shape = critic_shape(folder)
     method = cfg.method.model_copy(
@@ -340,7 +315,7 @@ class MemoryModel:
     def __init__(self, cfg: Config, shape: object, costs: CostModel) -> None:
         self.cfg, self.shape, self.costs = cfg, shape, costs
         params = inventory(shape, cfg)
-        self.counter = StateCounter(params, getattr(shape, "tie_embeddings", False))
+        self.counter = StateCounter(params, shape.tie_embeddings)
         self._states: dict[tuple, tuple[StateBytes, float]] = {}
         self._per_token_cache: dict[tuple, ActivationBytes] = {}
         self.act_dtype_bytes = activation_itemsize(cfg)
@@ -442,7 +417,7 @@ class MemoryModel:
         worst, buffers = self.states(layout, stages)
         reference = 0.0
         method = self.cfg.method
-        held = method.stage in ("dpo", "kto") or (method.stage in ("grpo", "ppo") and method.rl.kl_beta > 0)
+        held = traits_of(self.cfg).reference == "live"
         if held and method.finetuning != "lora" and method.pref.ref == "auto":
             reference = worst.params  # a frozen copy of the starting weights, sharded as the policy is
             if self.critic is not None:  # (without PPO's critic model, attached after the copy is taken)
@@ -461,7 +436,7 @@ class MemoryModel:
         rank's prompts in the step (at most data.max_length tokens each, in blocks of 16, the stage's layers
         and the rank's kv heads, in the compute dtype), the sampled rows' fp32 logits (and their copy), and
         under FSDP2 the stage's parameters gathered whole for the rollout (train/rollout.py: `gathered`)."""
-        if self.cfg.method.stage not in ("grpo", "ppo"):
+        if not traits_of(self.cfg).rollouts:
             return 0.0
         s = self.shape
         sequences = layout.micro_batch * layout.grad_accum * self.cfg.method.rl.group_size

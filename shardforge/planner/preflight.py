@@ -1,11 +1,14 @@
 """The preflight of a run: every rule that needs only the config, the model's shape and the world size, and
 the memory the layout needs against the device's. The launching process runs it before any rank starts, and
-each rank again before its first collective. `parallel: auto` is resolved here, by the planner's search."""
+each rank again before its first collective. `parallel: auto` is resolved here, by the planner's search, and
+only here (`resolve_layout`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch.distributed as dist
 
 from shardforge.config import Config
 from shardforge.errors import ConfigError
@@ -38,3 +41,36 @@ def preflight(
                              pp_layers=",".join(str(len(s)) for s in plan.layers))  # fmt: skip
         estimate = check_memory(layout, Planner(cfg, shape, cluster, measure))
     return cfg, dims, grad_accum, plan, estimate
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A run's checked layout: the config with `parallel: auto` resolved, its degrees, the gradient
+    accumulation, the pipeline plan and the planner's estimate (None where the device has no preset)."""
+
+    config: Config
+    dims: ParallelDims
+    grad_accum: int
+    plan: PipelinePlan | None
+    estimate: Any
+
+
+def resolve_layout(cfg: Config, world: int, shape: Any, measure: bool = True) -> Resolved:
+    """The preflight, once per process. With `parallel: auto` on ranks already in a process group (started
+    by torchrun or srun; the shardforge launcher passes its own choice to the ranks), rank 0 searches and
+    every other rank checks the layout it chose (searches on different machines, or with differently
+    measured peaks, could choose differently); rank 0's error, when nothing fits, is every rank's."""
+    if not (cfg.parallel.auto and dist.is_initialized() and dist.get_world_size() > 1):
+        return Resolved(*preflight(cfg, world, shape, measure))
+    message: list[Any] = [None]
+    resolved = None
+    if dist.get_rank() == 0:
+        try:
+            resolved = Resolved(*preflight(cfg, world, shape, measure))
+            message[0] = resolved.config.model_dump()
+        except ConfigError as exc:
+            message[0] = str(exc)
+    dist.broadcast_object_list(message, src=0)
+    if isinstance(message[0], str):
+        raise ConfigError(message[0])
+    return resolved or Resolved(*preflight(Config.model_validate(message[0]), world, shape, measure=False))

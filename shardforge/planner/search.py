@@ -16,7 +16,7 @@ from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.models.spec import spec_for
 from shardforge.parallel.pipeline_plan import PipelinePlan, balance_layers
 from shardforge.planner.hardware import GIB, Cluster, Device
-from shardforge.planner.layout import Layout, check_layout, global_batch, sequences_per_group
+from shardforge.planner.layout import Layout, check_layout, global_batch, sequences_per_group, traits_of
 from shardforge.planner.memory import Memory, MemoryModel
 from shardforge.planner.timing import StepTime, TimeModel
 
@@ -66,6 +66,7 @@ def cpu_device(cfg: Config, shape: Any, cluster: Cluster, measure: bool) -> Devi
 
     import torch
 
+    from shardforge.dtypes import PRECISION_DTYPES
     from shardforge.planner.peak import model_gemm_shapes, peak_flops
 
     d, per_node = cluster.device, cluster.devices_per_node
@@ -74,7 +75,7 @@ def cpu_device(cfg: Config, shape: Any, cluster: Cluster, measure: bool) -> Devi
     share = min(1.0, cores / (threads * per_node))
     peak = dict(d.peak)
     if measure and cfg.hardware.peak_flops is None:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+        dtype = PRECISION_DTYPES[cfg.train.precision]
         rows = cfg.train.micro_batch * sequences_per_group(cfg)
         shapes = model_gemm_shapes(shape, rows * cfg.data.max_length, cfg.parallel.tp)
         before = torch.get_num_threads()
@@ -163,11 +164,11 @@ class Planner:
         world, per_node, s = self.cluster.world, self.cluster.devices_per_node, self.shape
         seq = self.cfg.data.max_length
         out = []
-        experts = getattr(s, "num_experts", 0) or 0
+        experts = s.num_experts
         for tp in [d for d in divisors(world) if d <= max(per_node, 1) and s.num_kv_heads % d == 0]:
             cps = [c for c in (1, 2, 4, 8, 16) if (world // tp) % c == 0 and seq % (2 * c * tp) == 0]
             for cp in [c for c in cps if c == 1 or seq >= MIN_CP_LENGTH]:
-                if cp > 1 and self.cfg.method.stage not in ("pt", "sft"):
+                if cp > 1 and traits_of(self.cfg).whole_sequences:
                     continue
                 for pp in [p for p in divisors(world // (tp * cp)) if p <= s.num_layers]:
                     dp = world // (tp * cp * pp)

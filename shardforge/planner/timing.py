@@ -15,11 +15,13 @@ import math
 from dataclasses import dataclass, field
 
 from shardforge.config.schema import Config
+from shardforge.dtypes import DTYPE_BYTES
 from shardforge.models.spec import CostModel, causal_pairs
 from shardforge.parallel.dims import MESH_ORDER
+from shardforge.parallel.pipeline_plan import bubble_fraction
 from shardforge.planner.hardware import Cluster
 from shardforge.planner.layout import Layout
-from shardforge.planner.memory import DTYPE_BYTES, StateBytes, activation_itemsize
+from shardforge.planner.memory import StateBytes, activation_itemsize
 
 DDP_BUCKET = 25 << 20  # DDP's default bucket_cap_mb
 
@@ -84,7 +86,7 @@ class TimeModel:
         self.act = activation_itemsize(cfg)
         self.trained = trained
         layer = costs.layer_flops
-        moe = [i for i in range(len(layer)) if getattr(shape, "is_moe", lambda _: False)(i)]
+        moe = [i for i in range(len(layer)) if shape.is_moe(i)]
         self.moe_share = sum(layer[i] for i in moe) / max(sum(layer), 1.0)
         adapted = self._adapter_widths()
         self.ops = (
@@ -137,8 +139,7 @@ class TimeModel:
         }
         if layout.pp > 1:
             busy = parts["compute"] + parts["elementwise"] + parts["overhead"]
-            zero_bubble = layout.pp_schedule in ("zero_bubble", "zbv", "dualpipev")
-            parts["pp_bubble"] = busy * (layout.pp - 1) / (layout.pp_virtual * m) / (3 if zero_bubble else 1)
+            parts["pp_bubble"] = busy * bubble_fraction(layout.pp_schedule, layout.pp, layout.pp_virtual, m)
             msg = (
                 mb_tokens * self.shape.hidden_size * self.act / (layout.tp if layout.sequence_parallel else 1)
             )

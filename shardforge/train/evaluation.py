@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from shardforge.data.loader import RowSet
-from shardforge.objectives.base import finish_means
 from shardforge.parallel.engine import Engine
 
 
@@ -45,4 +44,4 @@ def evaluate(
         total += torch.stack([sums[k].float() for k in names]) * float(mine)
     engine.model.train()
     means = (engine.dp_sum(total) / int(rows.group_counts()[objective.normalizer].sum())).tolist()
-    return finish_means(objective, dict(zip(names, means, strict=True)))
+    return objective.finish(dict(zip(names, means, strict=True)))

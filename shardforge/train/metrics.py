@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from shardforge.config.schema import LogSection
-from shardforge.objectives.base import finish_means
+from shardforge.planner import peak as peaks
 from shardforge.train.runtime import memory_bytes
 from shardforge.train.tracking import Trackers
 
@@ -78,8 +78,11 @@ class MetricsProcessor:
     The loss sums stay on the device until a record is due (one host sync per log line); the global batch's
     counts are known on the host. MFU divides the FLOPs the steps really needed (the cost model's: body on
     every token, LM head on scored positions, causal attention pairs) by the peak of every device; the peak
-    and where it comes from are in the run's first record, and a ratio above 1 is reported as a measurement
-    problem instead of being logged silently."""
+    and where it comes from are in the run's first record (`peak_flops`, `peak_source`), and the peak each
+    record's MFU divides by in every record (`mfu_peak_flops`, `mfu_peak_source`). A measured peak (the CPU's,
+    planner/peak.py) that a window's steps beat is raised to their rate (and kept in the machine's cache on
+    the CPU), with a warning, so MFU stays at most 1; above any other peak (hardware.peak_flops, a datasheet)
+    a ratio above 1 is reported as a measurement problem instead of being logged silently."""
 
     def __init__(
         self,
@@ -96,6 +99,7 @@ class MetricsProcessor:
         self.objective, self.metrics, self.normalizer = objective, objective.metrics, objective.normalizer
         self.flops, self.world, self.device, self.warn = flops, world, device, warn
         self.peak, self.peak_source = peak
+        self.measured_source = peak[1] if peaks.raisable(peak[1]) else None  # None: not raised
         self.writer, self.plot, self.static = writer, plot, static  # static: logged in every record
         self.first_record: dict[str, Any] = {"peak_flops": self.peak, "peak_source": self.peak_source}
         self._reset()
@@ -121,13 +125,18 @@ class MetricsProcessor:
         """The window's record; `reduce` sums the loss sums over data-parallel ranks (a collective)."""
         elapsed = time.perf_counter() - self.t0
         means = (reduce(self.sums) / self.counts[self.normalizer]).tolist()
-        means = finish_means(self.objective, dict(zip(self.metrics, means, strict=True)))
+        means = self.objective.finish(dict(zip(self.metrics, means, strict=True)))
         record: dict[str, Any] = {"step": step, **means, **extra}
-        mfu = self.step_flops / elapsed / (self.peak * self.world)
+        achieved = self.step_flops / elapsed / self.world  # per device
+        if self.measured_source is not None and achieved > self.peak:
+            self._raise_peak(step, achieved)
+        mfu = achieved / self.peak
         record.update(
             tokens_per_s=self.counts["tokens"] / elapsed,
             target_tokens_per_s=self.counts["targets"] / elapsed,
             mfu=mfu,
+            mfu_peak_flops=self.peak,
+            mfu_peak_source=self.peak_source,
             step_time_s=elapsed / self.steps,
             **self.static,
             **memory_bytes(self.device),
@@ -147,6 +156,18 @@ class MetricsProcessor:
             )
         self._reset()
         return record
+
+    def _raise_peak(self, step: int, achieved: float) -> None:
+        """A measured peak that the steps beat was too low: the achieved rate is the peak from now on (and,
+        on the CPU, in the machine's cache)."""
+        before = self.peak
+        self.peak = achieved
+        self.peak_source = f"raised to the achieved rate at step {step} (from {self.measured_source})"
+        kept = peaks.raise_peak(self.measured_source, achieved)
+        self.warn(
+            f"peak raised to the achieved rate at step {step}: {achieved / 1e9:.1f} GFLOP/s per device "
+            f"(was {before / 1e9:.1f})" + ("; kept in the machine's peak cache" if kept else "")
+        )
 
     def write(self, record: dict) -> None:
         if self.writer is not None:

@@ -45,7 +45,7 @@ class MoEBalancer:
     @classmethod
     def build(cls, model: nn.Module, section: MoESection, model_config, dims: ParallelDims):
         """A balancer for an MoE model; None for a dense one (where setting method.moe is an error)."""
-        if getattr(model_config, "num_experts", 0):
+        if model_config.num_experts:
             return cls(model, section, model_config, dims)
         if section != MoESection():
             raise ConfigError(

@@ -11,7 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from shardforge.config.schema import ParallelSection, TrainSection
+from shardforge.log import get_logger
 from shardforge.parallel.offload import OffloadedAdamW
+
+log = get_logger(__name__)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -69,3 +72,14 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, total: int, train: TrainSection
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total, train))
+
+
+def count_steps(train: TrainSection, groups: float, global_batch: int) -> int:
+    """Optimizer steps: `train.epochs` over `groups` (the training data's groups; math.inf for a stream),
+    else `train.steps`. A global batch larger than the data is said (rows repeat within a step)."""
+    if global_batch > groups:
+        log.warning(
+            f"the global batch ({global_batch} groups of rows) is larger than the training data ({groups}): "
+            f"rows repeat within a step"
+        )
+    return math.ceil(train.epochs * groups / global_batch) if train.epochs else train.steps

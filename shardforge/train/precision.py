@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from shardforge.dtypes import PRECISION_DTYPES
 from shardforge.errors import TrainingError
 from shardforge.parallel.memory import local_tensor
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIN_LOSS_SCALE = 2.0**-10  # below this, fp16 overflow is not a transient: the run halts with advice
 
 
@@ -27,7 +27,7 @@ class Precision:
         self, mode: str, device: torch.device, init_scale: float = 2.0**16, growth_interval: int = 1000
     ):
         self.mode, self.device = mode, device
-        self.dtype = DTYPES[mode]
+        self.dtype = PRECISION_DTYPES[mode]
         self.loss_scale: float | None = init_scale if mode == "fp16" else None
         self.growth_interval = growth_interval
         self._good_steps = 0

@@ -1,4 +1,6 @@
-"""`method.pref.ref: precompute`: the starting policy's summed log-probs of every training and evaluation
+"""Binding an objective to its run (`bind_objective`: the objective's `bind`, then a precomputed reference).
+
+`method.pref.ref: precompute`: the starting policy's summed log-probs of every training and evaluation
 sequence, computed once before training and stored beside the tokenized data (in the dataset cache entry,
 under `reference/<identity>/`; in the run folder's `reference_logps/` without a cache), so that no reference
 model is held during training and the reference follows any layout, pipelines included. Later runs and
@@ -16,14 +18,65 @@ import json
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from shardforge.adapters.apply import apply_finetuning
+from shardforge.config.schema import Config
 from shardforge.data.loader import RowSet
+from shardforge.errors import ConfigError
+from shardforge.log import get_logger
+from shardforge.models.build import build_model
+from shardforge.objectives.base import BindContext, Objective
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.engine import dp_sum
+from shardforge.parallel.parallelize import lay_out_frozen
+from shardforge.train.precision import Precision
+
+log = get_logger(__name__)
+
+
+def bind_objective(
+    cfg: Config,
+    objective: Objective,
+    model: nn.Module,
+    *,
+    tokenizer: Any,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    precision: Precision,
+    rows: dict[str, RowSet | None],
+    run_dir: Path,
+) -> None:
+    """The objective takes what it needs from the run before any layout (`Objective.bind`: a reference
+    model laid out as the policy will be, a reduction over the data-parallel ranks); a precomputed
+    reference is then computed from the starting policy, or read back."""
+    lay_out = partial(lay_out_frozen, dims=dims, mesh=mesh, config=cfg, device=device)
+    reduce = partial(dp_sum, dims=dims, mesh=mesh)
+    said = objective.bind(BindContext(model, cfg.model.adapter, cfg.model.path, dims.pp > 1, reduce, lay_out))
+    if said is not None:
+        log.info(said)
+    if objective.traits.reference != "precomputed":
+        return
+    if rows["train"] is None:
+        raise ConfigError("method.pref.ref=precompute needs the training data cached, not data.streaming")
+    if dims.pp > 1:  # a pipeline rank holds only its stages: a whole copy for this pass, dropped after it
+        model = build_model(cfg.model, tokenizer, cfg.train.seed, device)
+        apply_finetuning(model, cfg.method, cfg.train.seed, cfg.model.adapter)
+    # What the starting policy's log-probs depend on (fresh LoRA adapters change nothing: B starts at 0).
+    identity = {"model": cfg.model.model_dump(), "seed": cfg.train.seed, "precision": cfg.train.precision}
+    precompute_reference(
+        objective, model, rows, run_dir, json.loads(json.dumps(identity)),
+        cfg.train.micro_batch, tokenizer.pad_token_id, precision.autocast,
+    )  # fmt: skip
 
 
 def precompute_reference(
@@ -35,7 +88,6 @@ def precompute_reference(
     micro_batch: int,
     pad_id: int,
     autocast: Callable[[], AbstractContextManager],
-    say: Callable[[str], None],
 ) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
@@ -50,7 +102,9 @@ def precompute_reference(
         stored = path.is_file() and meta.is_file() and json.loads(meta.read_text()) == key
         if not all(_gathered(stored)):  # every rank sees the stored values, or all compute them
             start = time.perf_counter()
-            say(f"reference log-probs: computing {len(rows.examples)} {name} sequences ({world} rank(s))")
+            log.info(
+                f"reference log-probs: computing {len(rows.examples)} {name} sequences ({world} rank(s))"
+            )
             mine = rows.rows_of(np.arange(rank, rows.num_groups, world))
             with autocast():
                 values = objective.reference_logps(model, rows.examples, mine, micro_batch, pad_id)
@@ -62,7 +116,7 @@ def precompute_reference(
                 np.save(path, full)
                 meta.write_text(json.dumps(key))
                 took = time.perf_counter() - start
-                say(f"reference log-probs: {name} done in {took:.1f} s, stored in {path}")
+                log.info(f"reference log-probs: {name} done in {took:.1f} s, stored in {path}")
             rows.examples.ref_logps = full
         else:
             rows.examples.ref_logps = np.load(path)

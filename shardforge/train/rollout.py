@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,23 +32,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
-from shardforge.config.schema import DataSection, RLSection
+from shardforge.config.schema import Config, DataSection, RLSection
 from shardforge.data.batch_source import GlobalBatch
 from shardforge.data.batching import Batch, GlobalOrder, collate, split_global_batch
+from shardforge.data.build import BatchSplit
 from shardforge.data.examples import Example
+from shardforge.data.formats import Reading
 from shardforge.data.loader import read_dataset
 from shardforge.data.templates import render, resolve_template, tokenize
 from shardforge.errors import DataError
-from shardforge.infer.engine import Engine, EngineConfig
-from shardforge.infer.pp import PipelineStageEngine
+from shardforge.infer.engine import EngineConfig
+from shardforge.infer.pp import generator_for
 from shardforge.infer.sampling import GenerationDefaults, SamplingParams
-from shardforge.objectives.rewards import Completions, Reward
+from shardforge.log import get_logger
+from shardforge.objectives.rewards import Completions, Reward, build_rewards
+from shardforge.parallel.data_parallel import kept_unsharded
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import dp_sum
 from shardforge.parallel.tensor_parallel import loss_context
 from shardforge.planner.memory import ROLLOUT_BLOCK  # the planner counts the cache in these blocks
+from shardforge.train.precision import Precision
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,12 +65,12 @@ class Prompt:
     answer: str | None
 
 
-def load_prompts(data: DataSection, tokenizer: Any, room: int) -> tuple[list[Prompt], int]:
+def load_prompts(data: DataSection, tokenizer: Any, room: int, how: Reading) -> tuple[list[Prompt], int]:
     """The training prompts rendered with the chat template's generation prompt, and how many were left out
     because they leave fewer than max_new_tokens of data.max_length (`room` tokens is the most a prompt
     may have)."""
     template = resolve_template(tokenizer, data.template)
-    records = [r for spec in data.train for r in read_dataset(spec, "rl")]
+    records = [r for spec in data.train for r in read_dataset(spec, how)]
     texts = [render(tokenizer, template, list(r.messages or ()), generation_prompt=True) for r in records]
     prompts, too_long = [], 0
     for record, text, (ids, _) in zip(records, texts, tokenize(tokenizer, texts), strict=True):
@@ -80,38 +86,37 @@ def load_prompts(data: DataSection, tokenizer: Any, room: int) -> tuple[list[Pro
     return prompts, too_long
 
 
-@contextlib.contextmanager
-def gathered(*roots: nn.Module) -> Iterator[float]:
-    """The FSDP2 units under `roots` (a model, or a pipeline rank's stage modules: each an FSDP root)
-    all-gathered once and kept whole until the block ends (their forward neither gathers nor frees); yields
-    the seconds the gather took. A no-op (0 s) without FSDP2."""
-    critics = [c for r in roots if (c := getattr(r, "critic", None)) is not None]  # PPO's: never generates
-    skip = {id(m) for c in critics for m in c.modules()}
-    units = list(
-        {
-            id(m): m for r in roots for m in r.modules() if isinstance(m, FSDPModule) and id(m) not in skip
-        }.values()
+def build_rollout_source(
+    cfg: Config,
+    objective: Any,
+    *,
+    tokenizer: Any,
+    how: Reading,
+    engine: Any,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    precision: Precision,
+    device: torch.device,
+    split: BatchSplit,
+    multiple: int,
+) -> RolloutSource:
+    """An RL stage's batch source: its prompts (with how many did not leave room for max_new_tokens), its
+    rewards and the model folder's generation defaults."""
+    room = cfg.data.max_length - cfg.method.rl.max_new_tokens
+    prompts, too_long = load_prompts(cfg.data, tokenizer, room, how)
+    if cfg.data.eval:
+        log.warning(f"stage {cfg.method.stage} does not evaluate: data.eval is not read")
+    log.info(
+        f"train prompts: {len(prompts)}, {cfg.method.rl.group_size} completions each per rollout"
+        + (f"; {too_long} left out (longer than {room} tokens)" if too_long else "")
     )
-    if not units:
-        yield 0.0
-        return
-    start = time.perf_counter()
-    for root in roots:  # the roots' own settings first, as their first forward would
-        if isinstance(root, FSDPModule):
-            root._get_fsdp_state()._lazy_init()
-    groups = [g for m in units for g in m._get_fsdp_state()._fsdp_param_groups]
-    saved = [g.post_forward_mesh_info for g in groups]
-    for g in groups:
-        g.post_forward_mesh_info = None  # no reshard after forward (set_reshard_after_forward(False))
-    for m in units:
-        m.unshard()
-    try:
-        yield time.perf_counter() - start
-    finally:
-        for g, info in zip(groups, saved, strict=True):
-            g.post_forward_mesh_info = info
-        for m in units:
-            m.reshard()
+    defaults = GenerationDefaults.from_folder(cfg.model.path, tokenizer.eos_token_id)
+    rewards = build_rewards(cfg.method.rl.rewards, cfg.method.rl.max_new_tokens, device)
+    return RolloutSource(
+        prompts=prompts, rl=cfg.method.rl, rewards=rewards, tokenizer=tokenizer, defaults=defaults,
+        objective=objective, engine=engine, dims=dims, mesh=mesh, autocast=precision.autocast,
+        seed=cfg.train.seed, split=split.astuple(), multiple=multiple,
+    )  # fmt: skip
 
 
 class RolloutSource:
@@ -122,6 +127,7 @@ class RolloutSource:
 
     def __init__(
         self,
+        *,
         prompts: list[Prompt],
         rl: RLSection,
         rewards: list[Reward],
@@ -143,6 +149,7 @@ class RolloutSource:
         micro_batch, grad_accum, dp, _ = split
         self.groups_per_step = micro_batch * grad_accum * dp
         self.order = GlobalOrder(len(prompts), seed)
+        self.groups: float = len(prompts)  # groups in an epoch
         self.device = engine.device
         self.cached: GlobalBatch | None = None
         self.repeats = 0  # how many more times the cached rollout trains (epochs_per_rollout)
@@ -167,14 +174,16 @@ class RolloutSource:
         mine = split_global_batch(np.arange(self.groups_per_step), *self.split)  # step positions per micro
         positions = [int(k) for part in mine for k in part]
         prompts = [self.prompts[int(order[k])] for k in positions]
-        with torch.no_grad(), gathered(*self._roots()) as sync_s:
+        critic = self.engine.inner.critic  # PPO's separate critic never generates: left sharded
+        skip = [critic] if critic is not None else []
+        with torch.no_grad(), kept_unsharded(self.engine.fsdp_roots(), skip) as sync_s:
             began = time.perf_counter()
             completions = self._generate(prompts, [start + k for k in positions])
             rollout_s = time.perf_counter() - began + sync_s
             began = time.perf_counter()
             rows, stats = self._score(prompts, completions)
             micro = self._micro_batches(rows, [len(part) for part in mine])
-            stats.update(self._from_last_stage(self.objective.assign_advantages(micro, self._sum)))
+            stats.update(self.engine.from_last_stage(self.objective.assign_advantages(micro, self._sum)))
             scoring_s = time.perf_counter() - began
         batch = GlobalBatch(
             micro, {}, {"samples": self.order.position}, self.order.position / len(self.prompts)
@@ -208,18 +217,11 @@ class RolloutSource:
         was_training = model.training
         try:
             with self.autocast():
-                return self._engine(model, config).generate([p.ids for p in prompts], params)
+                # No tokenizer: the engine streams no text token by token; `_score` decodes each once.
+                generator = generator_for(self.engine, model, None, config, self.defaults)
+                return generator.generate([p.ids for p in prompts], params)
         finally:
             model.train(was_training)
-
-    def _engine(self, model: nn.Module, config: EngineConfig) -> Engine:
-        """The inference engine over the rank's model: the whole model, or under a pipeline its stages, whose
-        engine passes the stream on to the next stage's rank (infer/pp.py)."""
-        # No tokenizer: the engine streams no text token by token; `_score` decodes each completion once.
-        trainer = self.engine
-        if not trainer.is_pipeline:
-            return Engine(model, None, config, self.defaults)
-        return PipelineStageEngine(model, None, config, self.defaults, trainer)
 
     def _score(self, prompts: list[Prompt], completions: list[list[Any]]) -> tuple[list[dict], dict]:
         """Each row's example (prompt + completion, the completion trained) and its reward, the weighted
@@ -266,35 +268,9 @@ class RolloutSource:
                 out.append(self.objective.score_rollout(self.engine.model, batch, self._forward))
         return out
 
-    def _roots(self) -> list[nn.Module]:
-        """What the policy's FSDP2 sharding hangs from: the model, or under a pipeline its stage modules."""
-        trainer = self.engine
-        return list(trainer.stages.values()) if trainer.is_pipeline else [trainer.inner]
-
     def _forward(self, net: nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> Any:
-        """A whole forward of the policy or the reference: called, or through the pipeline's stages (the
-        output on the last stage's rank only). A reference copy's stages are views of it that its FSDP2 root
-        never sees run: it is gathered whole for the pass."""
-        trainer = self.engine
-        if not trainer.is_pipeline:
-            return net(input_ids, **inputs)
-        if net is trainer.model:
-            return trainer.forward_only(input_ids, inputs)
-        with gathered(net):
-            return trainer.forward_only(input_ids, inputs, net)
-
-    # ---- global counts and statistics ------------------------------------------------------------------
-    def _from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
-        """Under a pipeline, the objective's statistics as the last stage's rank computed them (the only
-        one with the rollout's log-probs: PPO's KL penalty); the same keys on every rank."""
-        trainer = self.engine
-        if not trainer.is_pipeline or not stats:
-            return stats
-        values = torch.tensor(list(stats.values()), dtype=torch.float64, device=self.device)
-        dist.broadcast(
-            values, group=trainer.group, group_src=trainer.plan.rank_of(trainer.plan.num_stages - 1)
-        )
-        return dict(zip(stats, values.tolist(), strict=True))
+        """A whole forward of the policy (the engine's model) or the reference, whatever the layout."""
+        return self.engine.forward_only(input_ids, inputs, None if net is self.engine.model else net)
 
     def _sum(self, value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         """A small vector reduced over the data-parallel ranks, in float64 on the host."""

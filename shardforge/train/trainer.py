@@ -16,6 +16,7 @@ from rich.console import Console
 from shardforge.checkpoint.export import write_model_folder
 from shardforge.config import Config
 from shardforge.data.batch_source import GlobalBatchLoader
+from shardforge.log import get_logger, log_to_console
 from shardforge.objectives import Objective
 from shardforge.parallel.distributed import shutdown
 from shardforge.parallel.memory import memory_report
@@ -24,9 +25,12 @@ from shardforge.train.evaluation import evaluate
 from shardforge.train.guard import NonFiniteGuard
 from shardforge.train.metrics import progress_bar
 from shardforge.train.profiling import StepProfiler
-from shardforge.train.setup import TrainResult, build_run, console_for, describe_run, metrics_for
+from shardforge.train.report import TrainResult, describe_run, metrics_for
+from shardforge.train.runtime import console_for
+from shardforge.train.setup import build_run
 from shardforge.train.watchdog import Watchdog, dump, is_timeout
 
+log = get_logger(__name__)
 HOOKS = ("phase", "step_end", "log", "eval", "save")  # each hook is called as fn(trainer, step, payload)
 
 
@@ -34,6 +38,7 @@ class Trainer:
     def __init__(self, config: Config, console: Console | None = None, objective: Objective | None = None):
         self.config, self.objective_override = config, objective
         self.console = console or console_for()
+        log_to_console(self.console, config.log.all_ranks)  # the library's records, on this run's console
         self.run_dir = Path(config.output_dir)
         self.memory: dict[str, int] = {}
         self.hooks: dict[str, list[Callable]] = defaultdict(list)
@@ -54,8 +59,8 @@ class Trainer:
         self.console, self.dims, self.objective = run.console, run.dims, run.objective
         self.engine, self.model, self.optimizer = run.engine, run.engine.model, run.optimizer
         self.total_steps, self.is_main = run.total_steps, run.is_main
-        self.guard = NonFiniteGuard(self.config.train.max_bad_steps, self._warn, str(run.checkpoints.root))
-        state = run.checkpoints.resume(self.console.print)
+        self.guard = NonFiniteGuard(self.config.train.max_bad_steps, log.warning, str(run.checkpoints.root))
+        state = run.checkpoints.resume(log.info)
         data_state = {"samples": 0}
         if state is not None:
             data_state = state.get("data") or {"samples": state["samples_seen"]}  # older: the count alone
@@ -63,16 +68,13 @@ class Trainer:
             self.guard.bad_steps = state["bad_steps"]
             if self.start_step >= self.total_steps:
                 at = f"the checkpoint is at step {self.start_step} and this run has {self.total_steps} steps"
-                self._warn(f"{at}: nothing is left to train (raise train.steps or train.epochs to continue)")
+                log.warning(f"{at}: nothing is left to train (raise train.steps or train.epochs to continue)")
         self.loader = GlobalBatchLoader(run.source, self.total_steps - self.start_step)
         self.loader.load_state_dict(data_state)
         if run.plan:
-            self.console.print(run.plan.describe())
-        self.console.print(describe_run(run))
+            log.info(run.plan.describe())
+        log.info(describe_run(run))
         StepProfiler.attach(self)  # when train.profile asks for it
-
-    def _warn(self, message: str) -> None:
-        self.console.print(f"[yellow]warning:[/] {message}")
 
     def _phase(self, what: str, tag: str | None = None) -> None:
         """Mark progress for the watchdog (named in a hang report) and, tagged, for the "phase" hooks."""
@@ -139,7 +141,7 @@ class Trainer:
         }
         extra = {"config.yaml": (self.run_dir / "config.yaml").read_text()} if self.is_main else None
         folder = self.run.checkpoints.save(step, state, extra, self._phase)
-        self.console.print(f"{'writing' if self.run.checkpoints.async_save else 'saved'} checkpoint {folder}")
+        log.info(f"{'writing' if self.run.checkpoints.async_save else 'saved'} checkpoint {folder}")
         self._fire("save", folder)
         return folder
 
@@ -168,7 +170,7 @@ class Trainer:
 
     def _loop(self) -> TrainResult:
         cfg, run = self.config, self.run
-        metrics = metrics_for(run, self.start_step, self._warn)
+        metrics = metrics_for(run, self.start_step, log.warning)
         last_loss, eval_loss, tokens_per_s = float("nan"), None, 0.0
         self.model.train()
         with progress_bar(self.console, cfg.log, self.is_main) as progress:
@@ -232,7 +234,7 @@ class Trainer:
         final = self.run_dir / "final"
         if self.is_main:
             what = write_model_folder(self.engine.inner, state, self.config, self.run.tokenizer, final)
-            self.console.print(f"saved the final {what} to {final}")
+            log.info(f"saved the final {what} to {final}")
         if dist.is_initialized():
             dist.barrier()
         return final

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from shardforge.config import Config, load_config
+from shardforge.config.stages import Choices
 from shardforge.errors import ConfigError
 
 Kind = Literal["text", "int", "number", "bool", "choice", "yaml"]
@@ -68,6 +69,10 @@ def form_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[FormF
             continue
         default = info.get_default(call_default_factory=True)
         default = REQUIRED if default is PydanticUndefined else default
+        runtime = [m for m in info.metadata if isinstance(m, Choices)]  # e.g. the registered stages
+        if runtime:
+            out.append(FormField(key, "choice", default, optional, runtime[0]()))
+            continue
         out.append(FormField(key, _kind(members), default, optional, _choices(members)))
     return out
 

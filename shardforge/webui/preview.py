@@ -12,13 +12,14 @@ def preview_records(config: Config, count: int = 3) -> list[list[tuple[str, bool
     """Per record, its first sequence as (text, is_target) runs of tokens."""
     from shardforge.data.loader import read_dataset
     from shardforge.models.build import load_tokenizer
-    from shardforge.objectives import build_objective
+    from shardforge.objectives import build_objective, reading_of
 
     tokenizer = load_tokenizer(config.model)
-    encoder = build_objective(config.method).encoder(tokenizer, config.data)
+    objective = build_objective(config.method)
+    encoder = objective.encoder(tokenizer, config.data)
     spec = config.data.train[0].model_copy(update={"max_samples": count})
     out = []
-    for record in read_dataset(spec, config.method.stage)[:count]:
+    for record in read_dataset(spec, reading_of(objective))[:count]:
         ids, trained = encoder(record)[0]
         ids, trained = list(ids)[: config.data.max_length], list(trained)[: config.data.max_length]
         runs: list[tuple[list[int], bool]] = []

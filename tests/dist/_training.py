@@ -12,7 +12,7 @@ from torch import nn
 
 from shardforge.config import load_config
 from shardforge.models import save_model
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.config import DecoderConfig
 from shardforge.models.llama.model import Decoder
 from shardforge.train.trainer import Trainer
 from tests.conftest import TOKENIZER

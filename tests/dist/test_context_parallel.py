@@ -9,17 +9,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardforge.models.attention import sdpa
+from shardforge.models.common.attention import sdpa
 from shardforge.parallel.context_parallel import (
     allgather_kv_attention,
     check_ulysses,
     cp_mask,
     gathered_indices,
     local_indices,
-    shard_sequence,
     ulysses_attention,
 )
 from tests.dist._harness import run_ranks
+from tests.oracles import shard_sequence
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 HEAD_DIM = 8

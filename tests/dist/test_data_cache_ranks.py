@@ -10,9 +10,9 @@ from tests.dist._harness import run_ranks
 
 def _rank_data(cfg: dict) -> dict:
     import shardforge.data.loader as loader
+    from shardforge.data.build import build_data
     from shardforge.models.build import load_tokenizer
-    from shardforge.objectives import build_objective
-    from shardforge.train.setup import build_data, console_for
+    from shardforge.objectives import build_objective, reading_of
 
     encoded = []
     original = loader.encode_all
@@ -20,9 +20,8 @@ def _rank_data(cfg: dict) -> dict:
         encoded.append(args[4]) or original(*args, **kwargs)
     )  # args[4]: what
     config = load_config(None, base=cfg)
-    train, evaluation = build_data(
-        config, load_tokenizer(config.model), build_objective(config.method), console_for(True)
-    )
+    objective = build_objective(config.method)
+    train, evaluation = build_data(config, load_tokenizer(config.model), objective, reading_of(objective))
     return {
         "encoded": encoded,
         "rows": train.rows.tolist(),

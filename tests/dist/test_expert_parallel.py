@@ -14,7 +14,7 @@ import torch
 
 from shardforge.config import load_config
 from shardforge.models import save_model
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.config import DecoderConfig
 from shardforge.models.spec import spec_for
 from shardforge.parallel import expert_parallel
 from shardforge.train.trainer import Trainer

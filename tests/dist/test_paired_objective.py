@@ -19,7 +19,8 @@ from shardforge.data.formats import Record
 from shardforge.data.loader import read_dataset
 from shardforge.data.templates import encode_text
 from shardforge.models import build_preset
-from shardforge.objectives.base import CausalLM, sequence_logprob_sums
+from shardforge.objectives import reading_for
+from shardforge.objectives.base import CausalLM, Traits, sequence_logprob_sums
 from tests.conftest import tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
 from tests.dist._training import assert_same, logged, parity_train, train_runs
@@ -34,7 +35,7 @@ class ToyPairs(CausalLM):
     normalizer = "groups"
     group_size = 2
     metrics = ("loss", "accuracy")
-    reads_text = True
+    traits = Traits(reader="text")
     summed = False  # a loss per pair, not a sum of token log-probs
 
     def encoder(self, tokenizer, data: DataSection):
@@ -90,7 +91,7 @@ def test_paired_objective_is_the_same_on_one_process_and_two_ranks(tmp_path, dat
 
     # The first logged loss is the mean over the step's 4 pairs, computed here sequence by sequence.
     config = load_config(None, base=one)
-    records = read_dataset(config.data.train[0], "pt")
+    records = read_dataset(config.data.train[0], reading_for("pt"))
     model = build_preset("tiny-llama", vocab_size=len(tokenizer), seed=config.train.seed)
     encode = ToyPairs().encoder(tokenizer, config.data)
 

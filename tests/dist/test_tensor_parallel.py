@@ -13,7 +13,7 @@ from shardforge.config import load_config
 from shardforge.config.schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.models import build_preset
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.config import DecoderConfig
 from shardforge.objectives.base import causal_lm_forward, causal_lm_loss_sum
 from shardforge.parallel import activation_report, apply_activation_checkpointing
 from shardforge.parallel.dims import ParallelDims

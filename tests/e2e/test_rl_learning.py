@@ -20,6 +20,7 @@ from shardforge.config.schema import DataSection
 from shardforge.infer.engine import Engine
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models import load_model
+from shardforge.objectives import reading_for
 from shardforge.objectives.rewards import answers_equal, final_answer
 from shardforge.train.rollout import load_prompts
 from shardforge.train.trainer import Trainer
@@ -44,7 +45,9 @@ def _config(out: Path, **sections) -> dict:
 
 def _greedy_accuracy(folder: Path, data: Path) -> float:
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    prompts, _ = load_prompts(DataSection(train=[{"path": str(data), "format": "alpaca"}]), tokenizer, 60)
+    prompts, _ = load_prompts(
+        DataSection(train=[{"path": str(data), "format": "alpaca"}]), tokenizer, 60, reading_for("grpo")
+    )
     done = Engine(load_model(folder), tokenizer).generate(
         [p.ids for p in prompts], SamplingParams(max_tokens=6, temperature=0)
     )
@@ -169,7 +172,7 @@ def test_grpo_with_a_reward_model_folder(sft_model, tmp_path):
     """`rewards: [{model: FOLDER}]`: a reward model (here a fresh score head on a tiny decoder, as stage rm
     exports it) scores every completion inside the run; its mean is logged under its folder's name."""
     from shardforge.models import save_model
-    from shardforge.models.llama.config import DecoderConfig
+    from shardforge.models.common.config import DecoderConfig
     from shardforge.models.llama.model import Decoder
 
     shape = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,

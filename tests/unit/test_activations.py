@@ -10,7 +10,7 @@ from shardforge.data.examples import Example
 from shardforge.models import build_preset
 from shardforge.objectives.base import causal_lm_forward, causal_lm_loss_sum
 from shardforge.parallel import activation_report, apply_activation_checkpointing
-from shardforge.parallel.activations import saved_tensor_report
+from tests.oracles import saved_tensor_report
 
 MODES = ("none", "selective", "full")
 

@@ -1,5 +1,7 @@
 """The layering rules, checked on the source: no import cycles (between modules, and between the top-level
-packages), the parallel layer knows neither objectives nor data nor the loop, and the loop stays short."""
+packages), the parallel layer knows neither objectives nor data nor the loop, the composition root imports
+only builders, no layer outside objectives/ and config/ asks a stage's name, and the loop, the layouts,
+inference and the planner never probe an objective or a model for a capability."""
 
 from __future__ import annotations
 
@@ -99,8 +101,81 @@ def test_parallel_knows_neither_objectives_nor_data_nor_the_loop():
             assert not above, (module, above)
 
 
-def test_the_trainer_keeps_only_the_loop():
-    assert len((PACKAGE / "train" / "trainer.py").read_text().splitlines()) <= 250
+# What the composition root (train/setup.py) may import: builders (each component builds itself from its
+# config section) and the types it names. A new import is a new builder here, or the root is doing a
+# component's work.
+COMPOSITION_ROOT_IMPORTS = {
+    "build_checkpoints", "CheckpointManager", "Config", "BatchSource", "BatchSplit", "Collation",
+    "build_batch_source", "build_data", "packing_for", "RowSet", "model_source", "CostModel", "costs_for",
+    "Objective", "build_objective", "reading_of", "ParallelDims", "local_rank_from_env", "pick_device",
+    "rank_from_env", "world_size_from_env", "Engine", "parallelize", "PipelinePlan", "resolve_layout",
+    "MoEBalancer", "build_optimizer", "build_scheduler", "count_steps", "build_policy", "Precision",
+    "bind_objective", "build_rollout_source", "build_peak", "build_workspace", "start_processes",
+    "get_logger",
+}  # fmt: skip
+
+
+def test_the_composition_root_imports_only_builders_and_stays_short():
+    tree = ast.parse((PACKAGE / "train" / "setup.py").read_text())
+    imported = {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("shardforge")
+        for alias in node.names
+    }
+    assert imported <= COMPOSITION_ROOT_IMPORTS, imported - COMPOSITION_ROOT_IMPORTS
+    (build_run,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "build_run"]
+    assert build_run.end_lineno - build_run.lineno + 1 <= 60
+
+
+def _python_files(*packages: str) -> list[Path]:
+    return [p for package in packages for p in sorted((PACKAGE / package).rglob("*.py"))]
+
+
+def test_no_stage_name_is_compared_outside_objectives_and_config():
+    """Layers ask an objective's traits, never which stage it is: no comparison with a stage name (or with
+    `method.stage`) outside objectives/ and config/."""
+    from shardforge.config.stages import STAGES
+
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] in ("objectives", "config"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            for side in [node.left, *node.comparators]:
+                names = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+                staged = any(isinstance(n, ast.Constant) and n.value in STAGES for n in names)
+                asked = isinstance(side, ast.Attribute) and side.attr == "stage"
+                if staged or asked:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == []
+
+
+def test_the_stage_check_finds_a_stage_comparison(tmp_path):
+    code = "def f(cfg):\n    return cfg.method.stage in ('dpo', 'kto')\n"
+    compares = [n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Compare)]
+    assert isinstance(compares[0].left, ast.Attribute) and compares[0].left.attr == "stage"
+
+
+def test_no_capability_probe_in_the_loop_layout_inference_or_planner():
+    """Objectives and models declare what they have (traits, hooks, typed fields): train/, parallel/,
+    infer/ and planner/ never ask `getattr(objective | model | a model config, NAME, default)`."""
+    probed = ("objective", "model", "shape", "model_config", "critic", "net", "root", "block", "layer")
+    found = []
+    for path in _python_files("train", "parallel", "infer", "planner"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            probe = node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3)
+            if not probe:  # a getattr without a default reads a name the caller knows is there
+                continue
+            target = node.args[0]
+            name = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
+            if any(word in name for word in probed):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
 
 
 def test_a_family_spec_chooses_the_block_mlp():

@@ -137,7 +137,7 @@ MODES = ("none", "selective", "full")
 )
 def test_activation_bytes_match_the_measured_report(preset, length, rows, dtype):
     """One process (tp=1): the estimate is within 1% of what the forward keeps, in every checkpoint mode, fp32
-    and bf16 (byte for byte today). Not modelled (see models/llama/costs.py): packed rows' per-document gather
+    and bf16 (byte for byte today). Not modelled (models/common/costs.py): packed rows' per-document gather
     copies, and masks or scores materialized by non-flash kernels."""
     batch = _rows(length, rows)
     tokens, scored = batch.input_ids.numel(), batch.num_targets

@@ -16,7 +16,7 @@ from shardforge.data.cache import DatasetCache
 from shardforge.data.loader import build_datasets
 from shardforge.data.store import ExampleStore
 from shardforge.errors import DataError
-from shardforge.objectives import build_objective
+from shardforge.objectives import build_objective, reading_for
 from tests.conftest import alpaca_records, lf_messages_entry, write_jsonl
 
 
@@ -65,7 +65,7 @@ def _build(data, tokenizer, cache=None, stage="sft"):
     objective = build_objective(stage)
     encoder = objective.encoder(tokenizer, data)
     identity = {"template": data.template}
-    return build_datasets(data, stage, encoder, 3, 1, cache, identity)
+    return build_datasets(data, reading_for(stage), encoder, 3, 1, cache, identity)
 
 
 def _same(a, b):
@@ -172,7 +172,7 @@ def test_worker_processes_encode_exactly_what_one_process_does(files, tokenizer,
 
     stage = "pt" if fmt == "text" else "sft"
     data = _data(files, fmt)
-    records = read_dataset(data.train[0], stage) * 3
+    records = read_dataset(data.train[0], reading_for(stage)) * 3
     encoder = build_objective(stage).encoder(tokenizer, data)
     one, stats = encode_all(records, encoder, 16, "right", "x", workers=1)
     monkeypatch.setattr(encode, "RECORDS_PER_WORKER", 10)  # use workers even for this small set
@@ -255,12 +255,14 @@ def test_batch_encoding_equals_record_by_record_encoding(tmp_path, files, tokeni
 
     stage = "pt" if fmt == "text" else "sft"
     data = _data(files, fmt, train_on_prompt=train_on_prompt)
-    records = read_dataset(data.train[0], stage)
+    records = read_dataset(data.train[0], reading_for(stage))
     unicode = write_jsonl(
         tmp_path / "unicode.jsonl",
         [{"instruction": "héllo wörld 世界", "input": "", "output": "ça va 🎉 très bien, 谢谢 " * 3}],
     )
-    records += read_dataset(DataSection(train=[{"path": str(unicode), "format": "alpaca"}]).train[0], stage)
+    records += read_dataset(
+        DataSection(train=[{"path": str(unicode), "format": "alpaca"}]).train[0], reading_for(stage)
+    )
     encoder = build_objective(stage).encoder(tokenizer, data)
     batch = encoder.encode_batch(records)
     for record, [(ids, trained)] in zip(records, batch, strict=True):

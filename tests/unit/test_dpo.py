@@ -17,6 +17,7 @@ from shardforge.config.schema import DataSection
 from shardforge.data.formats import read_records
 from shardforge.data.loader import read_dataset
 from shardforge.errors import ConfigError, DataError
+from shardforge.objectives import reading_for
 from shardforge.objectives.preference import DPOObjective
 from shardforge.train.trainer import Trainer
 from tests.conftest import TOKENIZER, tiny_config, write_jsonl
@@ -86,7 +87,7 @@ def test_pairs_share_the_prompt_and_score_only_the_replies(tmp_path):
         {"name": "pairs_alpaca", "dataset_info": str(tmp_path / "dataset_info.json")},
     ]
     data = DataSection(train=specs)
-    records = [r for spec in data.train for r in read_dataset(spec, "pref")]
+    records = [r for spec in data.train for r in read_dataset(spec, reading_for("dpo"))]
     encode = DPOObjective().encoder(tokenizer, data)
     groups = [encode(r) for r in records]
     red = [g for r, g in zip(records, groups, strict=True) if r.messages[-2]["content"].endswith("red.")]
@@ -142,15 +143,15 @@ def test_reference_free_loss_needs_no_reference(tmp_path):
 def test_bad_preference_input_is_clear(tmp_path):
     pairs = write_jsonl(tmp_path / "pairs.jsonl", _pairs(4))
     with pytest.raises(DataError, match=r"pairs.jsonl:1: a preference record .*dpo or rm, not sft"):
-        read_records(pairs, "alpaca", "sft")
+        read_records(pairs, "alpaca", reading_for("sft"))
     missing = write_jsonl(tmp_path / "missing.jsonl", [{"prompt": "hi", "chosen": "a"}])
     with pytest.raises(DataError, match=r'missing.jsonl:1: preference record has no "rejected"'):
-        read_records(missing, "alpaca", "pref")
+        read_records(missing, "alpaca", reading_for("dpo"))
     same = write_jsonl(
         tmp_path / "same.jsonl", [*_pairs(1), {"prompt": "hi", "chosen": "a", "rejected": "a"}]
     )
     with pytest.raises(DataError, match=r'same.jsonl:2: "chosen" and "rejected" are the same text'):
-        read_records(same, "alpaca", "pref")
+        read_records(same, "alpaca", reading_for("dpo"))
     with pytest.raises(ConfigError, match="ref=none: the 'sigmoid' loss needs a reference model"):
         load_config(None, base=_cfg(tmp_path, pairs, ref="none"))
     info = tmp_path / "dataset_info.json"

@@ -18,7 +18,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from shardforge.infer import generate, paged
+from shardforge.infer import paged
 from shardforge.infer.blocks import BlockManager
 from shardforge.infer.engine import Engine, EngineConfig, RequestError
 from shardforge.infer.sampling import (
@@ -31,6 +31,7 @@ from shardforge.infer.sampling import (
 )
 from shardforge.infer.text import TextStream
 from shardforge.models import load_model
+from tests.generate_oracle import generate
 from tests.unit.test_generate import FAMILIES, VOCAB, _hf_model, _prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -14,6 +14,7 @@ from shardforge.config.schema import DatasetSpec
 from shardforge.data.formats import Record
 from shardforge.data.loader import read_dataset
 from shardforge.errors import DataError
+from shardforge.objectives import reading_for
 from tests.conftest import lf_messages_entry
 
 EXTS = ["jsonl", "json", "parquet"]
@@ -31,7 +32,7 @@ def write(path: Path, rows: list[Any]) -> Path:
 
 
 def read(path: Path, fmt: str | None, stage: str = "sft", **kw: Any) -> list[Record]:
-    return read_dataset(DatasetSpec(path=str(path), format=fmt, **kw), stage)
+    return read_dataset(DatasetSpec(path=str(path), format=fmt, **kw), reading_for(stage))
 
 
 def chat(*pairs: tuple[str, str]) -> tuple[dict[str, str], ...]:
@@ -296,7 +297,7 @@ def info_spec(tmp_path: Path, entries: dict[str, Any], name: str, **kw: Any) -> 
 def test_dataset_info_sharegpt_custom_columns_and_tags(tmp_path: Path) -> None:
     write(tmp_path / "chat.jsonl", OPENAI)
     entry = lf_messages_entry("chat.jsonl")
-    recs = read_dataset(info_spec(tmp_path, {"mine": entry}, "mine"), "sft")
+    recs = read_dataset(info_spec(tmp_path, {"mine": entry}, "mine"), reading_for("sft"))
     assert recs[0].messages == chat(("system", "S"), ("user", "Q"), ("assistant", "A"))
 
 
@@ -307,9 +308,9 @@ def test_dataset_info_alpaca_columns_and_defaults(tmp_path: Path) -> None:
         "custom": {"file_name": "a.json", "columns": {"prompt": "q", "response": "a", "system": "sys"}},
         "plain": {"file_name": "b.jsonl"},
     }
-    recs = read_dataset(info_spec(tmp_path, entries, "custom"), "sft")
+    recs = read_dataset(info_spec(tmp_path, entries, "custom"), reading_for("sft"))
     assert recs[0].messages == chat(("system", "S"), ("user", "Q"), ("assistant", "A"))
-    assert read_dataset(info_spec(tmp_path, entries, "plain"), "sft")[0].messages == chat(
+    assert read_dataset(info_spec(tmp_path, entries, "plain"), reading_for("sft"))[0].messages == chat(
         ("user", "Say hi"), ("assistant", "hi")
     )
 
@@ -319,7 +320,7 @@ def test_dataset_info_pretraining_text(tmp_path: Path) -> None:
     spec = info_spec(
         tmp_path, {"c4_demo": {"file_name": "c4.jsonl", "columns": {"prompt": "text"}}}, "c4_demo"
     )
-    assert [r.text for r in read_dataset(spec, "pt")] == ["doc one", "doc two"]
+    assert [r.text for r in read_dataset(spec, reading_for("pt"))] == ["doc one", "doc two"]
 
 
 def test_dataset_info_sharegpt_tool_turn_rejected(tmp_path: Path) -> None:
@@ -327,7 +328,7 @@ def test_dataset_info_sharegpt_tool_turn_rejected(tmp_path: Path) -> None:
     write(tmp_path / "s.jsonl", rows)
     entry = {"file_name": "s.jsonl", "formatting": "sharegpt", "tags": {"observation_tag": "obs"}}
     with pytest.raises(DataError, match=r's\.jsonl:1: sharegpt turn 1 has "from" "obs"; tool/function-call'):
-        read_dataset(info_spec(tmp_path, {"s": entry}, "s"), "sft")
+        read_dataset(info_spec(tmp_path, {"s": entry}, "s"), reading_for("sft"))
 
 
 def test_dataset_info_unknown_name_suggests_closest(tmp_path: Path) -> None:
@@ -335,7 +336,7 @@ def test_dataset_info_unknown_name_suggests_closest(tmp_path: Path) -> None:
     with pytest.raises(
         DataError, match=r'no dataset named "alpaca_em"; available \(closest first\): alpaca_en, '
     ):
-        read_dataset(spec, "sft")
+        read_dataset(spec, reading_for("sft"))
 
 
 @pytest.mark.parametrize(
@@ -354,5 +355,5 @@ def test_dataset_info_unknown_name_suggests_closest(tmp_path: Path) -> None:
 def test_dataset_info_bad_entries(tmp_path: Path, entry: dict[str, Any], message: str) -> None:
     write(tmp_path / "x.jsonl", ALPACA)
     with pytest.raises(DataError) as e:
-        read_dataset(info_spec(tmp_path, {"d": entry}, "d"), "sft")
+        read_dataset(info_spec(tmp_path, {"d": entry}, "d"), reading_for("sft"))
     assert message in str(e.value)

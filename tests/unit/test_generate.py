@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shardforge.infer import generate
 from shardforge.models import load_model
-from shardforge.models.attention import sdpa
-from shardforge.models.llama.model import MLP, Decoder, KVCache
+from shardforge.models.common.attention import sdpa
+from shardforge.models.head import Hidden
+from shardforge.models.llama.model import MLP, Decoder
 from shardforge.models.presets import preset_config
+from tests.generate_oracle import KVCache, generate
 
 VOCAB = 128
 SHAPE = dict(
@@ -162,10 +163,10 @@ def test_return_hidden_feeds_the_head(tmp_path):
     mask = torch.zeros(2, 9, dtype=torch.bool)
     mask[:, 4:] = True
     with torch.no_grad():
-        hidden = model(ids, return_hidden=True)
+        hidden = model(ids, head=Hidden())
         assert hidden.shape == (2, 9, 64)
         assert torch.equal(model.lm_head(hidden), model(ids))
-        picked = model(ids, output_mask=mask, return_hidden=True)
+        picked = model(ids, output_mask=mask, head=Hidden())
         assert picked.shape == (10, 64)
         assert torch.equal(picked, hidden[mask])
         assert torch.equal(model.lm_head(picked), model(ids, output_mask=mask))

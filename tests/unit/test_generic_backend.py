@@ -21,6 +21,7 @@ from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models.build import check_model_source
 from shardforge.models.generic.model import HFCausalLM
+from shardforge.models.head import TargetLogprobs
 from shardforge.models.spec import spec_for
 from shardforge.planner.layout import check_layout
 from shardforge.train.trainer import Trainer
@@ -92,7 +93,7 @@ def test_generic_model_equals_transformers(tmp_path, model_type):
         expected_logits = reference(input_ids=ids).logits
         expected = expected_logits[:, :-1].log_softmax(-1)[scored].gather(-1, targets[:, None]).squeeze(1)
         logits = ours(ids)
-        logps = ours(ids, output_mask=output_mask, targets=targets)
+        logps = ours(ids, output_mask=output_mask, head=TargetLogprobs(targets))
     torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-5)
     again = load_model(save_model(ours, tmp_path / "saved")).eval()  # (GPT-2 has dropout)
@@ -384,9 +385,9 @@ def test_a_family_without_a_tensor_parallel_plan_is_named(tmp_path):
 
 def test_packing_is_switched_off_with_a_message(tmp_path, capsys, monkeypatch):
     """For a family whose masks are not built by transformers' helpers (made so here)."""
-    import shardforge.train.setup as setup
+    import shardforge.data.build as build
 
-    monkeypatch.setattr(setup, "packs_by_position", lambda _hf: False)
+    monkeypatch.setattr(build, "packs_by_position", lambda _hf: False)
     folder = hf_folder(tmp_path, "olmo2")
     config = _train_config(tmp_path, folder, "packed", data={"packing": True}, train={"steps": 1})
     trainer = Trainer(load_config(None, base=config))

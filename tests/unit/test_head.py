@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardforge.models import build_preset, head
-from shardforge.models.head import target_logprobs
+from shardforge.models.head import TargetLogprobs, target_logprobs
 
 N, HIDDEN, VOCAB = 300, 48, 1000
 
@@ -119,7 +119,7 @@ def test_the_model_forward_with_targets_gives_the_log_probs_of_its_logits():
     targets = ids.roll(-1, 1)[scored]
     with torch.no_grad():
         logits = model(ids, output_mask=scored)
-        fused = model(ids, output_mask=scored, targets=targets)
+        fused = model(ids, output_mask=scored, head=TargetLogprobs(targets))
     expected = logits.float().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
     torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-5)
 

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardforge import load_model, save_model
 from shardforge.errors import ModelError
-from shardforge.models.llama.costs import param_counts
+from shardforge.models.common.costs import param_counts
 
 BASE = dict(
     vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, max_position_embeddings=256

@@ -21,8 +21,9 @@ from shardforge.data.formats import read_records
 from shardforge.data.loader import kto_examples, read_dataset
 from shardforge.data.store import ExampleStore
 from shardforge.errors import ConfigError, DataError
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.config import DecoderConfig
 from shardforge.models.llama.model import Decoder
+from shardforge.objectives import reading_for
 from shardforge.objectives.preference import KTOObjective
 from shardforge.train.trainer import Trainer
 from tests.conftest import TOKENIZER, tiny_config, write_jsonl
@@ -106,7 +107,7 @@ def test_kto_forms_encode_alike_and_pair_each_example_with_the_next_completion(t
     encode = KTOObjective().encoder(tokenizer, data)
     encoded = []
     for spec in data.train:
-        records = kto_examples(read_dataset(spec, "kto"), "test")
+        records = kto_examples(read_dataset(spec, reading_for("kto")), "test")
         assert [r.label for r in records] == [True, False]
         assert [r.mismatched for r in records] == ["green", "red red"]  # the next one's completion
         encoded.append([encode(r) for r in records])
@@ -212,13 +213,13 @@ def test_bad_kto_input_is_clear(tmp_path):
         Trainer(load_config(None, base=_cfg(tmp_path, one_label, steps=1))).train()
     unlabelled = write_jsonl(tmp_path / "unlabelled.jsonl", [{"prompt": "hi", "completion": "a"}])
     with pytest.raises(DataError, match=r'unlabelled.jsonl:1: KTO record has no "label"'):
-        read_records(unlabelled, "alpaca", "kto")
+        read_records(unlabelled, "alpaca", reading_for("kto"))
     numeric = write_jsonl(tmp_path / "numeric.jsonl", [{"prompt": "hi", "completion": "a", "label": 1}])
     with pytest.raises(DataError, match=r'numeric.jsonl:1: KTO record "label" is 1; expected true'):
-        read_records(numeric, "alpaca", "kto")
+        read_records(numeric, "alpaca", reading_for("kto"))
     kto = write_jsonl(tmp_path / "kto.jsonl", _examples(4))
     with pytest.raises(DataError, match=r"kto.jsonl:1: a KTO record .*method.stage: kto, not sft"):
-        read_records(kto, "alpaca", "sft")
+        read_records(kto, "alpaca", reading_for("sft"))
     with pytest.raises(ConfigError, match="ref=none: stage kto compares the policy with a reference"):
         load_config(None, base=_cfg(tmp_path, kto) | {"method": {"stage": "kto", "pref": {"ref": "none"}}})
     info = tmp_path / "dataset_info.json"

@@ -21,17 +21,11 @@ from shardforge.models.build import check_model_source, model_source
 from shardforge.models.spec import spec_for
 from shardforge.planner.hardware import GIB, PRESETS, Cluster
 from shardforge.planner.layout import Layout, layout_of
-from shardforge.planner.memory import (
-    MemoryModel,
-    StateCounter,
-    coords_of,
-    inventory,
-    korthikanti_layer_bytes,
-    zero_model_states,
-)
+from shardforge.planner.memory import MemoryModel, StateCounter, coords_of, inventory
 from shardforge.planner.preflight import preflight
 from shardforge.planner.search import Planner, choose
 from tests.conftest import REPO
+from tests.oracles import korthikanti_layer_bytes, zero_model_states
 
 DEMO = REPO / "examples" / "demo.yaml"
 

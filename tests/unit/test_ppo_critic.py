@@ -17,7 +17,8 @@ from shardforge.checkpoint.export import export_checkpoint
 from shardforge.config import load_config
 from shardforge.errors import CheckpointError, ConfigError
 from shardforge.models import build_preset, load_model, save_model
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.config import DecoderConfig
+from shardforge.models.head import PolicyValues, attach_critic
 from shardforge.models.llama.model import Decoder
 from shardforge.objectives.rl import load_critic
 from shardforge.planner.layout import layout_of
@@ -64,12 +65,12 @@ def _cfg(tmp_path: Path, data: Path, critic: str, **sections) -> dict:
 def test_values_come_from_the_critic_and_its_loss_trains_it_alone(tmp_path):
     policy = build_preset("tiny-llama", VOCAB, seed=1)
     critic = load_model(critic_folder(tmp_path), num_labels=1)
-    policy.add_critic(critic)
+    attach_critic(policy, critic)
     assert policy.value_head is None
     ids = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(3, 10, dtype=torch.bool)
     mask[:, 4:] = True
-    logps, values = policy(ids, output_mask=mask, targets=ids[mask], values=True)
+    logps, values = policy(ids, output_mask=mask, head=PolicyValues(ids[mask]))
     expected = critic(ids, output_mask=mask).squeeze(-1)  # the critic alone, on the same tokens
     assert values.shape == logps.shape == (18,)
     torch.testing.assert_close(values, expected, rtol=0, atol=0)

@@ -16,8 +16,9 @@ from shardforge.config.schema import DataSection, RewardSpec
 from shardforge.data.templates import render, resolve_template
 from shardforge.errors import ConfigError
 from shardforge.models import save_model
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.config import DecoderConfig
 from shardforge.models.llama.model import Decoder
+from shardforge.objectives import reading_for
 from shardforge.objectives.rewards import Completions, build_rewards, final_answer, math_answer
 from shardforge.train.rollout import load_prompts
 from tests.conftest import TOKENIZER, write_jsonl
@@ -128,7 +129,7 @@ def test_prompts_from_every_format_with_their_reference_answers(tmp_path):
         {"path": str(openai), "format": "openai"}, {"name": "math", "dataset_info": str(info)},
     ])  # fmt: skip
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    prompts, too_long = load_prompts(data, tokenizer, room=64)
+    prompts, too_long = load_prompts(data, tokenizer, 64, reading_for("grpo"))
     assert too_long == 0
     assert [p.answer for p in prompts] == ["5", "2", None, None, "8", "2", "2"]
     assert [p.messages[-1]["content"] for p in prompts] == [
@@ -142,5 +143,5 @@ def test_prompts_from_every_format_with_their_reference_answers(tmp_path):
     ]
     assert prompts[0].text.endswith("<|im_start|>assistant\n")  # the generation prompt
     assert prompts[0].ids == tokenizer(prompts[0].text, add_special_tokens=False)["input_ids"]
-    short, too_long = load_prompts(data, tokenizer, room=12)
+    short, too_long = load_prompts(data, tokenizer, 12, reading_for("grpo"))
     assert too_long == 7 - len(short) > 0

@@ -230,9 +230,14 @@ def test_a_kl_term_needs_a_live_reference():
 
     method = MethodSection(stage="grpo", rl=RLSection(kl_beta=0.1), pref={"ref": "precompute"})
     with pytest.raises(ConfigError, match=r"ref=precompute: stage grpo with kl_beta > 0 scores new rollouts"):
-        GRPOObjective(method).bind_reference(
-            build_preset("tiny-llama", vocab_size=64), "full", None, None, None
-        )
+        GRPOObjective(method).bind(_context(build_preset("tiny-llama", vocab_size=64)))
     without = GRPOObjective(MethodSection(stage="grpo"))
-    message = without.bind_reference(build_preset("tiny-llama", vocab_size=64), "full", None, None, None)
+    message = without.bind(_context(build_preset("tiny-llama", vocab_size=64)))
     assert "kl_beta is 0" in message and without.reference_model is None
+
+
+def _context(model):
+    """What the run hands `bind`: one process, no layout."""
+    from shardforge.objectives.base import BindContext
+
+    return BindContext(model, None, None, False, lambda t: t, lambda m: m)

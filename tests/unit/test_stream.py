@@ -19,7 +19,7 @@ from shardforge.data.formats import iter_from
 from shardforge.data.loader import build_datasets
 from shardforge.data.stream import StreamSource
 from shardforge.errors import ConfigError, DataError
-from shardforge.objectives import build_objective
+from shardforge.objectives import build_objective, reading_for
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 
 SEED = 3
@@ -27,7 +27,7 @@ SEED = 3
 
 def _stream(data: DataSection, stage: str, tokenizer, split: tuple[int, int, int, int]) -> StreamSource:
     encoder = build_objective(stage).encoder(tokenizer, data)
-    return StreamSource(data, stage, encoder, SEED, split, collate, tokenizer.pad_token_id)
+    return StreamSource(data, reading_for(stage), encoder, SEED, split, collate, tokenizer.pad_token_id)
 
 
 def _rows_of(batch) -> list[torch.Tensor]:
@@ -41,7 +41,7 @@ def test_a_corpus_in_one_window_streams_the_in_memory_rows_in_order(tmp_path, to
     path = write_jsonl(tmp_path / "train.jsonl", records)
     data = DataSection(train=[{"path": str(path), "format": fmt}], max_length=64, stream_window=1000)
     encoder = build_objective(stage).encoder(tokenizer, data)
-    rows, _ = build_datasets(data, stage, encoder, SEED)
+    rows, _ = build_datasets(data, reading_for(stage), encoder, SEED)
     split = (2, 2, 1, 0)
     memory = DatasetSource(rows, SEED, *split, collate, tokenizer.pad_token_id)
     stream = _stream(data, stage, tokenizer, split)

@@ -134,7 +134,7 @@ def test_compile_matches_eager(tmp_path):
 def test_library_console_never_hard_wraps(capsys, monkeypatch):
     """Paths in logs (SLURM files, CI, pytest's capture) must stay on one line whatever the width: a console
     that is not a terminal would otherwise wrap at 80 columns."""
-    from shardforge.train.setup import console_for
+    from shardforge.train.runtime import console_for
 
     monkeypatch.setenv("COLUMNS", "40")
     path = "/runs/" + "deep/" * 40 + "checkpoints/step-00000002"

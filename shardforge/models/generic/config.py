@@ -11,7 +11,7 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.config import DecoderConfig
 
 PREFIX = "hf:"  # a generic model's family name: "hf:<model_type>" (spec_for resolves it to the generic spec)
 

@@ -25,8 +25,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardforge.errors import ModelError
+from shardforge.models.common.protocol import CausalModel
 from shardforge.models.generic.config import GenericConfig
-from shardforge.models.head import critic_values, target_logprobs, value_head
+from shardforge.models.head import Head, HeadInput, apply_head, target_logprobs
 
 
 @contextlib.contextmanager
@@ -49,8 +50,10 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-class HFCausalLM(nn.Module):
-    sequence_split = None  # context parallel is refused for this backend (planner/layout.py)
+class HFCausalLM(CausalModel):
+    """transformers' ...ForCausalLM (or ...ForSequenceClassification) of a family, wrapped: context and
+    pipeline parallel are refused for this backend (planner/layout.py), so no sequence split and no stage's
+    copy of a tied embedding."""
 
     def __init__(self, cfg: GenericConfig, mlp: Any = None, pretrained: Any = None) -> None:
         """`pretrained`: a folder transformers loads the weights from (its own loading: the weight conversions
@@ -72,7 +75,7 @@ class HFCausalLM(nn.Module):
         buffers = self.hf.named_buffers() if pretrained is None else ()
         self._buffers_made = {name: b.detach().clone() for name, b in buffers}
         self.value_head: nn.Linear | None = None
-        self.critic: nn.Module | None = None  # PPO's separate critic model (add_critic)
+        self.critic: nn.Module | None = None  # PPO's separate critic model (attach_critic)
         self._logit_transform = _logit_transform(cfg.hf)
         self._renames = self._canonical_prefixes()
         self.packs = packs_by_position(cfg.hf)
@@ -149,14 +152,6 @@ class HFCausalLM(nn.Module):
         if getattr(self.lm_head, "bias", None) is not None:
             self.lm_head.bias.zero_()
 
-    def add_value_head(self, seed: int = 0) -> None:
-        """PPO's critic on the final hidden states (models/head.py: value_head)."""
-        self.value_head = value_head(self.config.hidden_size, self.lm_head.weight, seed)
-
-    def add_critic(self, critic: nn.Module) -> None:
-        """PPO's separate critic model (models/llama/model.py: Decoder.add_critic)."""
-        self.critic = critic
-
     # ---- forward -----------------------------------------------------------------------------------------
     def forward(
         self,
@@ -166,44 +161,53 @@ class HFCausalLM(nn.Module):
         doc_layout: Any = None,
         output_mask: torch.Tensor | None = None,
         cache: Any = None,
-        return_hidden: bool = False,
-        targets: torch.Tensor | None = None,
-        summed: bool = False,
-        values: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The Llama family's forward arguments (models/llama/model.py: Decoder.forward). With `cache` (an
-        inference engine step: infer/paged.py) attention runs over the paged KV cache (attention.py);
-        packed rows (`doc_ids`, `doc_layout`) are not available on this backend."""
+        head: Head | None = None,
+    ) -> torch.Tensor:
+        """The Llama family's forward (models/llama/model.py: Decoder.forward). With `cache` (an inference
+        engine step: infer/paged.py) attention runs over the paged KV cache (attention.py); packed rows
+        (`doc_ids`, `doc_layout`) are not available on this backend."""
         if not self.packs and (doc_layout is not None or (doc_ids is not None and bool((doc_ids > 0).any()))):
             raise ModelError(
                 f"packed rows need per-document attention, which the generic backend does not provide for "
                 f"{self.config.model_type}: set data.packing: false"
             )
+        h = self.hidden(x, position_ids, doc_ids, doc_layout, cache)
+        return apply_head(self, h, head, HeadInput(x, position_ids, doc_ids, doc_layout, output_mask))
+
+    def hidden(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        doc_ids: torch.Tensor | None = None,
+        doc_layout: Any = None,
+        cache: Any = None,
+    ) -> torch.Tensor:
+        """The body: transformers' base model (its final norm included), or one engine step over the paged
+        KV cache."""
         if cache is not None:
-            hidden = self._paged_body(x, position_ids, cache)
-        else:
-            hidden = self.hf.base_model(
-                input_ids=x, position_ids=position_ids, use_cache=False
-            ).last_hidden_state
-        if output_mask is not None:
-            hidden = hidden[output_mask]
-        if return_hidden:
-            return hidden
-        if targets is not None:
-            if self._logit_transform is None:
-                logps = target_logprobs(self.lm_head, hidden, targets, summed)
-            else:
-                logits = self.lm_head(hidden)
-                logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # TP's shards
-                logits = self._logit_transform(logits.float())
-                logps = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-            if values:
-                inputs = {"position_ids": position_ids, "doc_ids": doc_ids, "doc_layout": doc_layout}
-                return logps, critic_values(self, hidden, x, output_mask=output_mask, **inputs)
-            return logps
+            return self._paged_body(x, position_ids, cache)
+        return self.hf.base_model(input_ids=x, position_ids=position_ids, use_cache=False).last_hidden_state
+
+    def final_hidden(self, h: torch.Tensor, output_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """transformers' body ends in the final norm: only the scored positions are kept here."""
+        return h[output_mask] if output_mask is not None else h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head over final hidden states, with what the family does to its logits after it (a score is
+        not a logit: left as it is)."""
         logits = self.lm_head(hidden)
-        transform = self._logit_transform if not self.config.num_labels else None  # a score is not a logit
+        transform = self._logit_transform if not self.config.num_labels else None
         return transform(logits) if transform is not None else logits
+
+    def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, summed: bool) -> torch.Tensor:
+        """log p(target) per row of `hidden` [n]: fused (models/head.py) unless the family transforms its
+        logits (soft-capping, scaling), whose log-softmax is then taken over whole logits."""
+        if self._logit_transform is None:
+            return target_logprobs(self.lm_head, hidden, targets, summed)
+        logits = self.lm_head(hidden)
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # TP's shards
+        logits = self._logit_transform(logits.float())
+        return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
     def _paged_body(self, x: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> torch.Tensor:
         """One engine step through transformers' body, its attention switched to the paged one for the

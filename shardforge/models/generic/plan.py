@@ -35,7 +35,9 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
 
 
 def tensor_parallel_plan(cfg: GenericConfig, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Module pattern (the wrapper's names: `hf.<base model>.layers.*...`) -> style."""
+    """Module pattern (the wrapper's names: `hf.<base model>.layers.*...`) -> style. `sequence_parallel` is
+    unused: ModelSpec.tp_plan's signature has it, but transformers' modules keep the residual stream whole, so
+    this plan never splits it (planner/layout.py's `check_generic` refuses tp > 1 with sequence parallel)."""
     declared = dict(getattr(cfg.hf, "base_model_tp_plan", None) or {})
     unknown = sorted({style for style in declared.values() if style not in STYLES})
     if not declared or unknown:

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from shardforge.models.common.costs import costs as llama_costs
 from shardforge.models.generic.config import PREFIX, GenericConfig, config_from_hf, hf_config_from
 from shardforge.models.generic.model import HFCausalLM
 from shardforge.models.generic.plan import tensor_parallel_plan
-from shardforge.models.llama.costs import costs as llama_costs
 from shardforge.models.spec import CostModel, ModelSpec, ParamCounts, register_generic
 
 _KEY_PREFIX = "hf."

@@ -11,7 +11,7 @@ import re
 from transformers import AutoConfig, PretrainedConfig
 
 from shardforge.errors import ModelError
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.config import DecoderConfig
 from shardforge.models.llama.rope import SUPPORTED_ROPE_TYPES
 
 # Our module names differ from HF's only in these path segments; everything but lm_head lives under "model.".

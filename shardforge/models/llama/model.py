@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardforge.models.attention import DocLayout, attention_per_document, sdpa
-from shardforge.models.head import critic_values, target_logprobs, value_head
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.attention import (
+    AttentionContext,
+    Cache,
+    DocLayout,
+    attention_context,
+    attention_per_document,
+    real_tokens,
+    sdpa,
+)
+from shardforge.models.common.config import DecoderConfig
+from shardforge.models.common.protocol import StagedModel
+from shardforge.models.head import Head, HeadInput, apply_head, target_logprobs
 from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
 from shardforge.models.moe import SparseMoE
 
@@ -97,134 +104,6 @@ class Block(nn.Module):
         return h + (self.mlp(x, ctx.tokens) if self.sparse else self.mlp(x))
 
 
-@dataclass
-class KVCache:
-    """Keys and values of the tokens seen so far, preallocated per layer as [batch, kv_heads, max_len,
-    head_dim] (on first use: the local head count under TP, the stream's dtype) so that decoding writes in
-    place instead of concatenating. The rows of a batch share the slots; each slot's absolute position is
-    kept per row (left-padded rows differ) for the sliding window, and `key_mask` [batch, max_len] marks
-    the real tokens (False: padding, never attended; None: all real). One cache per module that runs the
-    forward: the forward advances `filled` by its length."""
-
-    max_len: int
-    key_mask: torch.Tensor | None = None
-    filled: int = 0
-    positions: torch.Tensor | None = None  # [batch, max_len]
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> keys
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    masks: tuple = ()  # this forward's (full, sliding-window) masks [b, 1, s, filled + s], from context()
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool
-    ) -> torch.Tensor:
-        """Store this forward's k, v [b, kv_heads, s, d] after the filled slots, then attend over all the
-        filled ones (with the forward's sliding-window mask on a sliding layer)."""
-        b, heads, s, d = k.shape
-        if layer not in self.keys:
-            self.keys[layer] = k.new_zeros(b, heads, self.max_len, d)
-            self.values[layer] = v.new_zeros(b, heads, self.max_len, d)
-        end = self.filled + s
-        self.keys[layer][:, :, self.filled : end] = k
-        self.values[layer][:, :, self.filled : end] = v
-        mask = self.masks[1] if sliding else self.masks[0]
-        return sdpa(q, self.keys[layer][:, :, :end], self.values[layer][:, :, :end], mask)
-
-    def context(self, cfg: DecoderConfig, position_ids: torch.Tensor) -> AttentionContext:
-        """The s queries of this forward come after `filled` cached keys, so the masks [b, 1, s, filled + s]
-        are explicit (SDPA's `is_causal` aligns the query block with the first keys, which is wrong here)."""
-        b, s = position_ids.shape
-        start, end = self.filled, self.filled + s
-        if end > self.max_len:
-            raise ValueError(f"the KV cache holds {self.max_len} positions: {start} filled, {s} more given")
-        if self.positions is None:
-            self.positions = position_ids.new_zeros(b, self.max_len)
-        self.positions[:, start:end] = position_ids
-        slots = torch.arange(end, device=position_ids.device)
-        mine = slots[None, :] == slots[start:, None]
-        allowed = (slots[None, :] <= slots[start:, None])[None]  # [1, s, end]: earlier slots
-        if self.key_mask is not None:
-            allowed = allowed & self.key_mask[:, None, :end]
-        allowed = (allowed | mine)[:, None]  # a padding query sees itself: no empty softmax row (NaN)
-        self.masks = (allowed, allowed)
-        if cfg.sliding_window is not None:
-            distance = position_ids[:, :, None] - self.positions[:, None, :end]  # absolute positions, per row
-            self.masks = (allowed, allowed & (distance < cfg.sliding_window)[:, None])
-        return AttentionContext(cache=self)
-
-    def advance(self, n: int) -> None:
-        self.filled += n
-
-
-class Cache(Protocol):
-    """What a forward with a cache calls: `context` once (the cache makes and keeps this forward's masks),
-    `attend` per layer (store this forward's keys and values, attend over what the cache holds, with the
-    sliding-window mask on a sliding layer), `advance` at the end. `KVCache` is the
-    contiguous one of `generate`; infer/paged.py has the paged one of the engine."""
-
-    def context(self, cfg: DecoderConfig, position_ids: torch.Tensor) -> AttentionContext: ...
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool
-    ) -> torch.Tensor: ...
-
-    def advance(self, n: int) -> None: ...
-
-
-@dataclass
-class AttentionContext:
-    """How tokens may attend, computed once per forward: boolean masks [b, 1, s, keys] (True = attend; None =
-    plain causal) for full and sliding-window layers, or a per-document layout for packed rows, and the
-    KV cache the layers write to."""
-
-    full: torch.Tensor | None = None
-    sliding: torch.Tensor | None = None
-    layout: DocLayout | None = None
-    window: int | None = None
-    cache: Cache | None = None
-    tokens: torch.Tensor | None = None  # [b, s] True at real tokens (set for MoE models: real_tokens)
-
-
-def real_tokens(
-    position_ids: torch.Tensor, doc_ids: torch.Tensor | None, columns: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Which positions hold tokens rather than padding, as collate lays rows out: padding has document id
-    -1 in packed rows, and position 0 after a row's first column in rows of one document. `columns`: the
-    positions' columns in their whole rows (a context-parallel rank holds parts of rows)."""
-    if doc_ids is not None:
-        return doc_ids >= 0
-    if columns is None:
-        columns = torch.arange(position_ids.shape[1], device=position_ids.device)
-    return (position_ids > 0) | (columns == 0)
-
-
-def attention_context(
-    cfg: DecoderConfig,
-    position_ids: torch.Tensor,
-    doc_ids: torch.Tensor | None,
-    layout: DocLayout | None,
-    cache: Cache | None = None,
-) -> AttentionContext:
-    if cache is not None:
-        if doc_ids is not None or layout is not None:
-            raise ValueError("a KV cache holds one sequence per row: packed rows (doc_ids) cannot use it")
-        return cache.context(cfg, position_ids)
-    if layout is not None:
-        return AttentionContext(layout=layout, window=cfg.sliding_window)
-    seq, device = position_ids.shape[1], position_ids.device
-    needs_window = cfg.sliding_window is not None and seq > cfg.sliding_window
-    if doc_ids is None and not needs_window:
-        return AttentionContext()
-    pos = torch.arange(seq, device=device)
-    allowed = (pos[None, :] <= pos[:, None])[None]
-    if doc_ids is not None:
-        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
-    full = allowed[:, None]
-    if not needs_window:
-        return AttentionContext(full=full, sliding=full)
-    window = (pos[:, None] - pos[None, :]) < cfg.sliding_window
-    return AttentionContext(full=full, sliding=full & window[None, None])
-
-
 def _init_normal(module: nn.Module, name: str, std: float, seed: int) -> None:
     _normal(module.weight, name, std, seed)
     if getattr(module, "bias", None) is not None:
@@ -238,14 +117,12 @@ def _normal(param: torch.Tensor, name: str, std: float, seed: int) -> None:
     param.normal_(0.0, std, generator=generator)
 
 
-class Decoder(nn.Module):
+class Decoder(StagedModel):
     """Token ids -> logits. `position_ids` and `doc_ids` (or the faster `doc_layout`) describe packed rows
     (positions restart per document); `output_mask` [b, s] limits the LM head to those positions. A
-    pipeline stage is a `part` of it: the same forward, from and to the residual stream."""
-
-    # Context parallel (installed from outside, parallel/context_parallel.py): the rows' sequence is split
-    # over ranks and its `context(cfg, position_ids, doc_ids)` makes each forward's attention.
-    sequence_split = None
+    pipeline stage is a `part` of it: the same forward, from and to the residual stream. Context parallel
+    (installed from outside, parallel/context_parallel.py) sets `sequence_split`: the rows' sequence is
+    split over ranks and its `context(cfg, position_ids, doc_ids)` makes each forward's attention."""
 
     def __init__(self, cfg: DecoderConfig, mlp: MLPFactory | None = None) -> None:
         super().__init__()
@@ -254,23 +131,11 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i, mlp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.num_labels or cfg.vocab_size, bias=False)
-        self.value_head: nn.Linear | None = None  # PPO's critic on the policy (add_value_head); not exported
-        self.critic: nn.Module | None = None  # or PPO's separate critic model (add_critic)
+        self.value_head: nn.Linear | None = None  # PPO's critic on the policy (attach_value_head)
+        self.critic: nn.Module | None = None  # or PPO's separate critic model (attach_critic)
         self.tie_weights()
         self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2), persistent=False)
         self.reset_rope()
-
-    def add_value_head(self, seed: int = 0) -> None:
-        """PPO's critic on the final hidden states (models/head.py: value_head). A pipeline stage without the
-        LM head gets none."""
-        if self.lm_head is not None:
-            self.value_head = value_head(self.config.hidden_size, self.norm.weight, seed)
-
-    def add_critic(self, critic: nn.Module) -> None:
-        """PPO's separate critic: a model of its own with a one-output score head, run on the policy's
-        tokens when values are asked for. Held as a submodule so that the layouts, the optimizer and the
-        checkpoints treat it as part of the trained model (its weights are `critic.*`)."""
-        self.critic = critic
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the checkpoint says so (again after `to_empty`). A
@@ -323,6 +188,10 @@ class Decoder(nn.Module):
         if self.lm_head is not None:
             _init_normal(self.lm_head, "lm_head", std, seed)
 
+    def canonical_name(self, name: str) -> str:
+        """A parameter's name as this model spells it (the generic backend maps transformers' names)."""
+        return name
+
     def blocks(self) -> list[nn.Module]:
         """The decoder blocks this model holds, in order (all of them, or a pipeline stage's)."""
         return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
@@ -359,6 +228,7 @@ class Decoder(nn.Module):
         view.norm = self.norm if last else None
         view.lm_head = self.lm_head if last else None
         view.value_head = self.value_head if last else None
+        view.critic = None  # a separate critic is not cut into stages (refused under a pipeline)
         view.register_buffer("inv_freq", self.inv_freq, persistent=False)
         return view
 
@@ -385,9 +255,13 @@ class Decoder(nn.Module):
         h = self.norm(h)
         return h[output_mask] if output_mask is not None else h
 
-    def head(self, h: torch.Tensor, output_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm and LM head; `output_mask` [b, s] limits them to the positions that are scored."""
-        return self.lm_head(self.final_hidden(h, output_mask))
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head (or a reward model's score head) over final hidden states."""
+        return self.lm_head(hidden)
+
+    def target_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, summed: bool) -> torch.Tensor:
+        """log p(target) per row of `hidden` [n], a chunk at a time (models/head.py)."""
+        return target_logprobs(self.lm_head, hidden, targets, summed)
 
     def forward(
         self,
@@ -397,35 +271,35 @@ class Decoder(nn.Module):
         doc_layout: DocLayout | None = None,
         output_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
-        return_hidden: bool = False,
-        targets: torch.Tensor | None = None,
-        summed: bool = False,
-        values: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        head: Head | None = None,
+    ) -> torch.Tensor:
         """`x`: token ids [b, s], or the residual stream [b, s, hidden] where there is no embedding (a later
-        pipeline stage). Returns logits; the stream after the blocks where there is no head (an earlier
-        stage); with `return_hidden` the final normed hidden states (for reward and value heads); or with
-        `targets` (one per position `output_mask` keeps) their log-probabilities [n], computed a chunk at a
-        time without the batch's full logits (models/head.py; `summed`: the caller sums them, as a token
-        loss does), and with `values` also the value head's estimates there. With `cache`, this forward's
-        keys and values are added to it and attention covers all it holds."""
+        pipeline stage). Returns what `head` makes of the final hidden states at the positions `output_mask`
+        [b, s] keeps (models/head.py; None: logits), or the stream after the blocks where there is no head
+        (an earlier pipeline stage). With `cache`, this forward's keys and values are added to it and
+        attention covers all it holds."""
         if position_ids is None:
             start = cache.filled if cache is not None else 0
             b, s = x.shape[:2]
             position_ids = torch.arange(start, start + s, device=x.device).expand(b, s)
+        h = self.hidden(x, position_ids, doc_ids, doc_layout, cache)
+        if self.lm_head is None:
+            return h
+        return apply_head(self, h, head, HeadInput(x, position_ids, doc_ids, doc_layout, output_mask))
+
+    def hidden(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        doc_layout: DocLayout | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        """The body: the embedding (where this part has it) and the blocks, up to the final norm."""
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout, cache)
         for layer in self.blocks():
             h = layer(h, cos, sin, ctx)
         if cache is not None:
             cache.advance(position_ids.shape[1])
-        if self.lm_head is None:
-            return h
-        if targets is not None:
-            hidden = self.final_hidden(h, output_mask)
-            logps = target_logprobs(self.lm_head, hidden, targets, summed)
-            if values:  # and the critic's estimates at the same positions [n] (fp32)
-                inputs = {"position_ids": position_ids, "doc_ids": doc_ids, "doc_layout": doc_layout}
-                return logps, critic_values(self, hidden, x, output_mask=output_mask, **inputs)
-            return logps
-        return self.final_hidden(h, output_mask) if return_hidden else self.head(h, output_mask)
+        return h

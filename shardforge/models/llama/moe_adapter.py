@@ -19,8 +19,8 @@ import torch
 from transformers import PretrainedConfig
 
 from shardforge.errors import ModelError
+from shardforge.models.common.config import DecoderConfig
 from shardforge.models.llama import hf_adapter
-from shardforge.models.llama.config import DecoderConfig
 from shardforge.models.llama.model import MLP
 from shardforge.models.moe import MoEShape, SparseMoE
 from shardforge.models.spec import Slot

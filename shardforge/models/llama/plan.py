@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shardforge.errors import ConfigError
-from shardforge.models.llama.config import DecoderConfig
+from shardforge.models.common.config import DecoderConfig
 from shardforge.sharding.styles import ReplicateParallel, WholeSequenceParallel
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from functools import partial
 
+from shardforge.models.common.costs import costs
 from shardforge.models.llama import hf_adapter, moe_adapter
-from shardforge.models.llama.costs import costs
 from shardforge.models.llama.model import Decoder
 from shardforge.models.llama.plan import tensor_parallel_plan
 from shardforge.models.spec import ModelSpec, register

@@ -9,7 +9,7 @@ logsumexp per (token, head), never the s x s scores: so the sequence length does
 parallel, heads and MLP channels are split; the residual stream and the norms only with sequence parallel,
 whose all-gathered attention / MLP inputs are kept whole, as DTensor's matmuls save them.
 Not modelled: packed rows' per-document gather copies (attention_per_document), K/V repeated per query head
-(CUDA with a mask: models/attention.py `sdpa`), masks or score matrices of non-flash kernels, the TP
+(CUDA with a mask: models/common/attention.py `sdpa`), masks or score matrices of non-flash kernels, the TP
 embedding's masking temporaries, and transient peaks (only what is kept for backward).
 """
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from shardforge.models.spec import ActivationBytes, CheckpointMode, CostModel, ParamCounts
 
 if TYPE_CHECKING:  # config.py counts its parameters here
-    from shardforge.models.llama.config import DecoderConfig
+    from shardforge.models.common.config import DecoderConfig
 
 FP32 = 4  # bytes; RMSNorm, the logsumexp and the loss work in fp32
 

@@ -1,4 +1,7 @@
-"""Attention over packed rows. SDPA has no variable-length kernel on CPU, and a block-diagonal mask over a
+"""How tokens may attend, made once per forward (`AttentionContext`: masks, a per-document layout, or a KV
+cache, whose protocol `Cache` is here), and which positions are real tokens.
+
+Attention over packed rows. SDPA has no variable-length kernel on CPU, and a block-diagonal mask over a
 packed row still pays for the whole row x row score matrix. Instead, the documents of a micro-batch are
 gathered into a [documents, longest document] batch, attended with plain causal SDPA, and scattered back: the
 cost is documents x longest-document squared instead of rows x row-length squared. Exact: the same scores."""
@@ -6,9 +9,12 @@ cost is documents x longest-document squared instead of rows x row-length square
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from shardforge.models.common.config import DecoderConfig
 
 
 @dataclass
@@ -87,3 +93,73 @@ def attention_per_document(
     flat = out.transpose(1, 2).reshape(layout.num_docs * layout.max_len, h, d)
     flat = torch.cat([flat, flat.new_zeros(1, h, d)])
     return flat[layout.scatter].view(b, s, h, d).transpose(1, 2)
+
+
+class Cache(Protocol):
+    """What a forward with a cache calls: `context` once (the cache makes and keeps this forward's masks),
+    `attend` per layer (store this forward's keys and values, attend over what the cache holds, with the
+    sliding-window mask on a sliding layer), `advance` at the end. `KVCache` is the
+    contiguous one of `generate`; infer/paged.py has the paged one of the engine."""
+
+    def context(self, cfg: DecoderConfig, position_ids: torch.Tensor) -> AttentionContext: ...
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding: bool
+    ) -> torch.Tensor: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+@dataclass
+class AttentionContext:
+    """How tokens may attend, computed once per forward: boolean masks [b, 1, s, keys] (True = attend; None =
+    plain causal) for full and sliding-window layers, or a per-document layout for packed rows, and the
+    KV cache the layers write to."""
+
+    full: torch.Tensor | None = None
+    sliding: torch.Tensor | None = None
+    layout: DocLayout | None = None
+    window: int | None = None
+    cache: Cache | None = None
+    tokens: torch.Tensor | None = None  # [b, s] True at real tokens (set for MoE models: real_tokens)
+
+
+def real_tokens(
+    position_ids: torch.Tensor, doc_ids: torch.Tensor | None, columns: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Which positions hold tokens rather than padding, as collate lays rows out: padding has document id
+    -1 in packed rows, and position 0 after a row's first column in rows of one document. `columns`: the
+    positions' columns in their whole rows (a context-parallel rank holds parts of rows)."""
+    if doc_ids is not None:
+        return doc_ids >= 0
+    if columns is None:
+        columns = torch.arange(position_ids.shape[1], device=position_ids.device)
+    return (position_ids > 0) | (columns == 0)
+
+
+def attention_context(
+    cfg: DecoderConfig,
+    position_ids: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    layout: DocLayout | None,
+    cache: Cache | None = None,
+) -> AttentionContext:
+    if cache is not None:
+        if doc_ids is not None or layout is not None:
+            raise ValueError("a KV cache holds one sequence per row: packed rows (doc_ids) cannot use it")
+        return cache.context(cfg, position_ids)
+    if layout is not None:
+        return AttentionContext(layout=layout, window=cfg.sliding_window)
+    seq, device = position_ids.shape[1], position_ids.device
+    needs_window = cfg.sliding_window is not None and seq > cfg.sliding_window
+    if doc_ids is None and not needs_window:
+        return AttentionContext()
+    pos = torch.arange(seq, device=device)
+    allowed = (pos[None, :] <= pos[:, None])[None]
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+    full = allowed[:, None]
+    if not needs_window:
+        return AttentionContext(full=full, sliding=full)
+    window = (pos[:, None] - pos[None, :]) < cfg.sliding_window
+    return AttentionContext(full=full, sliding=full & window[None, None])
