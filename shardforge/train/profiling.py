@@ -18,7 +18,10 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from shardforge.config.schema import ProfileSection
+from shardforge.log import get_logger
 from shardforge.train.profile_summary import DATA, OPTIMIZER, STEP, StepBreakdown, breakdown, table
+
+log = get_logger(__name__)
 
 _PHASES = {"data": DATA, "optimizer": OPTIMIZER}  # other phases (forward/backward) need no mark
 
@@ -58,7 +61,7 @@ class StepProfiler:
             return None
         say = lambda text: trainer.console.print(text, highlight=False)  # noqa: E731
         cuda, steps = trainer.run.device.type == "cuda", (trainer.start_step, trainer.total_steps)
-        profiler = cls(trainer.config.train.profile, trainer.run_dir, cuda, steps, say, trainer._warn)
+        profiler = cls(trainer.config.train.profile, trainer.run_dir, cuda, steps, say, log.warning)
         trainer.add_hook("phase", profiler.on_phase)
         trainer.add_hook("step_end", profiler.on_step_end)
         return profiler
