@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardforge.data.batching import Batch
+from shardforge.objectives.base import CausalLM
 from shardforge.parallel.activations import (
     ActivationReport,
     Forward,
@@ -63,3 +65,13 @@ def saved_tensor_report(model: nn.Module, forward: Forward) -> ActivationReport:
     keys = {t.untyped_storage().data_ptr() for t in saved}
     del out
     return ActivationReport([t for k, t in held.items() if k in keys])
+
+
+def causal_lm_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Log-probabilities [targets] of the target positions' next tokens."""
+    return model(batch.input_ids, **CausalLM().model_inputs(batch))
+
+
+def causal_lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Next-token cross-entropy summed over the target tokens of a micro-batch."""
+    return CausalLM.loss(causal_lm_forward(model, batch), batch)["loss"]

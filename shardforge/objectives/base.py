@@ -143,13 +143,3 @@ class CausalLM(Objective):
     @staticmethod
     def loss(output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         return {"loss": -output.sum()}
-
-
-def causal_lm_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Log-probabilities [targets] of the target positions' next tokens."""
-    return model(batch.input_ids, **CausalLM().model_inputs(batch))
-
-
-def causal_lm_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Next-token cross-entropy summed over the target tokens of a micro-batch."""
-    return CausalLM.loss(causal_lm_forward(model, batch), batch)["loss"]

@@ -14,7 +14,6 @@ from shardforge.config.schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.models import build_preset
 from shardforge.models.common.config import DecoderConfig
-from shardforge.objectives.base import causal_lm_forward, causal_lm_loss_sum
 from shardforge.parallel import activation_report, apply_activation_checkpointing
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel, loss_context
@@ -22,6 +21,7 @@ from shardforge.train.trainer import Trainer
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
 from tests.dist._training import assert_same, assert_tracks, parity_train, tiny_model_folder, train_runs
+from tests.oracles import causal_lm_forward, causal_lm_loss_sum
 
 STEPS = 4
 ODD_VOCAB = 1027  # > the 1024-token test tokenizer and divisible by neither 2 nor 4: exercises the padding

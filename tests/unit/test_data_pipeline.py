@@ -17,7 +17,7 @@ from shardforge.data.store import ExampleStore
 from shardforge.errors import DataError
 from shardforge.models import build_preset
 from shardforge.objectives import build_objective
-from shardforge.objectives.base import causal_lm_loss_sum
+from tests.oracles import causal_lm_loss_sum
 
 DOCS = [
     "the quick brown fox jumps over the lazy dog",
