@@ -98,3 +98,21 @@ def pytest_collection_modifyitems(config, items):
         parts = Path(str(item.fspath)).relative_to(root).parts
         if parts and parts[0] in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def logged_warnings():
+    """The library's warning messages while the test runs (its one logger, shardforge/log.py)."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("shardforge"), Collect()
+    logger.addHandler(handler)
+    yield messages
+    logger.removeHandler(handler)

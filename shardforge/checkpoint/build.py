@@ -56,4 +56,4 @@ def build_checkpoints(
     sig = signature(config, vocab_rows, global_batch, data_id, cfg.train.seed, finetuning, critic)
     parts = (trained, optimizer, scheduler, precision)
     layout = (dims.world_size, dims.describe())
-    return CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout, log.warning)
+    return CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout)

@@ -26,6 +26,9 @@ from shardforge.checkpoint.store import find_latest, resolve_checkpoint
 from shardforge.checkpoint.trainer_state import Checkpointer, load_checkpoint, read_trainer_state
 from shardforge.config.schema import CheckpointSection
 from shardforge.errors import CheckpointError
+from shardforge.log import get_logger
+
+log = get_logger(__name__)
 
 
 def signature(
@@ -69,9 +72,8 @@ class CheckpointManager:
         signature: dict,
         parts: tuple[nn.Module, torch.optim.Optimizer, Any, Any],
         layout: tuple[int, str],
-        warn: Callable[[str], None],
     ) -> None:
-        self.root, self.section, self.signature, self.warn = root, section, signature, warn
+        self.root, self.section, self.signature, self.warn = root, section, signature, log.warning
         self.model, self.optimizer, self.scheduler, self.precision = parts
         self.world_size, self.layout = layout
         self.checkpointer = Checkpointer(root, section.keep, section.async_save)

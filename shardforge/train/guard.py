@@ -3,14 +3,15 @@ skips the update; too many in a row halt the run with advice instead of training
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from shardforge.errors import TrainingError
+from shardforge.log import get_logger
+
+log = get_logger(__name__)
 
 
 class NonFiniteGuard:
-    def __init__(self, limit: int, warn: Callable[[str], None], checkpoints: str, bad_steps: int = 0) -> None:
-        self.limit, self.warn, self.checkpoints = limit, warn, checkpoints
+    def __init__(self, limit: int, checkpoints: str, bad_steps: int = 0) -> None:
+        self.limit, self.checkpoints = limit, checkpoints
         self.bad_steps, self.in_a_row = bad_steps, 0  # bad_steps: over the whole run (checkpointed)
 
     def allow(self, finite: bool) -> bool:
@@ -20,7 +21,7 @@ class NonFiniteGuard:
             return True
         self.bad_steps += 1
         self.in_a_row += 1
-        self.warn(f"non-finite loss or gradient norm: update skipped ({self.in_a_row} in a row)")
+        log.warning(f"non-finite loss or gradient norm: update skipped ({self.in_a_row} in a row)")
         if self.in_a_row >= self.limit:
             raise TrainingError(
                 f"training diverged: {self.limit} steps in a row had a non-finite loss or gradient norm "

@@ -15,9 +15,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from shardforge.config.schema import LogSection
+from shardforge.log import get_logger
 from shardforge.planner import peak as peaks
 from shardforge.train.runtime import memory_bytes
 from shardforge.train.tracking import Trackers
+
+log = get_logger(__name__)
 
 Flops = Callable[[int, int, int], float]  # (tokens, scored tokens, attention pairs) -> training FLOPs
 
@@ -91,13 +94,12 @@ class MetricsProcessor:
         peak: tuple[float, str],
         world: int,
         device: torch.device,
-        warn: Callable[[str], None],
         writer: MetricsWriter | None,
         plot: Path | None,
         static: dict[str, Any],
     ) -> None:
         self.objective, self.metrics, self.normalizer = objective, objective.metrics, objective.normalizer
-        self.flops, self.world, self.device, self.warn = flops, world, device, warn
+        self.flops, self.world, self.device = flops, world, device
         self.peak, self.peak_source = peak
         self.measured_source = peak[1] if peaks.raisable(peak[1]) else None  # None: not raised
         self.writer, self.plot, self.static = writer, plot, static  # static: logged in every record
@@ -150,7 +152,7 @@ class MetricsProcessor:
             record["step_time_ratio"] = record["step_time_s"] / self.first_record["planned_step_time_s"]
         self.first_record = {}
         if mfu > 1:
-            self.warn(
+            log.warning(
                 f"MFU {mfu:.2f} > 1 at step {step}: the peak ({self.peak / 1e9:.1f} GFLOP/s, "
                 f"{self.peak_source}) is too low for this device; set hardware.peak_flops"
             )
@@ -164,7 +166,7 @@ class MetricsProcessor:
         self.peak = achieved
         self.peak_source = f"raised to the achieved rate at step {step} (from {self.measured_source})"
         kept = peaks.raise_peak(self.measured_source, achieved)
-        self.warn(
+        log.warning(
             f"peak raised to the achieved rate at step {step}: {achieved / 1e9:.1f} GFLOP/s per device "
             f"(was {before / 1e9:.1f})" + ("; kept in the machine's peak cache" if kept else "")
         )

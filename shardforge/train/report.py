@@ -3,7 +3,6 @@ the result `train()` returns."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -29,19 +28,19 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)  # the logged records (rank 0)
 
 
-def metrics_for(run: Run, start_step: int, warn: Callable[[str], None]) -> MetricsProcessor:
+def metrics_for(run: Run, start_step: int) -> MetricsProcessor:
     """The run's metrics processor: JSONL/TensorBoard sinks and the plot on rank 0 only."""
     log = run.config.log
     writer = None
     if run.is_main:
-        trackers = open_trackers(log, run.run_dir, start_step, warn)
+        trackers = open_trackers(log, run.run_dir, start_step)
         writer = MetricsWriter(run.run_dir, trackers, run.console, start_step)
     # The schedule's theoretical idle share, next to the measured step time.
     static = {"pp_bubble": run.plan.bubble_fraction} if run.plan is not None else {}
     plot = run.run_dir / "loss.png" if log.plot else None
     world = run.dims.world_size
     flops = partial(run.costs.train_flops, trained=run.trained)  # frozen weights need no weight gradients
-    return MetricsProcessor(run.objective, flops, run.peak, world, run.device, warn, writer, plot, static)
+    return MetricsProcessor(run.objective, flops, run.peak, world, run.device, writer, plot, static)
 
 
 def describe_run(run: Run) -> str:

@@ -17,6 +17,9 @@ from typing import Any, Protocol
 
 from shardforge.config.schema import LogSection
 from shardforge.errors import ConfigError, ShardforgeError, TrainingError
+from shardforge.log import get_logger
+
+logger = get_logger(__name__)  # `log` is the config section here
 
 _INSTALL = "pip install 'shardforge[track]'"
 
@@ -152,8 +155,8 @@ class WandbTracker:
 class Trackers:
     """The run's trackers, one call each for a record and for the end; only built on the logging rank."""
 
-    def __init__(self, trackers: list[Tracker], warn: Callable[[str], None]) -> None:
-        self.trackers, self.warn = trackers, warn
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
 
     def _each(self, what: str, call: Callable[[Tracker], None]) -> None:
         for tracker in list(self.trackers):
@@ -162,7 +165,7 @@ class Trackers:
             except Exception as exc:  # a dashboard's failure must not end the training run
                 self.trackers.remove(tracker)
                 failure = f"{type(exc).__name__}: {exc}"
-                self.warn(f"{tracker.name} failed to {what} ({failure}); no longer reporting to it")
+                logger.warning(f"{tracker.name} failed to {what} ({failure}); no longer reporting to it")
 
     def log(self, record: dict[str, Any]) -> None:
         self._each("log a record", lambda t: t.log(record))
@@ -171,7 +174,7 @@ class Trackers:
         self._each("finish", lambda t: t.finish(artifacts))
 
 
-def open_trackers(log: LogSection, run_dir: Path, resume_step: int, warn: Callable[[str], None]) -> Trackers:
+def open_trackers(log: LogSection, run_dir: Path, resume_step: int) -> Trackers:
     """Start each tracker of `log.report_to` for the run in `run_dir` (its config.yaml already written)."""
     import yaml
 
@@ -200,4 +203,4 @@ def open_trackers(log: LogSection, run_dir: Path, resume_step: int, warn: Callab
     ids = {t.name: t.run_id for t in trackers if hasattr(t, "run_id")}
     if ids:
         ids_file.write_text(json.dumps(ids) + "\n")
-    return Trackers(trackers, warn)
+    return Trackers(trackers)

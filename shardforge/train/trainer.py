@@ -59,7 +59,7 @@ class Trainer:
         self.console, self.dims, self.objective = run.console, run.dims, run.objective
         self.engine, self.model, self.optimizer = run.engine, run.engine.model, run.optimizer
         self.total_steps, self.is_main = run.total_steps, run.is_main
-        self.guard = NonFiniteGuard(self.config.train.max_bad_steps, log.warning, str(run.checkpoints.root))
+        self.guard = NonFiniteGuard(self.config.train.max_bad_steps, str(run.checkpoints.root))
         state = run.checkpoints.resume(log.info)
         data_state = {"samples": 0}
         if state is not None:
@@ -170,7 +170,7 @@ class Trainer:
 
     def _loop(self) -> TrainResult:
         cfg, run = self.config, self.run
-        metrics = metrics_for(run, self.start_step, log.warning)
+        metrics = metrics_for(run, self.start_step)
         last_loss, eval_loss, tokens_per_s = float("nan"), None, 0.0
         self.model.train()
         with progress_bar(self.console, cfg.log, self.is_main) as progress:

@@ -199,26 +199,24 @@ def test_a_probe_under_load_never_lowers_the_peak(zen4, monkeypatch):
     assert _machine_entry() == {"flops": 2.0e11, "measured": 2.0e11, "isa": 166.4e9, "probes": 6, "runs": 2}
 
 
-def _processor(peak_and_source, warnings, world=1):
+def _processor(peak_and_source, world=1):
     from shardforge.objectives.base import CausalLM
     from shardforge.train.metrics import MetricsProcessor
 
-    return MetricsProcessor(
-        CausalLM, lambda t, s, p: 1e12, peak_and_source, world, CPU, warnings.append, None, None, {}
-    )
+    return MetricsProcessor(CausalLM, lambda t, s, p: 1e12, peak_and_source, world, CPU, None, None, {})
 
 
 COUNTS = {"tokens": 100, "targets": 50, "attention_pairs": 1000}
 
 
-def test_a_step_faster_than_a_measured_peak_raises_it(zen4, monkeypatch):
+def test_a_step_faster_than_a_measured_peak_raises_it(zen4, monkeypatch, logged_warnings):
     """1e12 FLOPs in well under a second beats the CPU's peak: MFU is logged at 1, against the achieved rate,
     with the source saying so, in every record; the machine's cache keeps the raised figure."""
     monkeypatch.setattr(peak, "probe_matmuls", lambda device, dtype, shapes: (5e9, 3))
     start = peak_flops(CPU, torch.float32)
     assert start[0] == pytest.approx(166.4e9)
-    warnings: list[str] = []
-    metrics = _processor(start, warnings, world=2)
+    warnings = logged_warnings
+    metrics = _processor(start, world=2)
     metrics.add({"loss": torch.tensor(100.0)}, COUNTS)
     first = metrics.record(1, lambda t: t)
     assert first["mfu"] <= 1 and first["mfu"] == pytest.approx(1.0)
@@ -238,14 +236,14 @@ def test_a_step_faster_than_a_measured_peak_raises_it(zen4, monkeypatch):
 
 
 @pytest.mark.parametrize("source", ["hardware.peak_flops", "datasheet: H100 SXM bf16"])
-def test_an_explicit_or_datasheet_peak_is_not_raised(source, zen4):
+def test_an_explicit_or_datasheet_peak_is_not_raised(source, zen4, logged_warnings):
     """hardware.peak_flops wins over any measurement; a step beating it (or a datasheet) is reported."""
     key = peak._cache_key(CPU, torch.float32, peak.default_shapes(CPU, torch.float32))
     cache_path().parent.mkdir(parents=True)
     cache_path().write_text(json.dumps({key: {"flops": 9e15, "probes": 9, "runs": 9}}))
     assert peak_flops(CPU, torch.float32, override=1e9) == (1e9, "hardware.peak_flops")
-    warnings: list[str] = []
-    metrics = _processor((1e9, source), warnings)
+    warnings = logged_warnings
+    metrics = _processor((1e9, source))
     metrics.add({"loss": torch.tensor(100.0)}, COUNTS)
     record = metrics.record(1, lambda t: t)
     assert record["mfu"] > 1 and record["mfu_peak_flops"] == 1e9 and record["mfu_peak_source"] == source

@@ -161,20 +161,19 @@ def test_hooks_see_every_step_log_eval_and_save(tmp_path):
         trainer.add_hook("epoch", print)
 
 
-def test_an_mfu_above_one_is_reported_not_logged_silently():
+def test_an_mfu_above_one_is_reported_not_logged_silently(logged_warnings):
     """A peak below what the steps achieved (a probe taken on a busy machine) is flagged in the warning,
     and the peak and its source are in the first record only."""
     from shardforge.objectives.base import CausalLM
     from shardforge.train.metrics import MetricsProcessor
 
-    warnings: list[str] = []
+    warnings = logged_warnings
     metrics = MetricsProcessor(
         CausalLM,
         lambda t, s, p: 1e12,
         (1e9, "a bad probe"),
         1,
         torch.device("cpu"),
-        warnings.append,
         None,
         None,
         {},
