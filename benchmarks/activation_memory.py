@@ -22,12 +22,17 @@ from shardforge.config.schema import ParallelSection
 from shardforge.data.batching import collate
 from shardforge.data.examples import Example
 from shardforge.models import build_preset
-from shardforge.objectives.base import causal_lm_forward, causal_lm_loss_sum
+from shardforge.objectives.base import CausalLM
 from shardforge.parallel import activation_report, apply_activation_checkpointing
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 
 VOCAB = 1024
+
+
+def _forward(model: torch.nn.Module, batch) -> torch.Tensor:
+    """The training forward: log-probabilities of the target positions' next tokens."""
+    return model(batch.input_ids, **CausalLM().model_inputs(batch))
 
 
 def main() -> None:
@@ -56,12 +61,12 @@ def main() -> None:
             model, dims, dims.build_mesh("cpu"), ParallelSection(tp=args.tp, sequence_parallel=sp)
         )
         apply_activation_checkpointing(model, mode)
-        report = activation_report(model, partial(causal_lm_forward, model, batch))
+        report = activation_report(model, partial(_forward, model, batch))
         times = []
         for _ in range(3):  # the fastest of three: the first one also warms up
             start = time.perf_counter()
             with loss_context(dims):
-                causal_lm_loss_sum(model, batch).backward()
+                CausalLM.loss(_forward(model, batch), batch)["loss"].backward()
             times.append(time.perf_counter() - start)
         elapsed = min(times)
         base_time = base_time or elapsed

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import os
 import socket
 
@@ -23,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from shardforge.data.batching import collate
 from shardforge.data.examples import Example
 from shardforge.models import build_preset
-from shardforge.objectives.base import causal_lm_forward
+from shardforge.objectives.base import CausalLM
 from shardforge.parallel import activation_report
 from shardforge.parallel.context_parallel import apply_context_parallel, split_batch
 from shardforge.parallel.dims import ParallelDims
@@ -48,7 +47,8 @@ def measure(preset: str, cp: int, length: int) -> int:
         mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
         apply_context_parallel(model, dims, mesh, "allgather")
         batch = split_batch(batch, cp, mesh.get_local_rank("cp"))
-    return activation_report(model, functools.partial(causal_lm_forward, model, batch)).total_bytes
+    inputs = CausalLM().model_inputs(batch)
+    return activation_report(model, lambda: model(batch.input_ids, **inputs)).total_bytes
 
 
 def rank_main(rank: int, cp: int, port: int, preset: str, lengths: list[int], budget: int, out) -> None:

@@ -8,9 +8,8 @@ import torch
 from shardforge.data.batching import collate
 from shardforge.data.examples import Example
 from shardforge.models import build_preset
-from shardforge.objectives.base import causal_lm_forward, causal_lm_loss_sum
 from shardforge.parallel import activation_report, apply_activation_checkpointing
-from tests.oracles import saved_tensor_report
+from tests.oracles import causal_lm_forward, causal_lm_loss_sum, saved_tensor_report
 
 MODES = ("none", "selective", "full")
 

@@ -25,8 +25,8 @@ from shardforge.data.examples import Example
 from shardforge.models import build_preset, spec_for
 from shardforge.models.presets import preset_config
 from shardforge.models.spec import causal_pairs
-from shardforge.objectives.base import causal_lm_forward
 from shardforge.parallel import activation_report, apply_activation_checkpointing, pipeline_plan
+from tests.oracles import causal_lm_forward
 
 FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]  # qwen2 ties the embeddings
 MOE = ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"]  # qwen2-moe: a shared expert, a dense layer
