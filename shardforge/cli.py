@@ -106,9 +106,10 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     from shardforge.checkpoint.export import export_checkpoint
+    from shardforge.log import log_to_console
 
-    warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
-    checkpoint, out, what = export_checkpoint(Path(args.source), Path(args.to), warn, args.merge)
+    log_to_console(console)  # a damaged checkpoint skipped is a warning
+    checkpoint, out, what = export_checkpoint(Path(args.source), Path(args.to), args.merge)
     console.print(f"exported {checkpoint} to {out}: {what}, with the tokenizer")
     return 0
 
@@ -227,8 +228,9 @@ def _engine_for(args: argparse.Namespace, console: Console):
     """The inference commands' engine over what they name (a context manager; None on a TP follower)."""
     from shardforge.infer.engine import EngineConfig
     from shardforge.infer.session import inference_engine
+    from shardforge.log import log_to_console
 
-    warn = lambda message: console.print(f"[yellow]warning:[/] {message}")  # noqa: E731
+    log_to_console(console)  # the library's warnings (a damaged checkpoint skipped), on this console
     config = EngineConfig(
         block_size=args.block_size,
         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)),
@@ -236,7 +238,7 @@ def _engine_for(args: argparse.Namespace, console: Console):
         max_step_tokens=args.max_step_tokens,
     )
     console.print(f"loading {args.model}" + (f" over {args.tp} tensor-parallel ranks" if args.tp > 1 else ""))
-    return inference_engine(args.model, args.adapter, args.dtype, args.device, config, args.tp, warn)
+    return inference_engine(args.model, args.adapter, args.dtype, args.device, config, args.tp)
 
 
 def _as_ranks(args: argparse.Namespace) -> int | None:

@@ -7,9 +7,11 @@ routes the records to its rich console with `log_to_console`; without that, Pyth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.text import Text
@@ -75,3 +77,25 @@ def log_to_console(console: Console, all_ranks: bool = False, level: int = loggi
     logger.addHandler(ConsoleHandler(console, all_ranks))
     logger.setLevel(level)
     logger.propagate = False
+
+
+@contextlib.contextmanager
+def collected(level: int = logging.WARNING) -> Iterator[list[str]]:
+    """The library's messages of `level` and above while the block runs, this rank's, for a face that shows
+    them itself (the web UI's export) or a test."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger(ROOT), Collect(level)
+    was = logger.level
+    if logger.getEffectiveLevel() > level:
+        logger.setLevel(level)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(was)

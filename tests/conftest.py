@@ -103,16 +103,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def logged_warnings():
     """The library's warning messages while the test runs (its one logger, shardforge/log.py)."""
+    from shardforge.log import collected
+
+    with collected() as messages:
+        yield messages
+
+
+@pytest.fixture
+def logged():
+    """The library's messages, info and above, while the test runs."""
     import logging
 
-    messages: list[str] = []
+    from shardforge.log import collected
 
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.WARNING:
-                messages.append(record.getMessage())
-
-    logger, handler = logging.getLogger("shardforge"), Collect()
-    logger.addHandler(handler)
-    yield messages
-    logger.removeHandler(handler)
+    with collected(logging.INFO) as messages:
+        yield messages

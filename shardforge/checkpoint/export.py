@@ -3,7 +3,6 @@ folder, or with `merge` the adapters merged into the base), in one process."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +56,11 @@ def write_model_folder(
     return f"model (HF format{merged})" + beside
 
 
-def export_checkpoint(
-    path: Path, to: Path, warn: Callable[[str], None], merge: bool = False
-) -> tuple[Path, Path, str]:
+def export_checkpoint(path: Path, to: Path, merge: bool = False) -> tuple[Path, Path, str]:
     """Write the weights of a checkpoint (+ the run's tokenizer) as an HF folder; returns (the checkpoint
     used, the folder written, what it holds). A LoRA or freeze checkpoint holds only what trained: the base
     is read from the run's model.path."""
-    folder = resolve_checkpoint(path, warn)
+    folder = resolve_checkpoint(path)
     config = load_config(folder / "config.yaml")  # the run's resolved config, saved with its checkpoints
     tokenizer = load_tokenizer(config.model)
     num_labels = score_labels(config.method)

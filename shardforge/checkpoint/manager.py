@@ -73,7 +73,7 @@ class CheckpointManager:
         parts: tuple[nn.Module, torch.optim.Optimizer, Any, Any],
         layout: tuple[int, str],
     ) -> None:
-        self.root, self.section, self.signature, self.warn = root, section, signature, log.warning
+        self.root, self.section, self.signature = root, section, signature
         self.model, self.optimizer, self.scheduler, self.precision = parts
         self.world_size, self.layout = layout
         self.checkpointer = Checkpointer(root, section.keep, section.async_save)
@@ -81,8 +81,8 @@ class CheckpointManager:
     def _choose(self) -> Path | None:
         resume = self.section.resume
         if resume == "none":
-            if find_latest(self.root, lambda _: None) is not None:
-                self.warn(
+            if find_latest(self.root, quiet=True) is not None:
+                log.warning(
                     f"checkpoint.resume=none: starting fresh; the checkpoints in {self.root} will be "
                     f"replaced by this run's"
                 )
@@ -90,11 +90,7 @@ class CheckpointManager:
         choice: list[tuple[str | None, str | None]] = [(None, None)]  # (folder, error): rank 0's answer
         if not dist.is_initialized() or dist.get_rank() == 0:
             try:
-                found = (
-                    find_latest(self.root, self.warn)
-                    if resume == "auto"
-                    else resolve_checkpoint(Path(resume), self.warn)
-                )
+                found = find_latest(self.root) if resume == "auto" else resolve_checkpoint(Path(resume))
                 choice = [(str(found) if found is not None else None, None)]
             except CheckpointError as exc:
                 choice = [(None, f"checkpoint.resume={resume!r}: {exc}")]
@@ -105,7 +101,7 @@ class CheckpointManager:
             raise CheckpointError(error)
         return Path(folder) if folder is not None else None
 
-    def resume(self, say: Callable[[str], None]) -> dict | None:
+    def resume(self) -> dict | None:
         """Load the chosen checkpoint (resharded onto this layout): model, optimizer, schedule and, in fp16,
         the loss scale. Returns the loop's saved state, or None for a fresh start."""
         folder = self._choose()
@@ -116,7 +112,7 @@ class CheckpointManager:
         self.scheduler.load_state_dict(state["scheduler"])
         if state["precision"]["mode"] == self.precision.mode:  # a loss scale means something in fp16 only
             self.precision.load_state_dict(state["precision"])
-        say(
+        log.info(
             f"resumed from {folder} (step {state['step']}, {state['samples_seen']} samples seen, saved by "
             f"{state['layout']})"
         )

@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 from shardforge.errors import CheckpointError
+from shardforge.log import get_logger
+
+log = get_logger(__name__)
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
@@ -100,8 +102,8 @@ def validate(folder: Path) -> str | None:
     return None
 
 
-def find_latest(root: Path, warn: Callable[[str], None]) -> Path | None:
-    """The newest complete checkpoint under `root`; damaged ones are reported through `warn` and skipped."""
+def find_latest(root: Path, *, quiet: bool = False) -> Path | None:
+    """The newest complete checkpoint under `root`; damaged ones are skipped (logged, unless `quiet`)."""
     if not root.is_dir():
         return None
     candidates = sorted(
@@ -111,14 +113,15 @@ def find_latest(root: Path, warn: Callable[[str], None]) -> Path | None:
         problem = validate(folder)
         if problem is None:
             return folder
-        warn(f"skipping checkpoint {folder}: {problem}; trying an older one")
+        if not quiet:
+            log.warning(f"skipping checkpoint {folder}: {problem}; trying an older one")
     return None
 
 
-def resolve_checkpoint(path: Path, warn: Callable[[str], None]) -> Path:
+def resolve_checkpoint(path: Path) -> Path:
     """`path` itself if it is a complete checkpoint; for a run folder, its newest complete checkpoint."""
     if (path / "checkpoints").is_dir():
-        found = find_latest(path / "checkpoints", warn)
+        found = find_latest(path / "checkpoints")
         if found is None:
             raise CheckpointError(f"{path} is a run folder without a complete checkpoint")
         return found

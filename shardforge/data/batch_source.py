@@ -2,9 +2,9 @@
 
 The loop pulls one `GlobalBatch` per optimizer step from a `BatchSource`: a tokenized data set
 (`DatasetSource`: a seeded global order over groups, split over data-parallel ranks and micro-steps), a
-streamed corpus (data/stream.py) or RL rollouts made with the training weights (train/rollout.py), without
-the loop knowing which. The source's
-position is what a checkpoint stores, so a resumed run continues with exactly the batches it would have seen.
+streamed corpus (data/stream.py) or RL rollouts made with the training weights (objectives/rollout.py),
+without the loop knowing which: the objective builds it (`Objective.batch_source`). The source's position is
+what a checkpoint stores, so a resumed run continues with exactly the batches it would have seen.
 """
 
 from __future__ import annotations

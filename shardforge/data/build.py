@@ -113,7 +113,7 @@ def _cached_rows(
     if data.cache:
         root = Path(data.cache_dir) if data.cache_dir else default_root()
         builder = int(os.environ.get("LOCAL_RANK", "0")) == 0 if builder is None else builder
-        cache, encoders = DatasetCache(root, builder, log.info), 1
+        cache, encoders = DatasetCache(root, builder), 1
     workers = data.workers or max(1, len(os.sched_getaffinity(0)) // encoders)
     identity = encoding_identity(tokenizer, objective, how, cfg)
     rows = build_datasets(data, how, encoder, cfg.train.seed, objective.group_size, cache, identity, workers)

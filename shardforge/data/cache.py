@@ -29,7 +29,9 @@ from typing import Any
 from shardforge.data.examples import EncodeStats
 from shardforge.data.store import ExampleStore
 from shardforge.errors import DataError
+from shardforge.log import get_logger
 
+log = get_logger(__name__)
 FORMAT = 1
 MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
@@ -75,11 +77,10 @@ def cache_key(identity: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class DatasetCache:
-    """Where the cache lives and who builds it: `builder` is local rank 0; `say` prints progress."""
+    """Where the cache lives and who builds it: `builder` is local rank 0."""
 
     root: Path
     builder: bool
-    say: Callable[[str], None]
     wait_s: float = WAIT_S
 
     def load_or_build(self, identity: dict[str, Any], build: Callable[[], Splits]) -> tuple[Splits, bool]:
@@ -92,8 +93,8 @@ class DatasetCache:
         if not self.builder:
             return self._wait(folder), False
         if folder.exists():
-            self.say(f"dataset cache {folder} is not usable ({problem}): rebuilding it")
-        self.say(f"tokenizing into the dataset cache {folder} (once: later runs and other ranks map it)")
+            log.info(f"dataset cache {folder} is not usable ({problem}): rebuilding it")
+        log.info(f"tokenizing into the dataset cache {folder} (once: later runs and other ranks map it)")
         splits = build()
         try:
             _write(folder, identity, splits)
@@ -114,7 +115,7 @@ class DatasetCache:
                     f"({problem}); build it ahead with `shardforge data prepare CONFIG`"
                 )
             if now - last > 30:
-                self.say(f"waiting for local rank 0 to tokenize into {folder} ({now - start:.0f} s)")
+                log.info(f"waiting for local rank 0 to tokenize into {folder} ({now - start:.0f} s)")
                 last = now
             time.sleep(0.5)
         return _load(folder)

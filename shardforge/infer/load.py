@@ -5,7 +5,6 @@ is merged into the base weights, so inference runs plain linears."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,6 @@ def load_for_inference(
     adapter: str | Path | None = None,
     dtype: str = "float32",
     device: str = "cpu",
-    warn: Callable[[str], None] = lambda _m: None,
 ) -> Loaded:
     path = Path(source)
     if dtype not in TORCH_DTYPES:
@@ -42,7 +40,7 @@ def load_for_inference(
         raise ModelError(f"{source}: no such model folder, adapter folder, run or checkpoint")
     torch_dtype, target = TORCH_DTYPES[dtype], torch.device(device)
     if (path / "final").is_dir():  # a run: what it handed back
-        return load_for_inference(path / "final", adapter, dtype, device, warn)
+        return load_for_inference(path / "final", adapter, dtype, device)
     if (path / "adapter_config.json").is_file():
         if adapter is not None:
             raise ModelError(f"{source} is an adapter folder; --adapter goes with a base model folder")
@@ -52,10 +50,10 @@ def load_for_inference(
                 f"{path}: the adapter's base_model_name_or_path {base!r} is not a local folder; pass the "
                 f"base model folder, with the adapter as --adapter {path}"
             )
-        return load_for_inference(base, path, dtype, device, warn)
+        return load_for_inference(base, path, dtype, device)
     if (path / "config.json").is_file():
         return _hf_folder(path, adapter, torch_dtype, target)
-    return _checkpoint(path, adapter, torch_dtype, target, warn)
+    return _checkpoint(path, adapter, torch_dtype, target)
 
 
 def _hf_folder(folder: Path, adapter: Path | None, dtype: torch.dtype, device: torch.device) -> Loaded:
@@ -74,9 +72,7 @@ def _hf_folder(folder: Path, adapter: Path | None, dtype: torch.dtype, device: t
     return _finish(model, tokenizer_folder, folder, name)
 
 
-def _checkpoint(
-    path: Path, adapter: Path | None, dtype: torch.dtype, device: torch.device, warn: Callable[[str], None]
-) -> Loaded:
+def _checkpoint(path: Path, adapter: Path | None, dtype: torch.dtype, device: torch.device) -> Loaded:
     from shardforge.adapters.apply import apply_finetuning
     from shardforge.checkpoint.store import resolve_checkpoint
     from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state
@@ -87,7 +83,7 @@ def _checkpoint(
 
     if adapter is not None:
         raise ModelError("--adapter goes with an HF model folder, not with a training checkpoint")
-    folder = resolve_checkpoint(path, warn)  # names what is missing when this is no checkpoint either
+    folder = resolve_checkpoint(path)  # names what is missing when this is no checkpoint either
     config = load_config(folder / "config.yaml")
     if score_labels(config.method):
         raise ModelError(

@@ -8,7 +8,7 @@ the residual stream to the next stage's rank (point-to-point), each rank keeps t
 own layers in its own paged pool (keyed by layer), and the last stage's rank computes the logits of the
 positions to sample and broadcasts them over the group. Every rank then samples the same tokens from the same
 generators, so their schedulers stay in lockstep with no other message. RL rollouts use it to generate with a
-pipeline-parallel training model in place (train/rollout.py)."""
+pipeline-parallel training model in place (train/sampler.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,6 @@ def inference_engine(
     device: str = "cpu",
     config: EngineConfig | None = None,
     tp: int = 1,
-    warn: Callable[[str], None] = lambda _m: None,
 ) -> Iterator[tuple[Loaded, Engine] | None]:
     """Yields (what was loaded, its engine) where the engine is driven: the only process, or rank 0 of a
     tensor-parallel launch. The other ranks follow rank 0's steps inside this call and then get None."""
@@ -37,7 +36,7 @@ def inference_engine(
     place = pick_device(device, local_rank_from_env()) if tp > 1 else torch.device(device)
     owns = tp > 1 and init_distributed(pick_backend("auto", place), timeout_minutes=60)
     try:
-        loaded = load_for_inference(source, adapter, dtype, str(place), warn)
+        loaded = load_for_inference(source, adapter, dtype, str(place))
         if tp == 1:
             yield loaded, Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)
             return

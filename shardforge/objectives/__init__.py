@@ -9,7 +9,7 @@ import importlib
 from shardforge.config.schema import MethodSection
 from shardforge.config.stages import STAGES
 from shardforge.data.formats import Reading
-from shardforge.objectives.base import BindContext, Objective, Traits
+from shardforge.objectives.base import BindContext, Objective, Sampler, SourceContext, Traits
 
 
 def objective_class(stage: str) -> type[Objective]:
@@ -51,6 +51,8 @@ def reading_for(stage: str) -> Reading:
 __all__ = [
     "BindContext",
     "Objective",
+    "Sampler",
+    "SourceContext",
     "Traits",
     "build_objective",
     "objective_class",

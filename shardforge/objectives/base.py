@@ -14,19 +14,26 @@ it: a Batch rebuilt from its per-row tensors), so it can form per-token or per-s
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from shardforge.config.schema import DataSection, MethodSection
+from shardforge.config.schema import Config, DataSection, MethodSection
+from shardforge.data.batch_source import BatchSource
 from shardforge.data.batching import IGNORE, Batch, collate
+from shardforge.data.build import BatchSplit, Collation, build_batch_source
 from shardforge.data.examples import Encoder
-from shardforge.data.formats import Reader
+from shardforge.data.formats import Reader, Reading
+from shardforge.data.loader import RowSet
 from shardforge.models.head import Head, TargetLogprobs
+from shardforge.parallel.dims import ParallelDims
+from shardforge.parallel.engine import Engine
 
 Normalizer = Literal["targets", "sequences", "groups"]
 # The reference model an objective compares the policy with: none, one held live during training (a frozen
@@ -59,6 +66,33 @@ class BindContext:
     lay_out: Callable[[nn.Module], nn.Module]  # a frozen model laid out as the policy will be
 
 
+class Sampler(Protocol):
+    """Completions sampled with the training weights in place (train/sampler.py): the inference layer sits
+    above objectives/, so an objective that rolls out is handed one."""
+
+    def sample(self, prompts: list[list[int]], positions: list[int]) -> list[list[Any]]:
+        """`group_size` completions (token ids, log-probs, finish reason) of each prompt; a prompt's global
+        position seeds its completions."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceContext:
+    """What an objective builds its batch source from (`Objective.batch_source`), after the layout."""
+
+    config: Config
+    tokenizer: Any
+    reading: Reading
+    rows: RowSet | None  # the cached training rows (None: streamed, or the objective samples its rows)
+    split: BatchSplit
+    multiple: int  # row widths are padded to a multiple of this
+    engine: Engine
+    dims: ParallelDims
+    mesh: DeviceMesh | None
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    sampler: Sampler
+
+
 class Objective(ABC):
     """The declared interface of a training objective. The traits and the no-op hooks have defaults; an
     objective sets what differs."""
@@ -89,6 +123,13 @@ class Objective(ABC):
         """Take what the objective needs from the run (a reference model, a reduction over ranks) before
         any layout is applied; returns a line for the run log, or None."""
         return None
+
+    def batch_source(self, ctx: SourceContext) -> BatchSource:
+        """Where the loop's global batches come from: by default the data set's rows in a seeded global
+        order (or the stream), collated by `collate`."""
+        collation = Collation(self.collate, ctx.tokenizer.pad_token_id, ctx.multiple)
+        rows, how = ctx.rows, ctx.reading
+        return build_batch_source(ctx.config, rows, self, how, ctx.tokenizer, ctx.split, collation)
 
     def prepare(self, model: nn.Module, batch: Batch) -> Batch:
         """Before the policy's forward on a micro-batch (the plain engine; e.g. a reference's log-probs)."""

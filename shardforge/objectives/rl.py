@@ -1,13 +1,13 @@
 """Objective `grpo`: group-relative policy optimization over rollouts, with DAPO's and Dr. GRPO's variants.
 
-Its rows are not read from a data set: the rollout source (train/rollout.py) samples `group_size`
-completions per prompt with the inference engine on the training weights, scores them, and hands the loop
-micro-batches whose rows are prompt + completion (targets: the completion's tokens), with per-row
-advantages, the engine's sampling log-probs (only compared with the training forward's: `logprob_delta`),
-and, recomputed by the training forward in `score_rollout`, the rollout policy's per-token log-probs
-(`old_logps`, when the rollout trains more than one step) and the reference's (`ref_logps`, kl_beta > 0).
-The loss is the clipped surrogate of `rl_losses.py`, aggregated as `method.rl.loss` says; a group is one
-prompt's completions, kept on one rank, so advantages need no communication.
+Its rows are not read from a data set: its batch source (objectives/rollout.py) samples `group_size`
+completions per prompt with the inference engine on the training weights (train/sampler.py), scores them, and
+hands the loop micro-batches whose rows are prompt + completion (targets: the completion's tokens), with
+per-row advantages, the engine's sampling log-probs (only compared with the training forward's:
+`logprob_delta`), and, recomputed by the training forward in `score_rollout`, the rollout policy's per-token
+log-probs (`old_logps`, when the rollout trains more than one step) and the reference's (`ref_logps`,
+kl_beta > 0). The loss is the clipped surrogate of `rl_losses.py`, aggregated as `method.rl.loss` says; a
+group is one prompt's completions, kept on one rank, so advantages need no communication.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from torch import nn
 
 from shardforge.adapters.lora import adapters_disabled
 from shardforge.config.schema import DataSection, MethodSection
+from shardforge.data.batch_source import BatchSource
 from shardforge.data.batching import IGNORE, Batch
 from shardforge.data.examples import Encoder
 from shardforge.errors import ConfigError
 from shardforge.models import load_model
 from shardforge.models.head import Head, PolicyValues, attach_critic, attach_value_head
-from shardforge.objectives.base import BindContext, Normalizer, Traits
+from shardforge.objectives.base import BindContext, Normalizer, SourceContext, Traits
 from shardforge.objectives.preference import ReferencedObjective
 from shardforge.objectives.rl_losses import (
     AGGREGATION_NORMALIZER,
@@ -39,12 +40,13 @@ from shardforge.objectives.rl_losses import (
     gae,
     group_advantages,
 )
+from shardforge.objectives.rollout import build_rollout_source
 
 # Sums over all data-parallel ranks of a small float64 vector (the rollout source's reduction).
 Total = Callable[[torch.Tensor], torch.Tensor]
 # The whole model's output for token ids and the forward's keyword inputs: the model called, or under a
-# pipeline its stages in turn (train/rollout.py; None on the ranks without the last stage, which alone
-# computes the loss).
+# pipeline its stages in turn (the engine's forward_only; None on the ranks without the last stage, which
+# alone computes the loss).
 Forward = Callable[[nn.Module, torch.Tensor, dict[str, Any]], Any]
 
 
@@ -103,7 +105,10 @@ class GRPOObjective(ReferencedObjective):
 
     @staticmethod
     def collate(*args: Any, **kwargs: Any) -> Batch:
-        raise ConfigError("stage grpo's micro-batches come from its rollouts (train/rollout.py)")
+        raise ConfigError("stage grpo's micro-batches come from its rollouts (objectives/rollout.py)")
+
+    def batch_source(self, ctx: SourceContext) -> BatchSource:
+        return build_rollout_source(ctx, self)  # each step's rollouts, sampled with the weights of the last
 
     def prepare(self, model: nn.Module, batch: Batch) -> Batch:
         return batch  # everything the loss compares with was scored once per rollout (score_rollout)

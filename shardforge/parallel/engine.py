@@ -37,6 +37,7 @@ class Engine(Protocol):
     inner: CausalModel  # the rank's model itself (parameter names, state dicts, checkpoints)
     params: list[nn.Parameter]  # trainable parameters of this rank
     is_pipeline: bool
+    device: torch.device  # where the rank computes
 
     def forward_backward(
         self, batch: Any, differentiate: Differentiate, sync: bool
@@ -66,7 +67,7 @@ class Engine(Protocol):
         rank 0 (a collective call)."""
         ...
 
-    # ---- what RL's rollouts need (train/rollout.py): the layout stays hidden from them too -----------------
+    # ---- what RL's rollouts need (objectives/rollout.py): the layout stays hidden from them too ----------
     def fsdp_roots(self) -> list[nn.Module]:
         """The modules the trained model's FSDP2 sharding hangs from (gathered once for a rollout)."""
         ...

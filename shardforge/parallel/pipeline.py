@@ -206,7 +206,7 @@ class PipelineEngine:
         rank of the last stage, what the model returns there (e.g. the targets' log-probs); None elsewhere.
         `net`: a model pruned to the same stages (a frozen reference copy, whose stages are views of it that
         its FSDP2 root never sees run: it is gathered whole for the pass); None: the trained model's
-        stages. RL scores its rollouts with it (train/rollout.py)."""
+        stages. RL scores its rollouts with it (objectives/rollout.py)."""
         last = self.plan.num_stages - 1
 
         def run(index: int, h: torch.Tensor) -> Any:

@@ -34,7 +34,7 @@ from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
 GIB = 1 << 30
 STEP_BYTES = 4  # AdamW's per-tensor step counter (fp32)
 FP32_BYTES = 4
-ROLLOUT_BLOCK = 16  # the RL rollout engine's KV block size (train/rollout.py)
+ROLLOUT_BLOCK = 16  # the RL rollout engine's KV block size (train/sampler.py)
 
 
 def activation_itemsize(cfg: Config) -> int:
@@ -435,7 +435,8 @@ class MemoryModel:
         activations), on the fullest pipeline rank: the engine's paged KV cache for every completion of the
         rank's prompts in the step (at most data.max_length tokens each, in blocks of 16, the stage's layers
         and the rank's kv heads, in the compute dtype), the sampled rows' fp32 logits (and their copy), and
-        under FSDP2 the stage's parameters gathered whole for the rollout (train/rollout.py: `gathered`)."""
+        under FSDP2 the stage's parameters gathered whole for the rollout (objectives/rollout.py:
+        `kept_unsharded`)."""
         if not traits_of(self.cfg).rollouts:
             return 0.0
         s = self.shape

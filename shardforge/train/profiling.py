@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -35,19 +34,19 @@ class StepProfiler:
         run_dir: Path,
         cuda: bool,
         steps: tuple[int, int],
-        say: Callable[[str], None],
-        warn: Callable[[str], None],
     ) -> None:
         start_step, total_steps = steps
-        self.folder, self.cuda, self.say = run_dir / "profile", cuda, say
+        self.folder, self.cuda = run_dir / "profile", cuda
         self.first, self.last = max(spec.start, start_step + 1), min(spec.start + spec.steps - 1, total_steps)
         if self.first > self.last:
-            warn(
+            log.warning(
                 f"train.profile covers steps {spec.start}..{spec.start + spec.steps - 1}, but this run "
                 f"trains steps {start_step + 1}..{total_steps}: nothing is profiled"
             )
         elif self.last < spec.start + spec.steps - 1 or self.first > spec.start:
-            warn(f"train.profile: only steps {self.first}..{self.last} are in this run; profiling those")
+            log.warning(
+                f"train.profile: only steps {self.first}..{self.last} are in this run; profiling those"
+            )
         self.profiler: profile | None = None
         self.marks: list[AbstractContextManager] = []  # the open step and phase annotations
         self.wall: list[float] = []  # each profiled step's wall time (s), to check the trace against
@@ -59,9 +58,8 @@ class StepProfiler:
         """Profile a set-up Trainer's `train.profile` steps (if set) through its phase and step_end hooks."""
         if trainer.config.train.profile is None:
             return None
-        say = lambda text: trainer.console.print(text, highlight=False)  # noqa: E731
         cuda, steps = trainer.run.device.type == "cuda", (trainer.start_step, trainer.total_steps)
-        profiler = cls(trainer.config.train.profile, trainer.run_dir, cuda, steps, say, log.warning)
+        profiler = cls(trainer.config.train.profile, trainer.run_dir, cuda, steps)
         trainer.add_hook("phase", profiler.on_phase)
         trainer.add_hook("step_end", profiler.on_step_end)
         return profiler
@@ -124,4 +122,4 @@ class StepProfiler:
         (self.folder / "summary.txt").write_text(text + "\n")
         (self.folder / "summary.json").write_text(json.dumps([p.as_dict() for p in parts], indent=2) + "\n")
         where = f"ms per step; Chrome traces in {self.folder}"
-        self.say(f"profile of steps {self.first}..{self.last} ({where}):\n{text}")
+        log.info(f"profile of steps {self.first}..{self.last} ({where}):\n{text}")

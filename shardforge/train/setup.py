@@ -17,12 +17,12 @@ from shardforge.checkpoint.build import build_checkpoints
 from shardforge.checkpoint.manager import CheckpointManager
 from shardforge.config import Config
 from shardforge.data.batch_source import BatchSource
-from shardforge.data.build import BatchSplit, Collation, build_batch_source, build_data, packing_for
+from shardforge.data.build import BatchSplit, build_data, packing_for
 from shardforge.data.loader import RowSet
 from shardforge.log import get_logger
 from shardforge.models.build import model_source
 from shardforge.models.spec import CostModel, costs_for
-from shardforge.objectives import Objective, build_objective, reading_of
+from shardforge.objectives import Objective, SourceContext, build_objective, reading_of
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.distributed import (
     local_rank_from_env,
@@ -39,8 +39,8 @@ from shardforge.train.optim import build_optimizer, build_scheduler, count_steps
 from shardforge.train.policy import build_policy
 from shardforge.train.precision import Precision
 from shardforge.train.reference import bind_objective
-from shardforge.train.rollout import build_rollout_source
 from shardforge.train.runtime import build_peak, build_workspace, start_processes
+from shardforge.train.sampler import TrainingSampler
 
 log = get_logger(__name__)
 
@@ -105,14 +105,10 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     moe = MoEBalancer.build(model, cfg.method.moe, model.config, dims)
     split = BatchSplit(cfg.train.micro_batch, resolved.grad_accum, dims.dp, dims.dp_rank(ws.mesh))
     multiple = dims.row_multiple(cfg.parallel.sequence_parallel, cfg.data.max_length, plan is not None)
-    source: BatchSource
-    if objective.traits.rollouts:
-        source = build_rollout_source(cfg, objective, tokenizer=tokenizer, how=how, engine=engine, dims=dims,
-                                      mesh=ws.mesh, precision=precision, device=device, split=split,
-                                      multiple=multiple)  # fmt: skip
-    else:
-        collation = Collation(objective.collate, tokenizer.pad_token_id, multiple)
-        source = build_batch_source(cfg, train_rows, objective, how, tokenizer, split, collation)
+    sampler = TrainingSampler(cfg, engine, tokenizer, precision.autocast)
+    source = objective.batch_source(SourceContext(
+        config=cfg, tokenizer=tokenizer, reading=how, rows=train_rows, split=split, multiple=multiple,
+        engine=engine, dims=dims, mesh=ws.mesh, autocast=precision.autocast, sampler=sampler))  # fmt: skip
     total = count_steps(cfg.train, source.groups, split.global_batch)
     optimizer = build_optimizer(engine.model, cfg.train, cfg.parallel, dims.dp_mesh(ws.mesh))
     scheduler = build_scheduler(optimizer, total, cfg.train)

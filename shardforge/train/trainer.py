@@ -60,7 +60,7 @@ class Trainer:
         self.engine, self.model, self.optimizer = run.engine, run.engine.model, run.optimizer
         self.total_steps, self.is_main = run.total_steps, run.is_main
         self.guard = NonFiniteGuard(self.config.train.max_bad_steps, str(run.checkpoints.root))
-        state = run.checkpoints.resume(log.info)
+        state = run.checkpoints.resume()
         data_state = {"samples": 0}
         if state is not None:
             data_state = state.get("data") or {"samples": state["samples_seen"]}  # older: the count alone
@@ -180,7 +180,7 @@ class Trainer:
                 self._phase("waiting for this step's batch (data preparation)", "data")
                 sums, grad_norm, counts = self.train_step()
                 if step == self.start_step + 1:  # measured in the first step, next to the planner's estimate
-                    metrics.first_record.update(planned_vs_measured(run.estimate, self.memory, self.console))
+                    metrics.first_record.update(planned_vs_measured(run.estimate, self.memory))
                 metrics.add(sums, counts)
                 self._fire("step_end", sums)
                 progress.advance(task)

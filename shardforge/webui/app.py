@@ -175,12 +175,13 @@ class WebUI:
 
     def export(self, source: str, to: str, merge: bool) -> str:
         from shardforge.checkpoint.export import export_checkpoint
+        from shardforge.log import collected
 
-        notes: list[str] = []
         try:
-            checkpoint, out, what = export_checkpoint(
-                self.root.resolve(source, "source"), self.root.resolve(to, "destination"), notes.append, merge
-            )
+            with collected() as notes:  # the library's warnings (a damaged checkpoint skipped), shown here
+                checkpoint, out, what = export_checkpoint(
+                    self.root.resolve(source, "source"), self.root.resolve(to, "destination"), merge
+                )
         except ShardforgeError as exc:
             return f"**error:** {exc}"
         return "\n\n".join([f"exported {checkpoint} to {out}: {what}, with the tokenizer", *notes])

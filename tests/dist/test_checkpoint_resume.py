@@ -162,7 +162,7 @@ def test_export_of_the_sharded_checkpoint_matches_the_live_model(runs):
     from shardforge.checkpoint.export import export_checkpoint
 
     tmp = runs["tmp"]
-    _, out, _ = export_checkpoint(tmp / "from4" / "run", tmp / "exported", print)
+    _, out, _ = export_checkpoint(tmp / "from4" / "run", tmp / "exported")
     with torch.no_grad():
         theirs = AutoModelForCausalLM.from_pretrained(out).eval()(IDS).logits
     torch.testing.assert_close(theirs, runs["four"]["logits"], rtol=1e-4, atol=1e-4)
@@ -177,7 +177,7 @@ def test_export_of_a_pipelined_checkpoint_matches_the_other_layouts(runs):
 
     tmp = runs["tmp"]
     assert runs["pp_four"]["start"] == 0 and len(runs["pp_four"]["ids"]) == STOP
-    _, out, _ = export_checkpoint(tmp / "pp_from4" / "run", tmp / "pp_exported", print)
+    _, out, _ = export_checkpoint(tmp / "pp_from4" / "run", tmp / "pp_exported")
     with torch.no_grad():
         theirs = AutoModelForCausalLM.from_pretrained(out).eval()(IDS).logits
     torch.testing.assert_close(theirs, runs["four"]["logits"], rtol=1e-4, atol=1e-4)

@@ -22,7 +22,7 @@ from shardforge.infer.sampling import SamplingParams
 from shardforge.models import load_model
 from shardforge.objectives import reading_for
 from shardforge.objectives.rewards import answers_equal, final_answer
-from shardforge.train.rollout import load_prompts
+from shardforge.objectives.rollout import load_prompts
 from shardforge.train.trainer import Trainer
 from tests.conftest import TOKENIZER, tiny_config
 from tests.dist._training import logged, stopped_and_resumed

@@ -105,13 +105,12 @@ def test_parallel_knows_neither_objectives_nor_data_nor_the_loop():
 # config section) and the types it names. A new import is a new builder here, or the root is doing a
 # component's work.
 COMPOSITION_ROOT_IMPORTS = {
-    "build_checkpoints", "CheckpointManager", "Config", "BatchSource", "BatchSplit", "Collation",
-    "build_batch_source", "build_data", "packing_for", "RowSet", "model_source", "CostModel", "costs_for",
-    "Objective", "build_objective", "reading_of", "ParallelDims", "local_rank_from_env", "pick_device",
-    "rank_from_env", "world_size_from_env", "Engine", "parallelize", "PipelinePlan", "resolve_layout",
-    "MoEBalancer", "build_optimizer", "build_scheduler", "count_steps", "build_policy", "Precision",
-    "bind_objective", "build_rollout_source", "build_peak", "build_workspace", "start_processes",
-    "get_logger",
+    "build_checkpoints", "CheckpointManager", "Config", "BatchSource", "BatchSplit", "build_data",
+    "packing_for", "RowSet", "model_source", "CostModel", "costs_for", "Objective", "SourceContext",
+    "build_objective", "reading_of", "ParallelDims", "local_rank_from_env", "pick_device", "rank_from_env",
+    "world_size_from_env", "Engine", "parallelize", "PipelinePlan", "resolve_layout", "MoEBalancer",
+    "build_optimizer", "build_scheduler", "count_steps", "build_policy", "Precision", "bind_objective",
+    "TrainingSampler", "build_peak", "build_workspace", "start_processes", "get_logger",
 }  # fmt: skip
 
 
@@ -195,3 +194,24 @@ def test_a_family_spec_chooses_the_block_mlp():
     model = spec.build(preset_config("tiny-llama", vocab_size=50))
     assert all(isinstance(block.mlp, Doubled) for block in model.blocks())
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, 50)
+
+
+CALLBACKS = ("say", "warn", "print_fn", "log_fn")
+
+
+def test_no_library_function_takes_a_callback_to_say_things_through():
+    """The library logs through shardforge/log.py; a `say`, `warn` or `print` parameter would be a second
+    channel that a face has to remember to wire."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                args = node.args
+                for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+                    if arg.arg in CALLBACKS:
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {arg.arg}")
+            if isinstance(node, ast.ClassDef):  # a dataclass field is a constructor parameter too
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) in CALLBACKS:
+                        found.append(f"{path.relative_to(PACKAGE)}:{item.lineno} {item.target.id}")
+    assert found == []

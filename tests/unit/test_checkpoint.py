@@ -72,7 +72,7 @@ def test_interrupted_and_resumed_run_matches_bit_for_bit(tmp_path, data, monkeyp
     assert (root / "latest").read_text().strip() == "step-00000006"
 
 
-def test_damaged_checkpoints_are_skipped_with_a_warning(tmp_path, data, monkeypatch, capsys):
+def test_damaged_checkpoints_are_skipped_with_a_warning(tmp_path, data, monkeypatch, capsys, logged_warnings):
     cfg = _config(tmp_path / "a", data, keep=3)
     _train_until(cfg, 4, monkeypatch)
     root = tmp_path / "a" / "run" / "checkpoints"
@@ -80,14 +80,14 @@ def test_damaged_checkpoints_are_skipped_with_a_warning(tmp_path, data, monkeypa
     assert validate(newest) is None
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])  # truncated
-    warnings = []
-    assert find_latest(root, warnings.append) == root / "step-00000002"
+    warnings = logged_warnings
+    assert find_latest(root) == root / "step-00000002"
     assert "step-00000004" in warnings[0] and "truncated" in warnings[0]
     # A save that died before its commit leaves only a staging folder: invisible to resume.
     (root / ".tmp-step-00000006").mkdir()
     (root / "step-00000008").mkdir()  # a folder without a manifest (e.g. copied half-way)
     warnings.clear()
-    assert find_latest(root, warnings.append) == root / "step-00000002"
+    assert find_latest(root) == root / "step-00000002"
     assert "step-00000008: no manifest.json" in warnings[0] and "step-00000004" in warnings[1]
     # Resuming really starts from step 2 and finishes the run.
     _train_until(cfg, None, monkeypatch)
@@ -148,7 +148,7 @@ def test_export_of_a_checkpoint_reloads_in_transformers(tmp_path, data):
     cfg = _config(tmp_path / "a", data, every=3, save_final=True)
     trainer = Trainer(load_config(None, base=cfg))
     trainer.train()
-    _, out, _ = export_checkpoint(tmp_path / "a" / "run", tmp_path / "exported", print)  # a run: its newest
+    _, out, _ = export_checkpoint(tmp_path / "a" / "run", tmp_path / "exported")  # a run: its newest
     ids = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         live = trainer.model(ids)

@@ -81,7 +81,7 @@ def test_cached_pipeline_gives_the_same_examples_and_rows(tmp_path, files, token
     stage = "pt" if fmt == "text" else "sft"
     data = _data(files, fmt)
     plain = _build(data, tokenizer, stage=stage)
-    cache = DatasetCache(tmp_path / "cache", builder=True, say=lambda _: None)
+    cache = DatasetCache(tmp_path / "cache", builder=True)
     cold = _build(data, tokenizer, cache, stage)
     warm = _build(data, tokenizer, cache, stage)
     for split in (0, 1):
@@ -92,11 +92,11 @@ def test_cached_pipeline_gives_the_same_examples_and_rows(tmp_path, files, token
 
 
 def test_a_warm_cache_encodes_nothing_and_changed_inputs_get_a_new_key(
-    tmp_path, files, tokenizer, monkeypatch
+    tmp_path, files, tokenizer, monkeypatch, logged
 ):
     data = _data(files, "alpaca")
-    said: list[str] = []
-    cache = DatasetCache(tmp_path / "cache", builder=True, say=said.append)
+    said = logged
+    cache = DatasetCache(tmp_path / "cache", builder=True)
     _build(data, tokenizer, cache)
     assert len(list((tmp_path / "cache").iterdir())) == 1 and "tokenizing" in said[0]
 
@@ -114,10 +114,10 @@ def test_a_warm_cache_encodes_nothing_and_changed_inputs_get_a_new_key(
     assert len(list((tmp_path / "cache").iterdir())) == 4
 
 
-def test_a_damaged_cache_is_rebuilt_not_used(tmp_path, files, tokenizer):
+def test_a_damaged_cache_is_rebuilt_not_used(tmp_path, files, tokenizer, logged):
     data = _data(files, "alpaca")
-    said: list[str] = []
-    cache = DatasetCache(tmp_path / "cache", builder=True, say=said.append)
+    said = logged
+    cache = DatasetCache(tmp_path / "cache", builder=True)
     _build(data, tokenizer, cache)
     reference = _build(data, tokenizer)  # in memory: the damage below must not reach it through a mapping
     (folder,) = (tmp_path / "cache").iterdir()
@@ -132,18 +132,18 @@ def test_a_damaged_cache_is_rebuilt_not_used(tmp_path, files, tokenizer):
 
 def test_other_ranks_wait_for_the_builder_and_do_not_tokenize(tmp_path, files, tokenizer, monkeypatch):
     data = _data(files, "alpaca")
-    waiting = DatasetCache(tmp_path / "cache", builder=False, say=lambda _: None, wait_s=60)
+    waiting = DatasetCache(tmp_path / "cache", builder=False, wait_s=60)
     results = {}
     encoded = []
     original = loader.encode_all
     monkeypatch.setattr(loader, "encode_all", lambda *a, **k: encoded.append(1) or original(*a, **k))
     thread = threading.Thread(target=lambda: results.update(rows=_build(data, tokenizer, waiting)))
     thread.start()
-    built = _build(data, tokenizer, DatasetCache(tmp_path / "cache", builder=True, say=lambda _: None))
+    built = _build(data, tokenizer, DatasetCache(tmp_path / "cache", builder=True))
     thread.join(60)
     assert len(encoded) == 2  # train and eval, by the builder alone
     _same(results["rows"][0], built[0])
-    lonely = DatasetCache(tmp_path / "elsewhere", builder=False, say=lambda _: None, wait_s=0.5)
+    lonely = DatasetCache(tmp_path / "elsewhere", builder=False, wait_s=0.5)
     with pytest.raises(DataError, match="waited 0 min for local rank 0 to build the dataset cache"):
         _build(data, tokenizer, lonely)
 
@@ -196,7 +196,7 @@ def test_worker_processes_encode_exactly_what_one_process_does(files, tokenizer,
 
 def test_an_unwritable_cache_folder_is_a_clear_error(tmp_path, files, tokenizer):
     (tmp_path / "a_file").write_text("")
-    cache = DatasetCache(tmp_path / "a_file" / "cache", builder=True, say=lambda _: None)
+    cache = DatasetCache(tmp_path / "a_file" / "cache", builder=True)
     with pytest.raises(DataError, match=r"data.cache_dir '.*a_file/cache': cannot write the dataset cache"):
         _build(_data(files, "alpaca"), tokenizer, cache)
 
@@ -207,7 +207,7 @@ def test_a_cache_built_meanwhile_by_another_process_is_kept(tmp_path, files, tok
     import shardforge.data.cache as cache_module
 
     data = _data(files, "alpaca")
-    cache = DatasetCache(tmp_path / "cache", builder=True, say=lambda _: None)
+    cache = DatasetCache(tmp_path / "cache", builder=True)
     _build(data, tokenizer, cache)
     (folder,) = (tmp_path / "cache").iterdir()
     monkeypatch.setattr(cache_module, "_check", lambda f: "no manifest" if f == folder and not seen else None)

@@ -49,3 +49,18 @@ def test_every_rank_names_itself_when_asked(monkeypatch):
 def test_a_module_logger_is_a_child_of_the_librarys():
     assert get_logger("shardforge.data.build").parent.name == "shardforge"
     assert get_logger("elsewhere").name == "shardforge.elsewhere"
+
+
+def test_collected_takes_the_messages_of_a_block_and_leaves_the_logger_as_it_was():
+    from shardforge.log import collected
+
+    logger = logging.getLogger("shardforge")
+    before = (list(logger.handlers), logger.level)
+    log = get_logger("shardforge.test")
+    with collected() as warnings, collected(logging.INFO) as everything:
+        log.info("tokenizing into the dataset cache")
+        log.warning("skipping checkpoint step-4: truncated")
+    log.warning("after the block")
+    assert warnings == ["skipping checkpoint step-4: truncated"]
+    assert everything == ["tokenizing into the dataset cache", "skipping checkpoint step-4: truncated"]
+    assert (list(logger.handlers), logger.level) == before

@@ -126,7 +126,7 @@ def test_ppo_with_a_critic_model_trains_resumes_and_exports_it(tmp_path, prompts
         Trainer(load_config(None, base=cfg)).train()
 
     # `shardforge export` of the last checkpoint writes the same critic (and the same policy).
-    _, out, what = export_checkpoint(tmp_path / "whole" / "run", tmp_path / "exported", print)
+    _, out, what = export_checkpoint(tmp_path / "whole" / "run", tmp_path / "exported")
     assert what.endswith("and its critic (critic/)")
     exported = load_file(str(out / "critic" / "model.safetensors"))
     assert all(torch.equal(exported[k], trained[k]) for k in trained)

@@ -138,12 +138,11 @@ def test_the_profiled_window_is_clipped_to_the_steps_this_run_trains(
     tmp_path, start, steps, run, window, warned
 ):
     from shardforge.config.schema import ProfileSection
+    from shardforge.log import collected
     from shardforge.train.profiling import StepProfiler
 
-    warnings: list[str] = []
-    profiler = StepProfiler(
-        ProfileSection(start=start, steps=steps), tmp_path, False, run, print, warnings.append
-    )
+    with collected() as warnings:
+        profiler = StepProfiler(ProfileSection(start=start, steps=steps), tmp_path, False, run)
     if window is not None:
         assert (profiler.first, profiler.last) == window
     else:

@@ -20,7 +20,7 @@ from shardforge.models.common.config import DecoderConfig
 from shardforge.models.llama.model import Decoder
 from shardforge.objectives import reading_for
 from shardforge.objectives.rewards import Completions, build_rewards, final_answer, math_answer
-from shardforge.train.rollout import load_prompts
+from shardforge.objectives.rollout import load_prompts
 from tests.conftest import TOKENIZER, write_jsonl
 
 

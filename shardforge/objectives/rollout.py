@@ -1,21 +1,16 @@
-"""The RL batch source: each step's rollouts, sampled by the inference engine on the training weights in
-place, scored and turned into the loop's micro-batches.
+"""The RL batch source: each step's rollouts, sampled on the training weights in place, scored and turned
+into the loop's micro-batches (`GRPOObjective.batch_source`; PPO's too).
 
 Per step, the global batch's prompts are taken from a seeded global order (as a data set's groups are), and
 each data-parallel rank takes its share, split into micro-steps exactly as `DatasetSource` splits groups.
-The rank generates `group_size` completions of each of its prompts with `infer/engine.py` (continuous
-batching over a paged KV cache) running the training model itself:
-- FSDP2: every unit is all-gathered once for the rollout, kept whole through generation and scoring (no
-  re-gather per forward), and resharded after it: DeepSpeed's Hybrid Engine idea. That gather is the
-  weight sync, measured per step (`time/weight_sync_s`); the memory it needs is one unsharded model.
-- Tensor parallel: the ranks of a TP group hold the same prompts and seeds, so their engines schedule the
-  same steps and run the sharded forward together (the logits' vocabulary shards are gathered).
-- Pipeline: each stage's rank runs the engine over its layers and passes the stream on (infer/pp.py).
-- DDP and one process: the module itself. LoRA: the adapters apply in the forward; nothing is merged.
-A request's seed is the run's seed and the prompt's global position, so the completions do not depend on
-the layout. The training forward recomputes the log-probs the loss uses (the rollout policy's `old_logps`
-when a rollout trains several steps, and the reference's); the engine's own sampling log-probs are only
-compared with the training forward's (`logprob_delta`).
+The rank samples `group_size` completions of each of its prompts through the run's `Sampler`
+(train/sampler.py: the inference engine running the training model, whatever the layout). Under FSDP2 every
+unit is all-gathered once for the rollout, kept whole through sampling and scoring (no re-gather per
+forward), and resharded after it: DeepSpeed's Hybrid Engine idea. That gather is the weight sync, measured
+per step (`time/weight_sync_s`); the memory it needs is one unsharded model. The training forward
+recomputes the log-probs the loss uses (the rollout policy's `old_logps` when a rollout trains several
+steps, and the reference's), through the engine's `forward_only` whatever the layout; the sampler's own
+log-probs are only compared with the training forward's (`logprob_delta`).
 """
 
 from __future__ import annotations
@@ -33,26 +28,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardforge.config.schema import Config, DataSection, RLSection
+from shardforge.config.schema import DataSection, RLSection
 from shardforge.data.batch_source import GlobalBatch
 from shardforge.data.batching import Batch, GlobalOrder, collate, split_global_batch
-from shardforge.data.build import BatchSplit
 from shardforge.data.examples import Example
 from shardforge.data.formats import Reading
 from shardforge.data.loader import read_dataset
 from shardforge.data.templates import render, resolve_template, tokenize
 from shardforge.errors import DataError
-from shardforge.infer.engine import EngineConfig
-from shardforge.infer.pp import generator_for
-from shardforge.infer.sampling import GenerationDefaults, SamplingParams
 from shardforge.log import get_logger
+from shardforge.objectives.base import Sampler, SourceContext
 from shardforge.objectives.rewards import Completions, Reward, build_rewards
 from shardforge.parallel.data_parallel import kept_unsharded
 from shardforge.parallel.dims import ParallelDims
-from shardforge.parallel.engine import dp_sum
+from shardforge.parallel.engine import Engine, dp_sum
 from shardforge.parallel.tensor_parallel import loss_context
-from shardforge.planner.memory import ROLLOUT_BLOCK  # the planner counts the cache in these blocks
-from shardforge.train.precision import Precision
 
 log = get_logger(__name__)
 
@@ -86,36 +76,23 @@ def load_prompts(data: DataSection, tokenizer: Any, room: int, how: Reading) -> 
     return prompts, too_long
 
 
-def build_rollout_source(
-    cfg: Config,
-    objective: Any,
-    *,
-    tokenizer: Any,
-    how: Reading,
-    engine: Any,
-    dims: ParallelDims,
-    mesh: DeviceMesh | None,
-    precision: Precision,
-    device: torch.device,
-    split: BatchSplit,
-    multiple: int,
-) -> RolloutSource:
-    """An RL stage's batch source: its prompts (with how many did not leave room for max_new_tokens), its
-    rewards and the model folder's generation defaults."""
+def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
+    """An RL stage's batch source: its prompts (with how many did not leave room for max_new_tokens) and
+    its rewards."""
+    cfg = ctx.config
     room = cfg.data.max_length - cfg.method.rl.max_new_tokens
-    prompts, too_long = load_prompts(cfg.data, tokenizer, room, how)
+    prompts, too_long = load_prompts(cfg.data, ctx.tokenizer, room, ctx.reading)
     if cfg.data.eval:
         log.warning(f"stage {cfg.method.stage} does not evaluate: data.eval is not read")
     log.info(
         f"train prompts: {len(prompts)}, {cfg.method.rl.group_size} completions each per rollout"
         + (f"; {too_long} left out (longer than {room} tokens)" if too_long else "")
     )
-    defaults = GenerationDefaults.from_folder(cfg.model.path, tokenizer.eos_token_id)
-    rewards = build_rewards(cfg.method.rl.rewards, cfg.method.rl.max_new_tokens, device)
+    rewards = build_rewards(cfg.method.rl.rewards, cfg.method.rl.max_new_tokens, ctx.engine.device)
     return RolloutSource(
-        prompts=prompts, rl=cfg.method.rl, rewards=rewards, tokenizer=tokenizer, defaults=defaults,
-        objective=objective, engine=engine, dims=dims, mesh=mesh, autocast=precision.autocast,
-        seed=cfg.train.seed, split=split.astuple(), multiple=multiple,
+        prompts=prompts, rl=cfg.method.rl, rewards=rewards, tokenizer=ctx.tokenizer, sampler=ctx.sampler,
+        objective=objective, engine=ctx.engine, dims=ctx.dims, mesh=ctx.mesh, autocast=ctx.autocast,
+        seed=cfg.train.seed, split=ctx.split.astuple(), multiple=ctx.multiple,
     )  # fmt: skip
 
 
@@ -132,9 +109,9 @@ class RolloutSource:
         rl: RLSection,
         rewards: list[Reward],
         tokenizer: Any,
-        defaults: GenerationDefaults,
+        sampler: Sampler,
         objective: Any,
-        engine: Any,
+        engine: Engine,
         dims: ParallelDims,
         mesh: DeviceMesh | None,
         autocast: Callable[[], contextlib.AbstractContextManager],
@@ -143,7 +120,7 @@ class RolloutSource:
         multiple: int,
     ) -> None:
         self.prompts, self.rl, self.rewards, self.tokenizer = prompts, rl, rewards, tokenizer
-        self.defaults, self.objective, self.engine = defaults, objective, engine
+        self.sampler, self.objective, self.engine = sampler, objective, engine
         self.dims, self.mesh, self.autocast, self.seed = dims, mesh, autocast, seed
         self.split, self.multiple = split, multiple
         micro_batch, grad_accum, dp, _ = split
@@ -178,7 +155,7 @@ class RolloutSource:
         skip = [critic] if critic is not None else []
         with torch.no_grad(), kept_unsharded(self.engine.fsdp_roots(), skip) as sync_s:
             began = time.perf_counter()
-            completions = self._generate(prompts, [start + k for k in positions])
+            completions = self.sampler.sample([p.ids for p in prompts], [start + k for k in positions])
             rollout_s = time.perf_counter() - began + sync_s
             began = time.perf_counter()
             rows, stats = self._score(prompts, completions)
@@ -191,37 +168,6 @@ class RolloutSource:
         batch.counts, batch.stats = self._reduce(rows, micro, stats, (rollout_s, scoring_s, sync_s))
         self.cached, self.repeats = batch, self.rl.epochs_per_rollout - 1
         return batch
-
-    def _generate(self, prompts: list[Prompt], positions: list[int]) -> list[list[Any]]:
-        rl, n = self.rl, self.rl.group_size
-        model = self.engine.inner
-        need = sum(n * math.ceil((len(p.ids) + rl.max_new_tokens) / ROLLOUT_BLOCK) for p in prompts)
-        sequences = n * len(prompts)
-        config = EngineConfig(
-            ROLLOUT_BLOCK, need + 1, max_step_tokens=max(1024, 2 * sequences), max_running=sequences
-        )
-        params = [
-            SamplingParams(
-                max_tokens=rl.max_new_tokens,
-                temperature=rl.temperature,
-                top_p=rl.top_p,
-                top_k=0,
-                min_p=0.0,
-                repetition_penalty=1.0,
-                seed=(self.seed * 1_000_003 + position) % 2**31,
-                n=n,
-                logprobs=0,
-            )
-            for position in positions
-        ]
-        was_training = model.training
-        try:
-            with self.autocast():
-                # No tokenizer: the engine streams no text token by token; `_score` decodes each once.
-                generator = generator_for(self.engine, model, None, config, self.defaults)
-                return generator.generate([p.ids for p in prompts], params)
-        finally:
-            model.train(was_training)
 
     def _score(self, prompts: list[Prompt], completions: list[list[Any]]) -> tuple[list[dict], dict]:
         """Each row's example (prompt + completion, the completion trained) and its reward, the weighted
@@ -272,7 +218,7 @@ class RolloutSource:
         """A whole forward of the policy (the engine's model) or the reference, whatever the layout."""
         return self.engine.forward_only(input_ids, inputs, None if net is self.engine.model else net)
 
-    def _sum(self, value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    def _sum(self, value: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """A small vector reduced over the data-parallel ranks, in float64 on the host."""
         return dp_sum(value.to(self.device, torch.float64), self.dims, self.mesh, op).cpu()
 
