@@ -14,6 +14,7 @@ from torch import nn
 
 from shardforge.adapters.lora import LoRALinear
 from shardforge.config.schema import LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
+from shardforge.models.common.protocol import CausalModel
 
 
 def apply_finetuning(model: nn.Module, method: MethodSection, seed: int, adapter: str | None = None) -> None:
@@ -28,30 +29,29 @@ def apply_finetuning(model: nn.Module, method: MethodSection, seed: int, adapter
             load_adapter(model, Path(adapter), method.lora)
 
 
-def freeze(model: nn.Module, section: FreezeSection) -> None:
+def freeze(model: CausalModel, section: FreezeSection) -> None:
     total = model.config.num_layers
     n = section.trainable_layers
     trainable = set(range(total - n, total) if n >= 0 else range(-n))
-    canonical = getattr(model, "canonical_name", None)  # the generic backend's names, as ours are spelled
     for name, param in model.named_parameters():
-        parts = (canonical(name) if canonical is not None else name).split(".")
+        parts = model.canonical_name(name).split(".")  # the generic backend's names, as ours are spelled
         in_layer = parts[0] == "layers" and int(parts[1]) in trainable
         param.requires_grad_(in_layer or parts[0] in section.extra_modules)
 
 
-def add_lora(model: nn.Module, section: LoraSection, seed: int) -> list[str]:
+def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     """Wrap the targeted linears; returns their names. Base weights (and everything else) are frozen."""
     for param in model.parameters():
         param.requires_grad_(False)
-    canonical = getattr(model, "canonical_name", None)  # the generic backend: transformers' module names
+    generic = not model.native_names  # the generic backend: transformers' module names
     every = section.targets == "all"
     targets = LINEAR_TARGETS if every else tuple(section.targets)
     wrapped = []
     for name, module in list(model.named_modules()):
         parent_name, _, leaf = name.rpartition(".")
-        in_block = (canonical(name) if canonical is not None else name).startswith("layers.")
+        in_block = model.canonical_name(name).startswith("layers.")
         # `all` on the generic backend: every linear of the blocks (PEFT's all-linear; e.g. Phi-3's qkv_proj)
-        chosen = leaf in targets or (every and canonical is not None)
+        chosen = leaf in targets or (every and generic)
         if not in_block or not chosen or type(module) is not nn.Linear:
             continue
         lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardforge.errors import ModelError
+from shardforge.models.common.protocol import CausalModel
 
 QUANTIZED = re.compile(r"^layers\.\d+\.(attn|mlp)\.\w+_proj\.weight$")  # what NF4 holds: the block linears
 BLOCK = 64  # values per scale (QLoRA's)
@@ -110,20 +111,19 @@ def _glibc() -> ctypes.CDLL | None:
 _LIBC = _glibc()
 
 
-def quantized_names(model: nn.Module) -> set[str]:
+def quantized_names(model: CausalModel) -> set[str]:
     """The parameters NF4 holds: the block linears' weights (our names; on the generic backend, the weight of
     every nn.Linear inside the decoder blocks, whatever the family calls it)."""
-    canonical = getattr(model, "canonical_name", None)
-    if canonical is None:
+    if model.native_names:
         return {key for key, _ in model.named_parameters() if QUANTIZED.match(key)}
     return {
         f"{name}.weight"
         for name, module in model.named_modules()
-        if type(module) is nn.Linear and canonical(name).startswith("layers.")
+        if type(module) is nn.Linear and model.canonical_name(name).startswith("layers.")
     }
 
 
-def quantize_model(model: nn.Module) -> None:
+def quantize_model(model: CausalModel) -> None:
     """Quantize a built model's block linears in place, one weight at a time."""
     names = quantized_names(model)
     for key, param in list(model.named_parameters()):

@@ -204,3 +204,19 @@ def test_freeze_training_changes_only_the_chosen_parameters(tmp_path):
     chosen = {k for k in before if k.startswith("layers.2.")} | {"norm.weight"}
     assert changed == chosen  # every chosen tensor moved, every other one is bit-identical
     assert trainer.memory["frozen_param_bytes"] > trainer.memory["trained_param_bytes"] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-llama"])
+def test_native_models_choose_only_the_named_projections_for_lora_all_and_nf4(preset):
+    """On our own models `targets: all` is the seven projections and NF4 holds the blocks' attn / mlp
+    projections; a MoE block's other linears (qwen2-moe's shared-expert gate) stay as they are, and NF4
+    leaves the shared expert. Only the generic backend widens `all` to every linear of the blocks."""
+    from shardforge.config.schema import LINEAR_TARGETS
+    from shardforge.models import build_preset
+    from shardforge.models.quantize import QUANTIZED, quantized_names
+
+    model = build_preset(preset, vocab_size=50)
+    assert all(QUANTIZED.match(name) for name in quantized_names(model))  # no shared_expert.*_proj
+    wrapped = add_lora(model, LoraSection(targets="all"), seed=0)
+    assert wrapped and all(name.rpartition(".")[2] in LINEAR_TARGETS for name in wrapped)
+    assert not any(name.endswith("shared_expert_gate") for name in wrapped)

@@ -7,7 +7,7 @@ nn.Modules, so the layouts take them as they are."""
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -16,6 +16,9 @@ from shardforge.models.head import Head
 
 
 class CausalModel(nn.Module, metaclass=ABCMeta):
+    # Its parameter names are the Llama family's own; False: another spelling (the generic backend's
+    # transformers names) that freeze, LoRA and NF4 read through `canonical_name`.
+    native_names: ClassVar[bool] = True
     config: Any  # the family's DecoderConfig (models/common/config.py)
     embed_tokens: nn.Module | None  # None on a pipeline stage without the embedding
     lm_head: nn.Module | None  # the LM head, or a reward model's score head; None before the last stage

@@ -55,6 +55,8 @@ class HFCausalLM(CausalModel):
     pipeline parallel are refused for this backend (planner/layout.py), so no sequence split and no stage's
     copy of a tied embedding."""
 
+    native_names = False  # transformers' module names, read as ours through canonical_name
+
     def __init__(self, cfg: GenericConfig, mlp: Any = None, pretrained: Any = None) -> None:
         """`pretrained`: a folder transformers loads the weights from (its own loading: the weight conversions
         of its families, e.g. per-expert checkpoint keys into fused expert tensors); None: built on the meta

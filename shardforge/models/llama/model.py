@@ -141,7 +141,7 @@ class Decoder(StagedModel):
         """Share the embedding with the LM head when the checkpoint says so (again after `to_empty`). A
         pipeline stage may hold only one of them, or its own copy of the head (parallel/pipeline.py)."""
         whole = self.embed_tokens is not None and self.lm_head is not None
-        if self.config.tie_embeddings and whole and not getattr(self, "untied_copy", False):
+        if self.config.tie_embeddings and whole and not self.untied_copy:
             self.lm_head.weight = self.embed_tokens.weight
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Decoder:
