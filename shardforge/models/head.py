@@ -40,13 +40,16 @@ class HeadInput:
     output_mask: torch.Tensor | None
 
 
+HeadOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
 class Head(ABC):
     """What a model's forward ends in, named by the caller (an objective's model inputs, the inference
-    engine): the final hidden states of the scored positions -> one tensor. A model provides `logits` and
-    `target_logprobs` over them (models/protocol.py); heads compose those."""
+    engine): the final hidden states of the scored positions -> a tensor (PolicyValues: two). A model
+    provides `logits` and `target_logprobs` over them (models/protocol.py); heads compose those."""
 
     @abstractmethod
-    def __call__(self, model: Any, hidden: torch.Tensor, inputs: HeadInput) -> torch.Tensor: ...
+    def __call__(self, model: Any, hidden: torch.Tensor, inputs: HeadInput) -> HeadOutput: ...
 
 
 class Logits(Head):
@@ -80,33 +83,28 @@ class TargetLogprobs(Head):
 
 
 @dataclass(frozen=True)
-class PolicyValues(TargetLogprobs):
-    """PPO: the targets' log-probs and the critic's value estimates at the same positions, [2, n] (fp32):
-    the value head on the final hidden states, or the separate critic model run on the same tokens."""
+class PolicyValues(Head):
+    """PPO: the targets' log-probs and the critic's value estimates at the same positions, two tensors [n]
+    (fp32): the value head on the final hidden states, or the separate critic model run on the same tokens.
+    Two outputs, not one stacked tensor: a value loss alone trains the critic alone (the policy's
+    parameters keep no gradient from it), while a loss that uses a row with a gradient of exact zeros (every
+    value clipped, vf_coef 0) still hands its parameters zeros, so that the optimizer's decay and momentum
+    run on them as on any trained parameter."""
 
-    def __call__(self, model: Any, hidden: torch.Tensor, inputs: HeadInput) -> torch.Tensor:
-        logps = super().__call__(model, hidden, inputs)
-        return _Rows.apply(logps.float(), critic_values(model, hidden, inputs))
+    targets: torch.Tensor
+    summed: bool = False
 
-
-class _Rows(torch.autograd.Function):
-    """Tensors [n] stacked into one [k, n] output, whose backward gives a row no loss used (a gradient of
-    exact zeros) no gradient at all, as two separate outputs would: a value loss alone trains the critic
-    alone, and the policy's parameters keep no gradient from it."""
-
-    @staticmethod
-    def forward(ctx, *rows):
-        return torch.stack(rows)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return tuple(g if bool(g.any()) else None for g in grad.unbind(0))
+    def __call__(
+        self, model: Any, hidden: torch.Tensor, inputs: HeadInput
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        logps = model.target_logprobs(hidden, self.targets, self.summed)
+        return logps.float(), critic_values(model, hidden, inputs)
 
 
 LOGITS = Logits()
 
 
-def apply_head(model: Any, h: torch.Tensor, head: Head | None, inputs: HeadInput) -> torch.Tensor:
+def apply_head(model: Any, h: torch.Tensor, head: Head | None, inputs: HeadInput) -> HeadOutput:
     """The one dispatch both backends end their forward with: final norm, the scored positions, the head
     (None: logits)."""
     return (head or LOGITS)(model, model.final_hidden(h, inputs.output_mask), inputs)
@@ -219,13 +217,10 @@ class _TargetLogprobs(torch.autograd.Function):
                 _accumulate(grad_w, g.t(), h)
         ctx.grad_w = grad_w  # on ctx, not saved: backward scales it in place and hands it out once
         ctx.save_for_backward(hidden, weight, targets, grad_h)
-        ctx.set_materialize_grads(False)  # no loss used these log-probs (PolicyValues): no gradient at all
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        if grad_out is None:
-            return None, None, None, None
         hidden, weight, targets, grad_h = ctx.saved_tensors
         # The weight's gradient is handed out once, scaled in place: autograd can then keep it as the .grad
         # (a copy of a fresh vocabulary-sized tensor costs as much as the product). If backward runs again

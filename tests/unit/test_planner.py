@@ -435,6 +435,29 @@ def test_rl_rollout_memory_counted_by_hand():
 
 
 # ---- offload costs host traffic ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("overrides", "held"),
+    [
+        (["method.stage=dpo"], True),
+        (["method.stage=dpo", "method.pref.loss=orpo"], False),
+        (["method.stage=dpo", "method.pref.loss=simpo"], False),
+        (["method.stage=kto"], True),
+        (["method.stage=grpo", "method.rl.kl_beta=0.05"], True),
+        (["method.stage=grpo"], False),
+        (["method.stage=dpo", "method.finetuning=lora"], False),  # the adapters disabled are the reference
+    ],
+)
+def test_the_planner_counts_a_reference_copy_exactly_when_the_run_holds_one(overrides, held):
+    """A frozen copy of the starting weights, as large as the policy's parameters, where the objective holds
+    one (ORPO and SimPO need no reference: the run holds none, and the planner counts none)."""
+    cfg = load_config(DEMO, overrides)
+    shape = check_model_source(cfg.model, weights=False)
+    plan = MemoryModel(cfg, shape, spec_for(shape.family).costs(shape)).estimate(
+        Layout(1, 1, 1, 1, 1, 1, 0, False, "none", "none", 1, 1), None, on_gpu=False
+    )
+    assert plan.reference == (plan.states.params if held else 0.0)
+
+
 @pytest.mark.parametrize("offload", ["optimizer", "params"])
 def test_offload_pays_for_the_host_link(model_dirs, offload):
     cfg = _config(model_dirs["llama3-70b"])

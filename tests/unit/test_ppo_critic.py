@@ -18,7 +18,7 @@ from shardforge.config import load_config
 from shardforge.errors import CheckpointError, ConfigError
 from shardforge.models import build_preset, load_model, save_model
 from shardforge.models.common.config import DecoderConfig
-from shardforge.models.head import PolicyValues, attach_critic
+from shardforge.models.head import PolicyValues, attach_critic, attach_value_head
 from shardforge.models.llama.model import Decoder
 from shardforge.objectives.rl import load_critic
 from shardforge.planner.layout import layout_of
@@ -77,6 +77,24 @@ def test_values_come_from_the_critic_and_its_loss_trains_it_alone(tmp_path):
     values.square().sum().backward()
     assert all(p.grad is None for name, p in policy.named_parameters() if not name.startswith("critic."))
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in critic.parameters())
+
+
+@pytest.mark.parametrize("critic", [False, True], ids=["value-head", "critic-model"])
+def test_a_value_loss_with_a_zero_gradient_still_gives_the_critic_zeros(tmp_path, critic):
+    """Every value clipped (or vf_coef 0): the critic's gradient is zeros, not none, so that AdamW's decay and
+    momentum run on it as they do on every other trained parameter."""
+    policy = build_preset("tiny-llama", VOCAB, seed=1)
+    if critic:
+        attach_critic(policy, load_model(critic_folder(tmp_path), num_labels=1))
+    else:
+        attach_value_head(policy, seed=0)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[:, 3:] = True
+    logps, values = policy(ids, output_mask=mask, head=PolicyValues(ids[mask]))
+    (logps.sum() + 0.0 * values.sum()).backward()
+    trained = policy.critic if critic else policy.value_head
+    assert all(p.grad is not None and not p.grad.any() for p in trained.parameters())
 
 
 def test_a_causal_lm_folder_gets_a_fresh_score_head(tmp_path):

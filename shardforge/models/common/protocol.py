@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shardforge.models.head import Head
+from shardforge.models.head import Head, HeadOutput
 
 
 class CausalModel(nn.Module, metaclass=ABCMeta):
@@ -37,7 +37,7 @@ class CausalModel(nn.Module, metaclass=ABCMeta):
         output_mask: torch.Tensor | None = None,
         cache: Any = None,
         head: Head | None = None,
-    ) -> torch.Tensor:
+    ) -> HeadOutput:
         """The body, then `head` over the scored positions' final hidden states (models/head.py)."""
 
     @abstractmethod

@@ -27,7 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from shardforge.errors import ModelError
 from shardforge.models.common.protocol import CausalModel
 from shardforge.models.generic.config import GenericConfig
-from shardforge.models.head import Head, HeadInput, apply_head, target_logprobs
+from shardforge.models.head import Head, HeadInput, HeadOutput, apply_head, target_logprobs
 
 
 @contextlib.contextmanager
@@ -164,7 +164,7 @@ class HFCausalLM(CausalModel):
         output_mask: torch.Tensor | None = None,
         cache: Any = None,
         head: Head | None = None,
-    ) -> torch.Tensor:
+    ) -> HeadOutput:
         """The Llama family's forward (models/llama/model.py: Decoder.forward). With `cache` (an inference
         engine step: infer/paged.py) attention runs over the paged KV cache (attention.py); packed rows
         (`doc_ids`, `doc_layout`) are not available on this backend."""

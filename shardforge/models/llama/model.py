@@ -20,7 +20,7 @@ from shardforge.models.common.attention import (
 )
 from shardforge.models.common.config import DecoderConfig
 from shardforge.models.common.protocol import StagedModel
-from shardforge.models.head import Head, HeadInput, apply_head, target_logprobs
+from shardforge.models.head import Head, HeadInput, HeadOutput, apply_head, target_logprobs
 from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
 from shardforge.models.moe import SparseMoE
 
@@ -272,7 +272,7 @@ class Decoder(StagedModel):
         output_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         head: Head | None = None,
-    ) -> torch.Tensor:
+    ) -> HeadOutput:
         """`x`: token ids [b, s], or the residual stream [b, s, hidden] where there is no embedding (a later
         pipeline stage). Returns what `head` makes of the final hidden states at the positions `output_mask`
         [b, s] keeps (models/head.py; None: logits), or the stream after the blocks where there is no head
