@@ -319,7 +319,8 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         loaded, engine = driven
         name = args.served_name or loaded.name
         console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)")
-        serve(loaded, EngineRunner(engine, args.max_waiting), args.host, args.port, name, args.api_key)
+        runner = EngineRunner(engine, args.max_waiting)
+        serve(loaded, runner, args.host, args.port, name, args.api_key, args.shutdown_grace)
     return 0
 
 
@@ -347,6 +348,17 @@ def _has_backend(name: str) -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and getattr(dist, f"is_{name}_available", lambda: False)()
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -445,6 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--api-key", default=None, help="clients must send it as a Bearer token")
     p_serve.add_argument("--served-name", default=None, help="the model name clients ask for")
     p_serve.add_argument("--max-waiting", type=_at_least(1), default=256, help="queue length before 429")
+    p_serve.add_argument(
+        "--shutdown-grace",
+        type=_seconds,
+        default=5.0,
+        help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
     p_serve.set_defaults(func=_cmd_serve)
     p_webui = sub.add_parser("webui", help="a web UI: configure, plan, launch, watch, chat and export")
     p_webui.add_argument("--host", default="127.0.0.1", help="a non-loopback host needs --auth")

@@ -6,7 +6,12 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from shardforge.config.paths import FileRef
 from shardforge.config.stages import STAGES, Choices, known_stage
+
+# A key whose value is a file or folder (config/paths.py); the web UI keeps all of them inside its root.
+FilePath = Annotated[str, FileRef()]
+ModelPath = Annotated[str, FileRef(model=True)]  # a model to load, which may read other folders besides
 
 # A registered stage name (config/stages.py); the web form offers the registry's names.
 StageName = Annotated[str, AfterValidator(known_stage), Choices(lambda: STAGES)]
@@ -19,11 +24,11 @@ class Section(BaseModel):
 
 
 class ModelSection(Section):
-    path: str | None = None
+    path: ModelPath | None = None
     preset: str | None = None
-    tokenizer: str | None = None
+    tokenizer: FilePath | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    adapter: str | None = None  # a PEFT LoRA folder to start from (method.finetuning=lora)
+    adapter: ModelPath | None = None  # a PEFT LoRA folder to start from (method.finetuning=lora)
     quantize: Literal["none", "nf4"] = "none"  # nf4: QLoRA, the frozen base's block linears in 4 bits
     # auto: our own implementation where the family has one, else transformers' modules (models/generic)
     backend: Literal["auto", "native", "hf"] = "auto"
@@ -43,10 +48,10 @@ DataFormat = Literal["alpaca", "sharegpt", "openai", "text"]
 class DatasetSpec(Section):
     """One dataset: a file in a known format, or a named entry of a LLaMA-Factory dataset_info.json."""
 
-    path: str | None = None
+    path: FilePath | None = None
     format: DataFormat | None = None
     name: str | None = None
-    dataset_info: str | None = None
+    dataset_info: FilePath | None = None
     text_column: str = "text"
     max_samples: int | None = Field(default=None, gt=0)
 
@@ -71,7 +76,7 @@ class DataSection(Section):
     truncation: Literal["right", "error"] = "right"
     eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
     cache: bool = True  # tokenize once into memory-mapped arrays, reused by later runs and every rank
-    cache_dir: str | None = None  # None: $XDG_CACHE_HOME/shardforge/datasets (~/.cache/...)
+    cache_dir: FilePath | None = None  # None: $XDG_CACHE_HOME/shardforge/datasets (~/.cache/...)
     workers: int | None = Field(default=None, ge=1)  # encoding processes; None: the cores (shared by a node)
     streaming: bool = False  # read, tokenize and pack the training files on the fly (too large to cache)
     stream_window: int = Field(default=4096, ge=1)  # records shuffled and packed together when streaming
@@ -132,7 +137,9 @@ class PrefSection(Section):
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
     ftx: float = Field(default=0.0, ge=0)
     simpo_gamma: float = 0.5
-    ref: str = Field(default="auto", min_length=1)  # auto | none | precompute | a folder
+    ref: Annotated[str, FileRef(("auto", "none", "precompute"), model=True)] = Field(
+        default="auto", min_length=1
+    )
 
 
 class KTOSection(Section):
@@ -150,7 +157,7 @@ class RewardSpec(Section):
     (DAPO's L_cache; default max_new_tokens / 4)."""
 
     name: str | None = None
-    model: str | None = None
+    model: ModelPath | None = None
     weight: float = 1.0
     pattern: str | None = None
     cache: int | None = Field(default=None, ge=1)
@@ -200,7 +207,7 @@ class PPOSection(Section):
     lam: float = Field(default=0.95, ge=0, le=1)
     vf_coef: float = Field(default=0.1, ge=0)
     value_clip: float = Field(default=0.2, gt=0)
-    critic: str = Field(default="auto", min_length=1)
+    critic: Annotated[str, FileRef(("auto", "head"), model=True)] = Field(default="auto", min_length=1)
 
     @property
     def critic_folder(self) -> str | None:
@@ -410,7 +417,9 @@ class CheckpointSection(Section):
 
     every: int | None = Field(default=None, ge=1)  # steps between checkpoints; None: none during the run
     keep: int = Field(default=3, ge=1)  # complete checkpoints kept (oldest deleted first)
-    resume: str = "auto"  # auto (latest complete one in output_dir, if any) | none | a checkpoint folder
+    resume: Annotated[str, FileRef(words=("auto", "none"))] = (
+        "auto"  # auto (latest complete one in output_dir, if any) | none | a checkpoint folder
+    )
     async_save: bool = False  # stage to host memory, write in the background while training continues
     save_final: bool = True  # the HF-format model in <output_dir>/final
     # MoE experts in exported folders: one tensor per expert (published checkpoints) or transformers 5's 3-D
@@ -424,7 +433,9 @@ class LogSection(Section):
     """Where metric records go besides metrics.jsonl and the console (train/tracking.py)."""
 
     report_to: list[Tracker] = ["tensorboard"]  # as LLaMA-Factory's report_to; [] or none: no tracker
-    tracking_uri: str | None = None  # MLflow: a server URL or a folder (None: <output_dir>/mlruns)
+    tracking_uri: Annotated[str, FileRef(urls=True)] | None = (
+        None  # MLflow: a server URL or a folder (None: <output_dir>/mlruns)
+    )
     experiment: str | None = None  # the MLflow experiment / W&B project (None: "shardforge")
     run_name: str | None = None  # the tracked run's name (None: the output folder's name)
     plot: bool = True
@@ -477,7 +488,7 @@ def expand_shorthands(tree: object) -> object:
 
 
 class Config(Section):
-    output_dir: str = "runs/default"
+    output_dir: FilePath = "runs/default"
 
     @model_validator(mode="before")
     @classmethod

@@ -21,7 +21,14 @@ from torch import nn
 from shardforge.errors import ShardforgeError
 from shardforge.infer.blocks import BlockManager
 from shardforge.infer.paged import Chunk, PagedKV, PagedStep
-from shardforge.infer.sampling import GenerationDefaults, Sampler, SamplingParams, choose, processed_logits
+from shardforge.infer.sampling import (
+    GenerationDefaults,
+    Sampler,
+    SamplingError,
+    SamplingParams,
+    choose,
+    processed_logits,
+)
 from shardforge.infer.sampling import top_logprobs as model_logprobs
 from shardforge.infer.scheduler import Scheduler, Sequence
 from shardforge.infer.text import TextStream
@@ -43,6 +50,20 @@ class EngineConfig:
     max_step_tokens: int = 512  # prefill chunks and decodes together, per step
     max_running: int = 64
     prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state, for metrics: sequences running and waiting, KV blocks, the prefix
+    cache's tokens found / looked up, and preemptions so far."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0
+    blocks_total: int = 0
+    prefix_hits: int = 0
+    prefix_queries: int = 0
+    preemptions: int = 0
 
 
 @dataclass
@@ -106,9 +127,21 @@ class Engine:
         """Queue a request; returns its parameters as filled from the model's defaults."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
+        params = self.check(prompt, params)
+        first = self._sequence(request_id, 0, prompt, params)
+        request = _Request(request_id, params, params.n - 1)
+        self.requests[request_id] = request
+        self._start(request, first)
+        return params
+
+    def check(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
+        """The request's parameters filled from the model's defaults (max_tokens from the room the context
+        leaves), or a RequestError / SamplingError saying why the engine cannot take it. It reads only what
+        never changes, so a server's threads may call it while the engine steps."""
         if not prompt:
             raise RequestError("the prompt has no tokens")
         params = self.defaults.fill(params.check())
+        params.check_tokens(self.model.config.vocab_size)
         room = self.context - len(prompt)
         if room < 1:
             raise TooLong(
@@ -121,18 +154,32 @@ class Engine:
                 f"max_tokens={params.max_tokens} and the prompt's {len(prompt)} tokens exceed the model's "
                 f"context of {self.context} tokens (at most {room} new tokens fit)"
             )
+        if params.min_tokens > max_tokens:
+            raise SamplingError(
+                f"min_tokens={params.min_tokens} is more than the {max_tokens} new tokens the model's "
+                f"context of {self.context} leaves after the prompt's {len(prompt)}",
+                "min_tokens",
+            )
         capacity = self.blocks.num_blocks * self.config.block_size
         if len(prompt) + max_tokens > capacity:
             raise TooLong(
                 f"the prompt's {len(prompt)} tokens and {max_tokens} new ones exceed the KV cache's "
                 f"{capacity} slots; give the engine more blocks or ask for fewer tokens"
             )
-        params = replace(params, max_tokens=max_tokens)
-        first = self._sequence(request_id, 0, prompt, params)
-        request = _Request(request_id, params, params.n - 1)
-        self.requests[request_id] = request
-        self._start(request, first)
-        return params
+        return replace(params, max_tokens=max_tokens)
+
+    def stats(self) -> EngineStats:
+        """What the engine holds now (read on its own thread; the server exports the snapshot)."""
+        blocks = self.blocks
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            blocks_used=blocks.in_use,
+            blocks_total=blocks.num_blocks,
+            prefix_hits=blocks.hits,
+            prefix_queries=blocks.queries,
+            preemptions=self.scheduler.preemptions,
+        )
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a client went away): its blocks are released now."""

@@ -56,6 +56,30 @@ def load_for_inference(
     return _checkpoint(path, adapter, torch_dtype, target)
 
 
+def sources_read(source: str | Path, seen: frozenset[Path] = frozenset()) -> list[Path]:
+    """The other files and folders loading `source` reads (a caller that keeps reads inside one folder
+    checks them): a run's final/ and what it reads, an adapter's base model, a checkpoint's model, tokenizer
+    and adapter as its config names them."""
+    path = Path(source)
+    if path in seen or not path.is_dir():
+        return []
+    seen = seen | {path}
+    if (path / "final").is_dir():
+        named = [path / "final"]
+    elif (path / "adapter_config.json").is_file():
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        named = [Path(base)] if base else []
+    elif (path / "config.json").is_file():
+        named = []
+    else:
+        from shardforge.checkpoint.store import resolve_checkpoint
+        from shardforge.config import load_config
+
+        model = load_config(resolve_checkpoint(path) / "config.yaml").model
+        named = [Path(p) for p in (model.path, model.tokenizer, model.adapter) if p]
+    return [*named, *(q for p in named for q in sources_read(p, seen))]
+
+
 def _hf_folder(folder: Path, adapter: Path | None, dtype: torch.dtype, device: torch.device) -> Loaded:
     from shardforge.models import load_model
 

@@ -1,22 +1,31 @@
-"""The OpenAI API's request bodies (the fields its client sends, and the common extras vLLM takes: top_k,
-min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids), checked by pydantic and turned into
-SamplingParams; unknown fields are ignored, as OpenAI-compatible servers do."""
+"""The OpenAI API's request bodies (every field its client sends, and the common extras vLLM takes: top_k,
+min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids), checked by pydantic in strict mode (a
+string is not a number, a number not a boolean) and turned into SamplingParams. A documented field this server
+does not implement (tools, response_format, ...) is refused by name when it asks for something; a field the
+API does not document is ignored, as OpenAI-compatible servers do, and logged."""
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from shardforge.infer.sampling import SamplingParams
+from shardforge.infer.sampling import SamplingError, SamplingParams
+
+log = logging.getLogger(__name__)
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
     temperature: float | None = None
@@ -28,15 +37,32 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    # documented, and with no effect on what is generated: accepted and ignored
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        """The documented fields this server does not implement, by name: each one's value and its neutral
+        value(s), which are accepted."""
+        return {}
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The sampling parameters; SamplingError naming the field for a bad or unsupported one."""
+        for name, neutral in self.unsupported().items():
+            value = getattr(self, name)
+            if value is not None and value not in neutral:
+                raise SamplingError(f"{name} is not supported by this server (got {value!r})", name)
+        if self.model_extra:
+            log.warning("ignored request fields the OpenAI API does not have: %s", sorted(self.model_extra))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens,
@@ -54,13 +80,24 @@ class _Common(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias=_logit_bias(self.logit_bias),
         ).check()
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """The API's {"token id": bias} map as (id, bias) pairs (ids written as decimal integers)."""
+    pairs: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.strip().lstrip("-").isdigit():
+            raise SamplingError(f"logit_bias: the key {key!r} is not a token id (an integer)", "logit_bias")
+        pairs[int(key)] = value
+    return tuple(sorted(pairs.items()))
 
-    role: str
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Role
     content: str | list[dict[str, Any]] | None = None
 
     @field_validator("content")
@@ -89,10 +126,52 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        return {
+            "response_format": ({"type": "text"},),
+            "tools": ([],),
+            "tool_choice": ("none",),
+            "functions": ([],),
+            "function_call": ("none",),
+            "audio": (),
+            "modalities": (["text"],),
+            "prediction": (),
+            "reasoning_effort": (),
+            "verbosity": (),
+            "web_search_options": (),
+        }
 
     def params(self) -> SamplingParams:
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= 20:
+                raise SamplingError(
+                    f"top_logprobs={self.top_logprobs} is invalid: it must be an integer in [0, 20]",
+                    "top_logprobs",
+                )
+            if not self.logprobs:
+                raise SamplingError("top_logprobs needs logprobs: true", "top_logprobs")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling(limit, (self.top_logprobs or 0) if self.logprobs else None)
+        try:
+            return self.sampling(limit, (self.top_logprobs or 0) if self.logprobs else None)
+        except SamplingError as exc:
+            if exc.param == "max_tokens" and self.max_completion_tokens is not None:
+                raise SamplingError(
+                    str(exc).replace("max_tokens", "max_completion_tokens"), exc.param
+                ) from None
+            raise
 
 
 class CompletionRequest(_Common):
@@ -100,21 +179,37 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16  # the OpenAI completions API's default
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> dict[str, Any]:
+        return {"suffix": ("",), "best_of": (1, self.n)}
 
     def params(self) -> SamplingParams:
         return self.sampling(self.max_tokens, self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or several; SamplingError (param prompt) for none or an empty one."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+        if not p:
+            raise SamplingError("prompt: the list of prompts is empty", "prompt")
+        prompts = [list(p)] if all(isinstance(x, int) for x in p) else list(p)
+        if any(isinstance(x, list) and not x for x in prompts):
+            raise SamplingError("prompt: a list of token ids is empty", "prompt")
+        return prompts
 
 
 def validation_message(exc: ValidationError) -> tuple[str, str]:
     """(a one-line message naming the field, the field) for a pydantic error."""
     first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "body"
+    if first["type"] == "json_invalid":
+        return f"the body is not valid JSON: {first['msg']}", "body"
+    where = ".".join(str(part) for part in first["loc"] if not _union_member(part)) or "body"
     return f"{where}: {first['msg']}", where
+
+
+def _union_member(part: str | int) -> bool:
+    """pydantic names the member of a union it tried in the error's location (`stop.str`): not a field."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none"} or "[" in part)

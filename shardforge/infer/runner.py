@@ -1,17 +1,22 @@
-"""The engine on a thread of its own, for a server: requests from any thread or event loop go in, each
-request's updates come out on its own asyncio queue. One lock guards the engine (a request is added between
-two steps, never during one)."""
+"""The engine on a thread of its own, for a server. New requests and aborts reach it through an inbox it
+drains between two steps, so neither waits for a step to end; each request's updates come out on its own
+asyncio queue. The thread publishes an `EngineStats` snapshot after every step for the metrics to read."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardforge.infer.engine import Engine, RequestError, Update
 from shardforge.infer.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(RequestError):
@@ -20,103 +25,176 @@ class QueueFull(RequestError):
 
 @dataclass
 class Timing:
-    """When a request arrived, got its first token and its last (for the latency histograms)."""
+    """When a request arrived and when each of its tokens came (for the latency histograms)."""
 
     arrived: float = field(default_factory=time.perf_counter)
     first: float | None = None
     last: float | None = None
     tokens: int = 0
+    gaps: list[float] = field(default_factory=list)  # seconds between successive updates
+    reason: str = "finished"  # finished | aborted | failed
+
+
+@dataclass(eq=False)
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    timing: Timing
+
+
+class RequestStream:
+    """One request's updates, as an async iterator. `close()` is synchronous, so that it runs even in a task
+    being cancelled (a client gone): it aborts the request unless the request has ended."""
+
+    def __init__(self, runner: EngineRunner, request_id: str, updates: asyncio.Queue) -> None:
+        self.runner, self.request_id, self.updates = runner, request_id, updates
+        self.ended = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Update:
+        if self.ended:
+            raise StopAsyncIteration
+        update = await self.updates.get()
+        if update is None:
+            self.ended = True
+            raise StopAsyncIteration
+        return update
+
+    def close(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.runner.abort(self.request_id)
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, max_waiting: int = 256, on_finish=None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting: int = 256,
+        on_finish: Callable[[Timing], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self.on_finish = on_finish  # called as fn(timing, finish_reasons) when a request ends
-        self.lock = threading.Lock()
+        self.on_finish = on_finish  # called with the request's Timing when it ends
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
-        self.queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, Timing]] = {}
+        self.sinks: dict[str, _Sink] = {}  # the engine thread's alone
+        self.count_lock = threading.Lock()
+        self.pending: set[str] = set()  # submitted, no token yet: the queue that 429 bounds
+        self.stats = engine.stats()
         self.stopping = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="shardforge-engine", daemon=True)
         self.thread.start()
 
+    # ---- any thread -------------------------------------------------------------------------------------
     def submit(
         self, request_id: str, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
-    ) -> asyncio.Queue:
-        """Queue a request (from a worker thread of `loop`); its updates arrive on the returned queue, None
-        after the last. Raises RequestError / SamplingError for a bad one, QueueFull when full."""
+    ) -> RequestStream:
+        """Queue a request; its updates arrive on the returned stream. Raises RequestError / SamplingError
+        for a bad one (checked here, before it is queued), QueueFull when the queue is full."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped on an error: {self.error!r}")
-        queue: asyncio.Queue = asyncio.Queue()
-        with self.lock:
-            if len(self.engine.scheduler.waiting) >= self.max_waiting:
+        if self.stopping:
+            raise QueueFull("the server is shutting down")
+        params = self.engine.check(prompt, params)
+        with self.count_lock:
+            if len(self.pending) >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are waiting already; retry later")
-            self.engine.add(request_id, prompt, params)
-            self.queues[request_id] = (loop, queue, Timing())
+            self.pending.add(request_id)
+        updates: asyncio.Queue = asyncio.Queue()
+        self.inbox.put(("add", request_id, prompt, params, _Sink(loop, updates, Timing())))
         self.wake.set()
-        return queue
+        return RequestStream(self, request_id, updates)
 
     def abort(self, request_id: str) -> None:
-        with self.lock:
-            self.engine.abort(request_id)
-            self.queues.pop(request_id, None)
+        """Stop a request and free its blocks, between this step and the next. Never blocks."""
+        self.inbox.put(("abort", request_id))
+        self.wake.set()
 
-    async def stream(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> AsyncIterator[Update]:
-        """Submit and yield the request's updates; a consumer that stops early (a client gone) aborts it."""
-        queue = await asyncio.to_thread(self.submit, request_id, prompt, params, asyncio.get_running_loop())
-        finished = False
-        try:
-            while (update := await queue.get()) is not None:
-                yield update
-            finished = True
-        finally:
-            if not finished:
-                await asyncio.to_thread(self.abort, request_id)
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
 
     def close(self) -> None:
+        """Abort what is in flight and stop the thread."""
         self.stopping = True
         self.wake.set()
         self.thread.join(timeout=30)
 
+    # ---- the engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self.stopping:
-            with self.lock:
-                busy = self.engine.has_work()
-                if busy:
-                    try:
-                        updates = self.engine.step()
-                    except BaseException as exc:  # a bug: fail every request rather than hang them
-                        self.error = exc
-                        self._fail_all()
-                        raise
-                    self._dispatch(updates)
-            if not busy:
-                self.wake.wait(timeout=0.5)
-                self.wake.clear()
+        try:
+            while not self.stopping:
+                self._drain()
+                if self.engine.has_work():
+                    self._dispatch(self.engine.step())
+                    self.stats = self.engine.stats()
+                else:
+                    self.stats = self.engine.stats()
+                    self.wake.wait(timeout=0.5)
+                    self.wake.clear()
+            self._drain()
+            for request_id in list(self.sinks):
+                self.engine.abort(request_id)
+                self._end(request_id, "aborted")
+        except BaseException as exc:  # a bug: fail every request rather than hang them
+            self.error = exc
+            log.exception("the engine stopped on an error")
+            for request_id in list(self.sinks):
+                self._end(request_id, "failed")
+
+    def _drain(self) -> None:
+        """Apply the queued adds and aborts (an abort of a request not yet added cancels the add)."""
+        while True:
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "add":
+                _, request_id, prompt, params, sink = message
+                self.sinks[request_id] = sink
+                try:
+                    self.engine.add(request_id, prompt, params)
+                except RequestError as exc:  # checked in submit: only a duplicate id gets here
+                    log.warning("request %s refused: %s", request_id, exc)
+                    self._end(request_id, "failed")
+            else:
+                request_id = message[1]
+                self.engine.abort(request_id)
+                self._end(request_id, "aborted")
+
+    def _end(self, request_id: str, reason: str) -> None:
+        with self.count_lock:
+            self.pending.discard(request_id)
+        sink = self.sinks.pop(request_id, None)
+        if sink is None:
+            return
+        sink.timing.reason = reason
+        with contextlib.suppress(RuntimeError):  # its event loop has closed (the server stopped)
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, None)
+        if self.on_finish is not None:
+            self.on_finish(sink.timing)
 
     def _dispatch(self, updates: list[Update]) -> None:
         now = time.perf_counter()
+        started = []
         for update in updates:
-            entry = self.queues.get(update.request_id)
-            if entry is None:
+            sink = self.sinks.get(update.request_id)
+            if sink is None:
                 continue
-            loop, queue, timing = entry
-            timing.first = timing.first or now
+            timing = sink.timing
+            if timing.first is None:
+                timing.first = now
+                started.append(update.request_id)
+            elif timing.last is not None:
+                timing.gaps.append(now - timing.last)
             timing.last, timing.tokens = now, timing.tokens + len(update.tokens)
-            loop.call_soon_threadsafe(queue.put_nowait, update)
-        for request_id in {
-            u.request_id for u in updates
-        }:  # after the whole step: n completions may end in it
-            if request_id in self.queues and request_id not in self.engine.requests:
-                loop, queue, timing = self.queues.pop(request_id)
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-                if self.on_finish is not None:
-                    self.on_finish(timing)
-
-    def _fail_all(self) -> None:
-        for loop, queue, _ in self.queues.values():
-            loop.call_soon_threadsafe(queue.put_nowait, None)
-        self.queues.clear()
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, update)
+        with self.count_lock:
+            self.pending.difference_update(started)
+        for request_id in {u.request_id for u in updates}:  # after the whole step: n completions may end
+            if request_id in self.sinks and request_id not in self.engine.requests:
+                self._end(request_id, "finished")

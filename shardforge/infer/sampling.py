@@ -43,6 +43,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the k most likely
     include_stop_in_output: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as the OpenAI API's
 
     def check(self) -> SamplingParams:
         """Raise a SamplingError naming the first bad parameter; return self."""
@@ -58,6 +59,7 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("n", 1 <= self.n <= 128, "an integer in [1, 128]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "an integer in [0, 20]"),
+            ("seed", self.seed is None or -(1 << 63) <= self.seed < 1 << 63, "a 64-bit signed integer"),
         ]
         for name, ok, valid in rules:
             if not ok:
@@ -68,7 +70,24 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise SamplingError("stop strings must not be empty", "stop")
+        bad = [value for _, value in self.logit_bias if not -100.0 <= value <= 100.0]
+        if bad:
+            raise SamplingError(
+                f"logit_bias value {bad[0]!r} is invalid: it must be in [-100, 100]", "logit_bias"
+            )
         return self
+
+    def check_tokens(self, vocab_size: int) -> None:
+        """The token ids it names (logit_bias, stop_token_ids) exist in a vocabulary of `vocab_size`."""
+        for param, ids in (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingError(
+                    f"{param}: token id {bad[0]} is not in the vocabulary (ids 0..{vocab_size - 1})", param
+                )
 
     @property
     def greedy(self) -> bool:
@@ -120,7 +139,8 @@ class Sampler:
         if not params.greedy:
             generator = torch.Generator()
             if params.seed is not None:
-                generator.manual_seed(params.seed * 1_000_003 + index)
+                # any int64 seed; the same stream as before for the seeds that fitted unreduced
+                generator.manual_seed((params.seed * 1_000_003 + index) % (1 << 64))
             else:
                 generator.seed()
         return cls(params, generator)
@@ -132,7 +152,7 @@ class Sampler:
         return (
             p.greedy
             and p.repetition_penalty in (None, 1.0)
-            and not (p.presence_penalty or p.frequency_penalty)
+            and not (p.presence_penalty or p.frequency_penalty or p.logit_bias)
         )
 
     def observe(self, token: int) -> None:
@@ -144,9 +164,13 @@ def processed_logits(
 ) -> torch.Tensor:
     """One row's logits [vocab] (fp32) after the penalties, temperature and the top-k / top-p / min-p filters,
     in transformers' order; filtered-out tokens are -inf. `history`: prompt and output tokens (repetition
-    penalty); `suppress`: tokens that may not come yet (eos and stop tokens before min_tokens)."""
+    penalty); `suppress`: tokens that may not come yet (eos and stop tokens before min_tokens). A logit bias
+    comes first: it is added to the model's logits (as the OpenAI API defines it)."""
     p = sampler.params
     x = logits.float().clone()
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias, strict=True)
+        x[list(ids)] += torch.tensor(bias, dtype=x.dtype, device=x.device)
     if p.repetition_penalty not in (None, 1.0) and history:
         seen = torch.tensor(sorted(set(history)), dtype=torch.long, device=x.device)
         scores = x[seen]

@@ -1,15 +1,22 @@
 """An OpenAI-compatible HTTP API over the engine (FastAPI + uvicorn): /v1/models, /v1/chat/completions,
 /v1/completions (streamed as server-sent events or whole), /health and /metrics (Prometheus). Concurrent
-requests are batched together by the engine; errors are OpenAI-shaped JSON and never stop the server."""
+requests are batched together by the engine; errors are OpenAI-shaped JSON, never a 5xx for a client's input,
+and never stop the server. A client that leaves (streaming or not) aborts its request; SIGTERM stops
+accepting, gives what is in flight a bounded grace, aborts the rest and exits 0."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import signal
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -18,24 +25,36 @@ from pydantic import ValidationError
 from shardforge.errors import ConfigError
 from shardforge.infer.engine import RequestError, TooLong, Update
 from shardforge.infer.load import Loaded
-from shardforge.infer.offline import chat_ids
+from shardforge.infer.offline import chat_text, token_ids
 from shardforge.infer.protocol import ChatRequest, CompletionRequest, validation_message
-from shardforge.infer.runner import EngineRunner, QueueFull, Timing
+from shardforge.infer.runner import EngineRunner, QueueFull, RequestStream, Timing
 from shardforge.infer.sampling import SamplingError
 
 MAX_BODY_BYTES = 8 << 20
+T = TypeVar("T")
 
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         body = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
 
 
 class Metrics:
@@ -56,50 +75,128 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=registry,
         )
-        engine = runner.engine
+        self.itl = Histogram(
+            "shardforge_inter_token_latency_seconds",
+            "Time between two successive pieces of one completion",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=registry,
+        )
+
+        def hit_rate() -> float:
+            stats = runner.stats
+            return stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
+
         for name, doc, read in (
-            ("shardforge_queue_length", "Requests waiting", lambda: len(engine.scheduler.waiting)),
-            ("shardforge_running", "Sequences running", lambda: len(engine.scheduler.running)),
-            ("shardforge_kv_blocks_in_use", "KV cache blocks in use", lambda: engine.blocks.in_use),
-            ("shardforge_kv_blocks_total", "KV cache blocks", lambda: engine.blocks.num_blocks),
+            ("shardforge_queue_length", "Requests waiting for their first token", lambda: runner.waiting),
+            ("shardforge_running", "Sequences running", lambda: runner.stats.running),
+            (
+                "shardforge_waiting_sequences",
+                "Sequences the scheduler holds back",
+                lambda: runner.stats.waiting,
+            ),
+            ("shardforge_kv_blocks_in_use", "KV cache blocks in use", lambda: runner.stats.blocks_used),
+            ("shardforge_kv_blocks_total", "KV cache blocks", lambda: runner.stats.blocks_total),
+            (
+                "shardforge_prefix_cache_queried_tokens",
+                "Prompt tokens looked up",
+                lambda: runner.stats.prefix_queries,
+            ),
+            (
+                "shardforge_prefix_cache_hit_tokens",
+                "Prompt tokens found cached",
+                lambda: runner.stats.prefix_hits,
+            ),
+            ("shardforge_prefix_cache_hit_rate", "Cached share of the tokens looked up", hit_rate),
+            ("shardforge_preemptions", "Sequences preempted so far", lambda: runner.stats.preemptions),
         ):
             Gauge(name, doc, registry=registry).set_function(read)
 
     def finished(self, timing: Timing) -> None:
+        self.requests.labels(timing.reason).inc()
         self.output_tokens.inc(timing.tokens)
+        for gap in timing.gaps:
+            self.itl.observe(gap)
         if timing.first is not None:
             self.ttft.observe(timing.first - timing.arrived)
             if timing.tokens > 1 and timing.last is not None:
                 self.tpot.observe((timing.last - timing.first) / (timing.tokens - 1))
 
 
+class Guard:
+    """ASGI middleware for every /v1 route: the API key, and the body's size counted while it is read (a
+    chunked body has no Content-Length); the body is then handed on whole. Errors are the API's JSON."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body: int = MAX_BODY_BYTES) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+            error = APIError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+            return await error.response()(scope, receive, send)
+        declared = headers.get("content-length", "0")
+        too_big = APIError(413, f"the body is larger than {self.max_body} bytes", "invalid_request_error")
+        if not declared.isdigit() or int(declared) > self.max_body:
+            return await too_big.response()(scope, receive, send)
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                return await too_big.response()(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: the disconnect, when it comes
+
+        return await self.app(scope, replay, send)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled) as soon as the client closes the connection."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
 def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="shardforge", docs_url=None, redoc_url=None)
+    app.add_middleware(Guard, api_key=api_key)
     tokenizer = loaded.tokenizer
+    context = runner.engine.context
+    # A token covers at most `longest` characters of its vocabulary entry, and an entry has at least the
+    # characters of the text it stands for; 4x covers normalizers. A longer text cannot fit: refused as is.
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    max_chars = 4 * longest * context
     metrics = Metrics(runner)
     runner.on_finish = metrics.finished
     created = int(time.time())
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """Auth and body size for every /v1 route; APIError -> its JSON."""
-        try:
-            if request.url.path.startswith("/v1/"):
-                if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-                    raise APIError(
-                        401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
-                    )
-                size = int(request.headers.get("content-length") or 0)
-                if size > MAX_BODY_BYTES:
-                    raise APIError(
-                        413, f"the body has {size} bytes; at most {MAX_BODY_BYTES}", "invalid_request_error"
-                    )
-            return await call_next(request)
-        except APIError as exc:
-            return exc.response()
-
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> Any:
         if runner.error is not None:
             return JSONResponse({"status": "error", "error": repr(runner.error)}, status_code=503)
         return {"status": "ok"}
@@ -116,11 +213,7 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
 
     async def parse(request: Request, kind: type) -> Any:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "the body is not valid JSON", "invalid_request_error") from None
-        try:
-            parsed = kind.model_validate(body)
+            parsed = kind.model_validate_json(await request.body())
         except ValidationError as exc:
             message, where = validation_message(exc)
             raise APIError(400, message, "invalid_request_error", param=where) from None
@@ -132,60 +225,72 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
                 param="model",
                 code="model_not_found",
             )
-        try:
-            return parsed, parsed.params()
-        except SamplingError as exc:
-            raise APIError(400, str(exc), "invalid_request_error", param=exc.param) from None
+        return parsed
 
-    def encode(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            if any(not 0 <= t < len(tokenizer) for t in prompt):
-                raise APIError(
-                    400, "prompt: a token id is out of the vocabulary", "invalid_request_error", "prompt"
-                )
-            return prompt
-        return tokenizer(prompt)["input_ids"]
+    def tokens_of(text: str, special: bool) -> list[int]:
+        """A text's token ids, off the event loop (the tokenizer lets other threads run meanwhile)."""
+        if len(text) > max_chars:
+            raise APIError(
+                413,
+                f"the prompt has {len(text)} characters: more tokens than the model's context of {context}",
+                "invalid_request_error",
+                code="context_length_exceeded",
+            )
+        return token_ids(tokenizer, text, special)
 
-    async def start(request_id: str, prompt: list[int], params) -> AsyncIterator[Update]:
-        """The request's update stream, after its first update (so that a refusal is an HTTP error)."""
+    def chat_prompt(messages: list[dict]) -> list[int]:
         try:
-            stream = runner.stream(request_id, prompt, params)
-            first = await stream.__anext__()
+            text = chat_text(tokenizer, messages)
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            raise APIError(
+                400,
+                f"messages: the model's chat template refused them: {exc}",
+                "invalid_request_error",
+                param="messages",
+            ) from None
+        return tokens_of(text, special=False)
+
+    def submit(request_id: str, prompt: list[int], params: Any) -> RequestStream:
+        try:
+            stream = runner.submit(request_id, prompt, params, asyncio.get_running_loop())
         except QueueFull as exc:
             metrics.requests.labels("rejected").inc()
-            raise APIError(429, str(exc), "rate_limit_exceeded", code="queue_full") from None
+            raise APIError(
+                429, str(exc), "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"}
+            ) from None
+        except SamplingError as exc:
+            metrics.requests.labels("rejected").inc()
+            raise APIError(400, str(exc), "invalid_request_error", param=exc.param) from None
         except RequestError as exc:
             metrics.requests.labels("rejected").inc()
             status, code = (413, "context_length_exceeded") if isinstance(exc, TooLong) else (400, None)
-            raise APIError(status, str(exc), "invalid_request_error", code=code) from None
+            raise APIError(status, str(exc), "invalid_request_error", param="messages", code=code) from None
         metrics.prompt_tokens.inc(len(prompt))
-
-        async def chained() -> AsyncIterator[Update]:
-            try:
-                yield first
-                async for update in stream:
-                    yield update
-                metrics.requests.labels("finished").inc()
-            finally:
-                await stream.aclose()
-
-        return chained()
+        return stream
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def chat(request: Request) -> Any:
         try:
-            body, params = await parse(request, ChatRequest)
+            body = await parse(request, ChatRequest)
+            params = body.params()
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt = chat_ids(tokenizer, messages)
+            prompt = await asyncio.to_thread(chat_prompt, messages)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            updates = await start(rid, prompt, params)
+            stream = submit(rid, prompt, params)
+        except SamplingError as exc:
+            return APIError(400, str(exc), "invalid_request_error", param=exc.param).response()
         except APIError as exc:
             return exc.response()
         head = {"id": rid, "created": int(time.time()), "model": served_name}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(_chat_chunks(head, updates, params.n, len(prompt), usage, tokenizer))
-        choices, completion_tokens = await _collect(updates, params.n)
+            return _sse(_chat_chunks(head, stream, params.n, len(prompt), usage, tokenizer), [stream])
+        try:
+            choices, completion_tokens = await until_disconnected(request, _collect(stream, params.n))
+        except ClientGone:
+            return None
+        finally:
+            stream.close()
         out = []
         for index, c in choices.items():
             choice = {
@@ -202,27 +307,57 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             "usage": _usage(len(prompt), completion_tokens),
         }
 
+    def encode(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            if any(not 0 <= t < len(tokenizer) for t in prompt):
+                raise APIError(
+                    400, "prompt: a token id is out of the vocabulary", "invalid_request_error", "prompt"
+                )
+            return prompt
+        return tokens_of(prompt, special=True)
+
     @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(request: Request) -> Any:
+        streams: list[RequestStream] = []
         try:
-            body, params = await parse(request, CompletionRequest)
-            prompts = [encode(p) for p in body.prompts()]
+            body = await parse(request, CompletionRequest)
+            params = body.params()
+            texts = body.prompts()
+            if body.stream and len(texts) > 1:
+                raise APIError(
+                    400,
+                    "stream with several prompts is not supported",
+                    "invalid_request_error",
+                    param="prompt",
+                )
+            prompts = await asyncio.to_thread(lambda: [encode(p) for p in texts])
             rid = f"cmpl-{uuid.uuid4().hex}"
-            streams = [await start(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)]
-        except APIError as exc:
+            for i, p in enumerate(prompts):
+                streams.append(submit(f"{rid}-{i}", p, params))
+        except (SamplingError, APIError) as exc:
+            for stream in streams:
+                stream.close()
+            if isinstance(exc, SamplingError):
+                return APIError(400, str(exc), "invalid_request_error", param=exc.param).response()
             return exc.response()
         head = {"id": rid, "created": int(time.time()), "model": served_name}
         prompt_tokens = sum(map(len, prompts))
         if body.stream:
-            if len(streams) > 1:
-                return APIError(
-                    400, "stream with several prompts is not supported", "invalid_request_error"
-                ).response()
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(_completion_chunks(head, streams[0], prompt_tokens, usage))
+            return _sse(_completion_chunks(head, streams[0], prompt_tokens, usage), streams)
+
+        async def collect_all() -> list[tuple[dict[int, dict], int]]:
+            return [await _collect(stream, params.n) for stream in streams]
+
+        try:
+            collected = await until_disconnected(request, collect_all())
+        except ClientGone:
+            return None
+        finally:
+            for stream in streams:
+                stream.close()
         out, completion_tokens = [], 0
-        for i, updates in enumerate(streams):
-            choices, made = await _collect(updates, params.n)
+        for i, (choices, made) in enumerate(collected):
             completion_tokens += made
             for index, c in choices.items():
                 logprobs = (
@@ -270,11 +405,18 @@ async def _collect(updates: AsyncIterator[Update], n: int) -> tuple[dict[int, di
     return choices, made
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> StreamingResponse:
+    """Server-sent events; when the client leaves, the response is cancelled and the requests aborted (a
+    synchronous close: an await in a cancelled task would never run)."""
+
     async def body() -> AsyncIterator[str]:
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for stream in streams:
+                stream.close()
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -359,6 +501,33 @@ def check_host(host: str, api_key: str | None) -> None:
         raise ConfigError(f"--host {host} listens beyond this machine: give it an --api-key")
 
 
+def _uvicorn_server(config: Any) -> Any:
+    """uvicorn's server with this command's own SIGINT/SIGTERM handling: the first signal stops accepting
+    and starts the grace, a second one ends it at once, and the process then exits 0 (uvicorn's own handling
+    re-raises the signal after shutting down, which kills the process with it)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[no-untyped-def]
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+
+            def stop(_sig: int, _frame: Any) -> None:
+                self.force_exit = self.should_exit
+                self.should_exit = True
+
+            previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
 def serve(
     loaded: Loaded,
     runner: EngineRunner,
@@ -366,13 +535,16 @@ def serve(
     port: int = 8000,
     served_name: str | None = None,
     api_key: str | None = None,
+    grace: float = 5.0,
 ) -> None:
-    """Run the server until interrupted. A host other than loopback needs an API key."""
+    """Run the server until SIGINT or SIGTERM: then stop accepting, let what is in flight finish for up to
+    `grace` seconds, abort the rest and return. A host other than loopback needs an API key."""
     import uvicorn
 
     check_host(host, api_key)
     app = build_app(loaded, runner, served_name or loaded.name, api_key)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        _uvicorn_server(config).run()
     finally:
         runner.close()

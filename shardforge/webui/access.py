@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from shardforge.config.paths import file_refs
+from shardforge.config.schema import Config
 from shardforge.errors import ConfigError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -53,6 +55,18 @@ class Root:
             raise ConfigError(f"{what} {str(path)!r} is outside the web UI's root {self.folder} (see --root)")
         return full
 
-    def check_all(self, named: list[tuple[str, str]]) -> None:
-        for key, path in named:
-            self.resolve(path, key)
+    def check_config(self, config: Config) -> None:
+        """Every path the config names (by its keys' types) inside the root, and for a model, what loading
+        it reads besides (an adapter's base model, a checkpoint's model)."""
+        for key, path, ref in file_refs(config):
+            full = self.resolve(path, key)
+            if ref.model:
+                self.check_model(full, key)
+
+    def check_model(self, folder: Path, what: str) -> Path:
+        """`folder` (inside the root) and every folder loading it reads, inside the root; returns it."""
+        from shardforge.infer.load import sources_read
+
+        for other in sources_read(folder):
+            self.resolve(self.folder / other, f"{what} (it reads {other})")
+        return folder

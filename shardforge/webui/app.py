@@ -18,6 +18,7 @@ from shardforge.webui.access import Root
 from shardforge.webui.chat import ChatSession
 from shardforge.webui.runs import RunManager, checkpoints, log_tail, metric_points
 
+CACHE_DIR = ".shardforge-cache/datasets"  # a launched run's dataset cache when its config sets none
 OPEN_SECTIONS = ("run", "model", "data", "method", "train", "checkpoint")
 CSS = """
 mark.sf-target { background: #ffe08a; }
@@ -66,7 +67,7 @@ class WebUI:
         """Form values -> the tree, checked by the config and against the root (ShardforgeError if not)."""
         tree = form.tree_from_values(dict(zip(self.keys, values, strict=True)))
         config = form.check(tree)
-        self.root.check_all(form.paths_in(tree))
+        self.root.check_config(config)
         self.config = config
         return tree
 
@@ -127,6 +128,8 @@ class WebUI:
             tree = self._tree(values)
             run_dir = self.root.resolve(self.config.output_dir, "output_dir")
             overrides = (f"checkpoint.resume={self.root.resolve(resume, 'checkpoint')}",) if resume else ()
+            if self.config.data.cache_dir is None:  # the tokenized cache stays in the root too
+                overrides += (f"data.cache_dir={self.root.folder / CACHE_DIR}",)
             run = self.runs.launch(form.to_yaml(tree), run_dir, int(nproc or 1), overrides)
         except (ShardforgeError, RuntimeError) as exc:
             return f"**error:** {exc}"
@@ -156,8 +159,12 @@ class WebUI:
     # ---- chat and export ---------------------------------------------------------------------------------
     def load_model(self, path: str, adapter: str) -> str:
         try:
-            source = self.root.resolve(path, "model")
-            extra = self.root.resolve(adapter, "adapter") if adapter.strip() else None
+            source = self.root.check_model(self.root.resolve(path, "model"), "model")
+            extra = (
+                self.root.check_model(self.root.resolve(adapter, "adapter"), "adapter")
+                if adapter.strip()
+                else None
+            )
             return self.chat.load(source, extra)
         except (ShardforgeError, OSError) as exc:
             return f"**error:** {exc}"

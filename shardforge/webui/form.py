@@ -25,10 +25,6 @@ from shardforge.errors import ConfigError
 Kind = Literal["text", "int", "number", "bool", "choice", "yaml"]
 REQUIRED = object()  # the default of a key without one (data.train)
 
-# Keys that paths the UI reads or writes come from (checked against --root before anything runs).
-PATH_KEYS = ("output_dir", "model.path", "model.tokenizer", "model.adapter", "data.cache_dir")
-DATASET_PATH_KEYS = ("path", "dataset_info")
-
 # What a command line has that the config tree does not: launch options, not config keys.
 CLI_ONLY = {
     "--nproc": "processes to start (the Runs tab's 'processes')",
@@ -218,28 +214,6 @@ def field_of_error(message: str) -> str | None:
         if inside:
             return inside[0]
     return None
-
-
-def dataset_paths(tree: dict) -> list[tuple[str, str]]:
-    """(key, path) of every path in the tree's dataset lists."""
-    out = []
-    for part in ("train", "eval"):
-        for i, spec in enumerate(tree.get("data", {}).get(part) or []):
-            if isinstance(spec, dict):
-                out += [(f"data.{part}[{i}].{k}", spec[k]) for k in DATASET_PATH_KEYS if spec.get(k)]
-    return out
-
-
-def paths_in(tree: dict) -> list[tuple[str, str]]:
-    """(key, path) of every file or folder the tree names, to check against the UI's root."""
-    out = []
-    for key in PATH_KEYS:
-        node: Any = tree
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node:
-            out.append((key, str(node)))
-    return out + dataset_paths(tree)
 
 
 def read_yaml_file(path: Path) -> dict[str, Any]:

@@ -9,13 +9,17 @@ import json
 import os
 import pty
 import select
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -32,9 +36,7 @@ NO_EOS = {"ignore_eos": True}
 ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("served") / "tiny-chat"
+def _tiny_chat_model(folder, context: int):
     tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
     cfg = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -43,7 +45,7 @@ def model_dir(tmp_path_factory):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
@@ -57,10 +59,27 @@ def model_dir(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _tiny_chat_model(tmp_path_factory.mktemp("served") / "tiny-chat", 256)
+
+
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory):
+    """The same model with a long context: requests that run for many seconds, to leave or cut off."""
+    return _tiny_chat_model(tmp_path_factory.mktemp("served") / "tiny-long", 8192)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class Served(str):
+    """The server's base URL, with its process (its pid, its log once stopped)."""
+
+    proc: subprocess.Popen
 
 
 @contextlib.contextmanager
@@ -70,7 +89,8 @@ def _server(model_dir, *flags: str):
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    base = f"http://127.0.0.1:{port}"
+    base = Served(f"http://127.0.0.1:{port}")
+    base.proc = proc
     try:
         deadline = time.time() + 120
         while True:
@@ -84,8 +104,9 @@ def _server(model_dir, *flags: str):
                 time.sleep(0.3)
         yield base
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -205,44 +226,146 @@ def test_errors_are_openai_shaped(server, client):
     )
 
 
-def test_a_client_gone_mid_stream_frees_its_blocks(server, client):
-    stream = client.completions.create(
+def _rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+
+
+def test_64_concurrent_clients_get_their_own_answers(model_dir):
+    """Each answer equals the same prompt's answer alone; nothing in the log; memory back where it was."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [f"Question number {i}: what is {i} plus {i}?" for i in range(64)]
+    expected = _expected(model_dir, [tokenizer(p)["input_ids"] for p in prompts], 10)
+    with _server(model_dir, "--served-name", "tiny", "--block-size", "8") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def ask(i: int) -> str:
+            reply = client.completions.create(model="tiny", prompt=prompts[i], temperature=0, max_tokens=10)
+            return reply.choices[0].text
+
+        ask(0)
+        first = _rss_kib(base.proc.pid)
+        with ThreadPoolExecutor(64) as pool:
+            for _ in range(2):
+                answers = list(pool.map(ask, range(64)))
+                assert answers == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
+        after = _rss_kib(base.proc.pid)
+        metrics = _metrics(base)
+        assert metrics["shardforge_time_to_first_token_seconds_count"] >= 129
+        assert metrics['shardforge_requests_total{status="finished"}'] >= 129
+        base.proc.send_signal(signal.SIGTERM)
+        log = base.proc.communicate(timeout=60)[0]
+    assert after <= 1.1 * first, (first, after)
+    assert "error" not in log.lower() and "traceback" not in log.lower(), log
+
+
+def _long_request(base: str, stream: bool, timeout: float):
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=timeout)
+    return client.completions.create(
         model="tiny",
         prompt="A long story:",
-        max_tokens=200,
+        max_tokens=6000,
         temperature=1.0,
-        stream=True,
+        stream=stream,
         extra_body=NO_EOS,
     )
-    for i, _ in enumerate(stream):
-        if i == 2:
-            break
-    stream.close()
-    deadline = time.time() + 30
-    while _metrics(server)["shardforge_kv_blocks_in_use"] > 0:
-        assert time.time() < deadline, "the blocks of the abandoned request were not released"
-        time.sleep(0.2)
-    assert _metrics(server)["shardforge_running"] == 0
 
 
-def test_32_concurrent_clients_get_their_own_answers(server, client, model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [f"Question number {i}: what is {i} plus {i}?" for i in range(32)]
-    expected = _expected(model_dir, [tokenizer(p)["input_ids"] for p in prompts], 10)
+def test_clients_that_leave_free_their_blocks_within_a_second(long_model_dir):
+    """8 streaming clients leave after two chunks and 8 others time out waiting for a whole answer: every
+    request is aborted and its KV blocks freed within a second of the last one leaving (from /metrics)."""
+    with _server(long_model_dir, "--served-name", "tiny") as base:
+        together = threading.Event()
 
-    def ask(i: int) -> str:
-        return (
-            client.completions.create(model="tiny", prompt=prompts[i], temperature=0, max_tokens=10)
-            .choices[0]
-            .text
-        )
+        def streaming(_):
+            stream = _long_request(base, True, 60)
+            for i, _chunk in enumerate(stream):
+                if i == 2:
+                    break
+            together.wait(timeout=60)
+            stream.close()
 
-    with ThreadPoolExecutor(32) as pool:
-        answers = list(pool.map(ask, range(32)))
-    assert answers == [tokenizer.decode(e, skip_special_tokens=True) for e in expected]
-    metrics = _metrics(server)
-    assert metrics["shardforge_time_to_first_token_seconds_count"] >= 32
-    assert metrics['shardforge_requests_total{status="finished"}'] >= 32
+        def waiting(_):
+            with pytest.raises(openai.APITimeoutError):
+                _long_request(base, False, 5.0)
+
+        with ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(streaming, i) for i in range(8)] + [
+                pool.submit(waiting, i) for i in range(8)
+            ]
+            deadline = time.time() + 60
+            while _metrics(base)["shardforge_running"] < 16:  # all running together before any leaves
+                assert time.time() < deadline, _metrics(base)
+                time.sleep(0.05)
+            together.set()
+            for future in futures:
+                future.result()
+        left = time.time()
+        while (m := _metrics(base))["shardforge_kv_blocks_in_use"] > 0 or m["shardforge_running"] > 0:
+            assert time.time() - left < 1.0, f"still held 1 s after the clients left: {m}"
+            time.sleep(0.05)
+        assert m['shardforge_requests_total{status="aborted"}'] == 16
+
+
+def test_health_answers_within_100_ms_under_load(long_model_dir):
+    """16 streams decoding and a long prompt being tokenized: /health still answers at once."""
+    with _server(long_model_dir, "--served-name", "tiny") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        streams = [_long_request(base, True, 60) for _ in range(16)]
+        for stream in streams:
+            next(iter(stream))
+
+        def big_prompt():
+            with pytest.raises(openai.APIStatusError) as info:  # tokenized, then too long for the context
+                client.completions.create(model="tiny", prompt="lorem ipsum " * 20_000, max_tokens=2)
+            return info.value.status_code
+
+        with ThreadPoolExecutor(1) as pool:
+            big = pool.submit(big_prompt)
+            waits = []
+            while not big.done() or len(waits) < 30:
+                started = time.perf_counter()
+                with urllib.request.urlopen(f"{base}/health", timeout=10) as r:
+                    assert r.status == 200
+                waits.append(time.perf_counter() - started)
+                time.sleep(0.02)
+            assert big.result() == 413
+        for stream in streams:
+            stream.close()
+    waits.sort()
+    assert waits[-1] < 0.1, f"/health took up to {waits[-1]:.3f} s (median {waits[len(waits) // 2]:.3f} s)"
+
+
+def test_sigterm_cuts_in_flight_requests_after_the_grace_and_exits_0(long_model_dir):
+    with _server(long_model_dir, "--served-name", "tiny", "--shutdown-grace", "1") as base:
+        stream = _long_request(base, True, 60)
+        next(iter(stream))
+        sent = time.time()
+        base.proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(openai.APIError, httpx.HTTPError):
+            for _ in stream:  # the stream is cut once the grace is over
+                pass
+        cut = time.time() - sent
+        assert base.proc.wait(timeout=30) == 0, base.proc.stdout.read()
+        stopped = time.time() - sent
+    assert 0.9 < cut < 6 and stopped < 10, (cut, stopped)
+
+
+def test_a_chunked_body_over_the_limit_gets_413(model_dir):
+    with _server(model_dir, "--served-name", "tiny") as base:
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
+            chunk = b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20))
+            with contextlib.suppress(OSError):  # the server may close before the rest is sent
+                for _ in range(20):
+                    sock.sendall(chunk)
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert _metrics(base)["shardforge_prompt_tokens_total"] == 0
 
 
 def test_a_full_queue_answers_429(model_dir):
@@ -252,13 +375,13 @@ def test_a_full_queue_answers_429(model_dir):
         def ask(_):
             try:
                 client.completions.create(model="tiny", prompt="go", max_tokens=64, extra_body=NO_EOS)
-                return 200
-            except openai.RateLimitError:
-                return 429
+                return 200, None
+            except openai.RateLimitError as exc:
+                return 429, exc.response.headers.get("retry-after")
 
         with ThreadPoolExecutor(6) as pool:
-            codes = list(pool.map(ask, range(6)))
-        assert 429 in codes and 200 in codes
+            answers = list(pool.map(ask, range(6)))
+        assert (429, "1") in answers and (200, None) in answers
 
 
 def test_serve_beyond_loopback_needs_a_key(model_dir):

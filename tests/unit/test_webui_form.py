@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import re
+import types
+import typing
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from shardforge.config import load_config
+from shardforge.config.paths import file_refs
+from shardforge.config.schema import Config
 from shardforge.errors import ConfigError
 from shardforge.webui import form
 from shardforge.webui.access import AUTH_ENV, Root, require_auth
@@ -110,15 +116,94 @@ def test_paths_stay_inside_the_root(tmp_path):
     (tmp_path / "link").symlink_to("/etc")
     with pytest.raises(ConfigError, match=r"'link/passwd' is outside"):
         root.resolve("link/passwd")
-    datasets = [{"path": "d.jsonl"}, {"name": "n", "dataset_info": "../info.json"}]
-    tree = {"output_dir": "runs/x", "model": {"path": "/models/m"}, "data": {"train": datasets}}
-    assert form.paths_in(tree) == [("output_dir", "runs/x"), ("model.path", "/models/m"),
-                                   ("data.train[0].path", "d.jsonl"),
-                                   ("data.train[1].dataset_info", "../info.json")]  # fmt: skip
-    with pytest.raises(ConfigError, match=r"model.path '/models/m' is outside"):
-        root.check_all(form.paths_in(tree))
     with pytest.raises(ConfigError, match="no such folder"):
         Root(tmp_path / "missing")
+
+
+def _schema_path_keys(section: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every key of the schema whose type marks a file or folder (FileRef), by walking the section classes."""
+    keys = set()
+    for name, info in section.model_fields.items():
+        annotation = info.annotation
+        if "FileRef(" in repr(info.metadata) + repr(annotation):
+            keys.add(prefix + name)
+        listed = typing.get_origin(annotation) is list
+        options = typing.get_args(annotation) if listed or typing.get_origin(annotation) else (annotation,)
+        for inner in options:
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                keys |= _schema_path_keys(inner, f"{prefix}{name}{'[]' if listed else ''}.")
+    return keys
+
+
+def _config_naming(values: dict[str, str]):
+    """A config that sets every path-valued key of the schema (each to its value in `values`)."""
+    tree = {
+        "output_dir": values["output_dir"],
+        "model": {"path": values["model.path"], "tokenizer": values["model.tokenizer"],
+                  "adapter": values["model.adapter"]},
+        "data": {
+            "train": [{"path": values["data.train[].path"]},
+                      {"name": "n", "dataset_info": values["data.train[].dataset_info"]}],
+            "eval": [{"path": values["data.eval[].path"]},
+                     {"name": "n", "dataset_info": values["data.eval[].dataset_info"]}],
+            "cache_dir": values["data.cache_dir"],
+        },
+        "method": {
+            "stage": "ppo", "finetuning": "lora",
+            "pref": {"ref": values["method.pref.ref"]},
+            "ppo": {"critic": values["method.ppo.critic"]},
+            "rl": {"rewards": [{"model": values["method.rl.rewards[].model"]}]},
+        },
+        "checkpoint": {"resume": values["checkpoint.resume"]},
+        "log": {"tracking_uri": values["log.tracking_uri"]},
+    }  # fmt: skip
+    return Config.model_validate(tree)
+
+
+def test_every_path_valued_key_is_kept_inside_the_root(tmp_path):
+    """Found by its type in the schema, not by a list of names: each key set outside the root is refused,
+    naming the key; inside, all pass."""
+    keys = _schema_path_keys(Config)
+    assert {"method.pref.ref", "method.ppo.critic", "checkpoint.resume", "log.tracking_uri"} <= keys
+    root = Root(tmp_path)
+    inside = {key: f"in/{key.replace('[]', '')}" for key in keys}
+    config = _config_naming(inside)
+    assert {re.sub(r"\[\d+\]", "[]", key) for key, _, _ in file_refs(config)} == keys
+    root.check_config(config)
+    for key in sorted(keys):
+        with pytest.raises(
+            ConfigError, match=rf"{re.escape(key.split('[]')[0])}.* is outside the web UI's root"
+        ):
+            root.check_config(_config_naming({**inside, key: "/elsewhere/x"}))
+    # words that are settings, and URLs, name no path
+    settings = {**inside, "method.pref.ref": "auto", "method.ppo.critic": "head", "checkpoint.resume": "none"}
+    root.check_config(_config_naming({**settings, "log.tracking_uri": "http://mlflow:5000"}))
+    with pytest.raises(ConfigError, match=r"log\.tracking_uri"):
+        root.check_config(_config_naming({**settings, "log.tracking_uri": "file:///elsewhere/mlruns"}))
+
+
+def test_a_model_inside_the_root_that_reads_a_folder_outside_is_refused(tmp_path):
+    root = Root(tmp_path / "root") if (tmp_path / "root").mkdir() is None else None
+    adapter = tmp_path / "root" / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"base_model_name_or_path": str(tmp_path / "base")})
+    )
+    with pytest.raises(ConfigError, match=r"adapter.*it reads .*base.* is outside"):
+        root.check_model(adapter, "adapter")
+    run = tmp_path / "root" / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "../../base"}))
+    with pytest.raises(ConfigError, match="is outside"):
+        root.check_model(run, "model")
+    (tmp_path / "root" / "base").mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "base"}))
+    assert root.check_model(adapter, "adapter") == adapter
+    values = {key: "in/x" for key in _schema_path_keys(Config)} | {"model.adapter": str(adapter)}
+    root.check_config(_config_naming(values))
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/elsewhere/base"}))
+    with pytest.raises(ConfigError, match=r"model.adapter \(it reads /elsewhere/base\)"):
+        root.check_config(_config_naming(values))
 
 
 def test_beyond_loopback_the_ui_needs_a_password(monkeypatch):
@@ -146,3 +231,24 @@ def test_the_command_refuses_a_public_host_without_a_password(monkeypatch, capsy
     assert main(["webui", "--host", "0.0.0.0"]) == 2
     assert "give --auth USER:PASSWORD" in capsys.readouterr().err
     assert main(["webui", "--root", "/no/such/folder"]) == 2
+
+
+def test_a_launched_run_keeps_its_dataset_cache_inside_the_root(monkeypatch):
+    from shardforge.webui.app import CACHE_DIR, WebUI
+
+    monkeypatch.chdir(REPO)
+    ui = WebUI(Root(REPO))
+    launched = {}
+
+    def launch(*args):
+        launched["args"] = args
+        return types.SimpleNamespace(command=["python", "-m", "shardforge", "train"])
+
+    monkeypatch.setattr(ui.runs, "launch", launch)
+    values = form.values_from_config(load_config("examples/demo.yaml"))
+    message = ui.launch(1, None, *(values[k] for k in ui.keys))
+    assert "error" not in message, message
+    assert launched["args"][3] == (f"data.cache_dir={REPO / CACHE_DIR}",)
+    values["data.cache_dir"] = "my-cache"
+    ui.launch(1, None, *(values[k] for k in ui.keys))
+    assert launched["args"][3] == ()

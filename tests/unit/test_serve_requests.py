@@ -1,0 +1,327 @@
+"""The server's answer to every request body a client may send, in-process (the ASGI app over a tiny model):
+generated bodies never get a 5xx and never hang, and each field is checked as the OpenAI API documents it,
+with its name as the error's `param`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from starlette.testclient import TestClient
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.load import load_for_inference
+from shardforge.infer.runner import EngineRunner
+from shardforge.infer.server import MAX_BODY_BYTES, build_app
+from tests.conftest import REPO
+
+CONTEXT = 96
+GEMMA_LIKE = (  # Gemma's and Mistral's templates refuse a system turn / roles that do not alternate
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("requests") / "tiny"
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=CONTEXT,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return load_for_inference(folder)
+
+
+@pytest.fixture(scope="module")
+def app(loaded):
+    engine = Engine(
+        loaded.model, loaded.tokenizer, EngineConfig(block_size=8, num_blocks=512), loaded.defaults
+    )
+    runner = EngineRunner(engine)
+    yield build_app(loaded, runner, "tiny")
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _chat(client, **fields):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def _completion(client, **fields):
+    return client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4, **fields})
+
+
+def _refused(response, param: str, status: int = 400) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert error["type"] and error["message"]
+    return error["message"]
+
+
+# ---- generated bodies -------------------------------------------------------------------------------------
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+wild = (
+    json_values
+    | st.sampled_from([2**63 - 1, 2**63, -(2**63), 10**30, "0.5", "true", 1e308, -1e308, -1, 0, 21, 129])
+    | st.dictionaries(st.integers(-5, 2000).map(str), st.floats(-150, 150), max_size=3)
+)
+plausible = {  # values a client may well send; each field is sometimes wild instead
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "n": st.integers(1, 4),
+    "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 1023).map(str), st.floats(-100, 100), max_size=3),
+    "top_k": st.integers(-1, 50),
+    "min_p": st.floats(0, 1),
+    "repetition_penalty": st.floats(0.5, 2),
+    "min_tokens": st.integers(0, 8),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 1023), max_size=3),
+    "user": st.text(max_size=8),
+    "max_tokens": st.integers(1, 12),
+    "max_completion_tokens": st.integers(1, 12),
+    "logprobs": st.booleans() | st.integers(0, 5),
+    "top_logprobs": st.integers(0, 5),
+    "echo": st.booleans(),
+    "response_format": st.just({"type": "text"}),
+    "tools": st.just([]),
+    "best_of": st.just(1),
+    "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2),
+    "store": st.booleans(),
+}
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user"] * 6 + ["assistant", "system", "tool", "wizard", 3])},
+    optional={
+        "content": st.text(max_size=30)
+        | st.text(max_size=30)
+        | st.none()
+        | st.lists(
+            st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": json_values})
+        )
+        | json_values
+    },
+)
+fields = {name: st.sampled_from([good] * 9 + [wild]).flatmap(lambda s: s) for name, good in plausible.items()}
+model = st.sampled_from(["tiny"] * 8 + ["other", 7])
+chat_bodies = st.fixed_dictionaries(
+    {"model": model, "messages": st.lists(message, min_size=1, max_size=3) | json_values}, optional=fields
+)
+prompts = (
+    st.text(max_size=30)
+    | st.lists(st.integers(-2, 1100), max_size=6)
+    | st.lists(st.lists(st.integers(0, 1023), max_size=3), max_size=2)
+    | json_values
+)
+completion_bodies = st.fixed_dictionaries({"model": model, "prompt": prompts}, optional=fields)
+requests = (
+    st.tuples(st.just("/v1/chat/completions"), chat_bodies)
+    | st.tuples(st.just("/v1/completions"), completion_bodies)
+    | st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), json_values)
+)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(request=requests)
+def test_generated_bodies_never_get_a_5xx_or_hang(client, request):
+    path, body = request
+    started = time.monotonic()
+    response = client.post(path, content=json.dumps(body))
+    assert response.status_code < 500, (body, response.text)
+    assert time.monotonic() - started < 30, body
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    elif "text/event-stream" in response.headers["content-type"]:
+        assert response.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert response.json()["choices"] is not None
+    assert client.get("/health").json() == {"status": "ok"}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(raw=st.binary(max_size=64) | st.text(max_size=64).map(str.encode))
+def test_bytes_that_are_not_json_get_a_400(client, raw):
+    response = client.post("/v1/chat/completions", content=raw)
+    assert response.status_code in (400, 404), raw
+
+
+# ---- named cases ------------------------------------------------------------------------------------------
+def test_json_nested_50000_deep_is_a_400(client):
+    response = client.post("/v1/chat/completions", content=b'{"model": "tiny", "x": ' + b"[" * 50_000)
+    assert "not valid JSON" in _refused(response, "body")
+    nested = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi", "x": ' + b"[" * 5000
+    response = client.post("/v1/chat/completions", content=nested + b"]" * 5000 + b"}]}")
+    assert response.status_code == 400
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 9_300_000_000_000, 0])
+def test_any_int64_seed_samples_and_repeats(client, seed):
+    first = _completion(client, seed=seed, temperature=1.0, max_tokens=6, ignore_eos=True)
+    assert first.status_code == 200, first.text
+    again = _completion(client, seed=seed, temperature=1.0, max_tokens=6, ignore_eos=True)
+    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
+
+
+def test_a_seed_beyond_int64_is_refused_by_name(client):
+    _refused(_completion(client, seed=2**63, temperature=1.0), "seed")
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_naming_them(client, loaded):
+    original = loaded.tokenizer.chat_template
+    loaded.tokenizer.chat_template = GEMMA_LIKE
+    try:
+        system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        assert "System role not supported" in _refused(_chat(client, messages=system), "messages")
+        twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        assert "alternate" in _refused(_chat(client, messages=twice), "messages")
+        assert _chat(client).status_code == 200
+    finally:
+        loaded.tokenizer.chat_template = original
+
+
+def _greedy_tokens(client, **fields) -> list[str]:
+    response = _completion(
+        client, prompt=[5, 6, 7], temperature=0, max_tokens=5, ignore_eos=True, logprobs=0, **fields
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def test_logit_bias_is_applied(client, loaded):
+    plain = _greedy_tokens(client)
+    first = loaded.tokenizer.convert_tokens_to_ids(loaded.tokenizer.tokenize(plain[0]))[0]
+    banned = _greedy_tokens(client, logit_bias={str(first): -100})
+    assert plain[0] not in banned, (plain, banned)
+    forced = _greedy_tokens(client, logit_bias={"42": 100})
+    assert forced == [loaded.tokenizer.decode([42])] * 5
+    seeded = _completion(
+        client, temperature=1.0, seed=3, logit_bias={"42": 100}, max_tokens=4, ignore_eos=True
+    )
+    assert seeded.json()["choices"][0]["text"] == loaded.tokenizer.decode([42] * 4)
+
+
+@pytest.mark.parametrize("bias", [{"1024": 1}, {"-1": 1}, {"abc": 1}, {"5": 101}, {"5": -100.5}], ids=str)
+def test_a_bad_logit_bias_is_refused_by_name(client, bias):
+    _refused(_chat(client, logit_bias=bias), "logit_bias")
+
+
+def test_top_logprobs_is_checked_under_its_own_name(client):
+    assert "logprobs" in _refused(_chat(client, top_logprobs=2), "top_logprobs")
+    assert "[0, 20]" in _refused(_chat(client, logprobs=True, top_logprobs=21), "top_logprobs")
+    response = _chat(client, logprobs=True, top_logprobs=3)
+    assert len(response.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+
+
+def test_min_tokens_is_checked_against_max_tokens_and_the_context(client):
+    _refused(_chat(client, min_tokens=5, max_tokens=4), "min_tokens")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 10_000}
+    assert "context" in _refused(client.post("/v1/chat/completions", json=body), "min_tokens")
+
+
+def test_max_tokens_is_filled_from_the_context(client, loaded):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    response = client.post("/v1/chat/completions", json=body).json()
+    usage = response["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT
+    assert response["choices"][0]["finish_reason"] == "length"
+    assert "context" in _refused(_chat(client, max_tokens=CONTEXT), "messages", 413)
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [[1, 2], []]], ids=str)
+def test_an_empty_prompt_is_refused(client, prompt):
+    _refused(_completion(client, prompt=prompt), "prompt")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("audio", {"voice": "alloy"}),
+        ("reasoning_effort", "high"),
+    ],
+)
+def test_an_unimplemented_field_is_refused_by_name(client, field, value):
+    assert "not supported" in _refused(_chat(client, **{field: value}), field)
+
+
+def test_neutral_values_of_unimplemented_fields_are_accepted(client):
+    assert _chat(client, response_format={"type": "text"}, tools=[], tool_choice="none").status_code == 200
+    assert _completion(client, best_of=1, suffix="").status_code == 200
+    _refused(_completion(client, suffix="!"), "suffix")
+    _refused(_completion(client, best_of=3), "best_of")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", "0.5"), ("stream", "yes"), ("n", 1.5), ("max_tokens", True), ("stop", 3), ("seed", "1")],
+)
+def test_values_of_the_wrong_type_are_refused_by_name(client, field, value):
+    _refused(_chat(client, **{field: value}), field)
+
+
+def test_an_unknown_role_is_refused_by_name(client):
+    _refused(_chat(client, messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role")
+
+
+def test_bodies_over_the_limit_are_refused_while_read(client):
+    chunk = b" " * (1 << 20)
+
+    def chunks():
+        for _ in range(MAX_BODY_BYTES // len(chunk) + 2):
+            yield chunk
+
+    assert client.post("/v1/completions", content=chunks()).status_code == 413
+    response = client.post(
+        "/v1/completions", content=b"{}", headers={"content-length": str(MAX_BODY_BYTES + 1)}
+    )
+    assert response.status_code == 413
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(client):
+    started = time.monotonic()
+    response = _completion(client, prompt="word " * 1_000_000)
+    assert response.status_code == 413 and time.monotonic() - started < 2
+    assert response.json()["error"]["code"] == "context_length_exceeded"
