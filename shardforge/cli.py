@@ -238,7 +238,9 @@ def _engine_for(args: argparse.Namespace, console: Console):
         max_step_tokens=args.max_step_tokens,
     )
     console.print(f"loading {args.model}" + (f" over {args.tp} tensor-parallel ranks" if args.tp > 1 else ""))
-    return inference_engine(args.model, args.adapter, args.dtype, args.device, config, args.tp)
+    return inference_engine(
+        args.model, args.adapter, args.dtype, args.device, config, args.tp, prepack=not args.no_prepack
+    )
 
 
 def _as_ranks(args: argparse.Namespace) -> int | None:
@@ -334,6 +336,11 @@ def _inference_flags(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     p.add_argument("--max-running", type=_at_least(1), default=64, help="sequences decoded together")
     p.add_argument("--max-step-tokens", type=_at_least(1), default=512, help="tokens computed per step")
     p.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel ranks (the training TP plan)")
+    p.add_argument(
+        "--no-prepack",
+        action="store_true",
+        help="keep the weights in their plain layout (by default, on CPU, they are laid out once for oneDNN)",
+    )
     if sampling:
         p.add_argument("--max-tokens", type=_at_least(1), default=None, help="new tokens at most")
         p.add_argument("--temperature", type=float, default=None, help="0: greedy")

@@ -35,11 +35,17 @@ from shardforge.infer.text import TextStream
 
 
 class RequestError(ShardforgeError):
-    """A request the engine cannot take (a duplicate id, an empty prompt)."""
+    """A request the engine cannot take (a duplicate id, an empty prompt); `param`: the request field at
+    fault (prompt or max_tokens), for an API's error."""
+
+    def __init__(self, message: str, param: str | None = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class TooLong(RequestError):
-    """The prompt and its new tokens do not fit the model's context or the KV cache (HTTP 413)."""
+    """The prompt and its new tokens do not fit the model's context or the KV cache (the OpenAI API's
+    context_length_exceeded)."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ class Engine:
     def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> SamplingParams:
         """Queue a request; returns its parameters as filled from the model's defaults."""
         if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already running")
+            raise RequestError(f"request id {request_id!r} is already running", None)
         params = self.check(prompt, params)
         first = self._sequence(request_id, 0, prompt, params)
         request = _Request(request_id, params, params.n - 1)
@@ -152,7 +158,8 @@ class Engine:
         if params.max_tokens is not None and params.max_tokens > room:
             raise TooLong(
                 f"max_tokens={params.max_tokens} and the prompt's {len(prompt)} tokens exceed the model's "
-                f"context of {self.context} tokens (at most {room} new tokens fit)"
+                f"context of {self.context} tokens (at most {room} new tokens fit)",
+                "max_tokens",
             )
         if params.min_tokens > max_tokens:
             raise SamplingError(
@@ -160,11 +167,19 @@ class Engine:
                 f"context of {self.context} leaves after the prompt's {len(prompt)}",
                 "min_tokens",
             )
+        eos = () if params.ignore_eos else self.defaults.eos_token_ids
+        if params.min_tokens and len({*eos, *params.stop_token_ids}) >= self.model.config.vocab_size:
+            raise SamplingError(
+                "stop_token_ids and the end-of-sequence tokens cover the whole vocabulary: no token may come "
+                "before min_tokens",
+                "stop_token_ids",
+            )
         capacity = self.blocks.num_blocks * self.config.block_size
         if len(prompt) + max_tokens > capacity:
             raise TooLong(
                 f"the prompt's {len(prompt)} tokens and {max_tokens} new ones exceed the KV cache's "
-                f"{capacity} slots; give the engine more blocks or ask for fewer tokens"
+                f"{capacity} slots; give the engine more blocks or ask for fewer tokens",
+                "max_tokens",
             )
         return replace(params, max_tokens=max_tokens)
 
@@ -199,7 +214,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        chunks = [Chunk(list(s.blocks), s.computed, n) for s, n in plan]
+        chunks = [Chunk(list(s.blocks), s.computed, n, list(s.copy_from)) for s, n in plan]
         ids = [t for s, n in plan for t in s.tokens[s.computed : s.computed + n]]
         last, ends, offset = [], [], 0
         for seq, n in plan:

@@ -14,7 +14,7 @@ slice beats any gather where the keys are long (a 64-request burst of 50M ran 1.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -44,6 +44,14 @@ class PagedKV:
             self.values[layer] = like.new_zeros(shape)
         return self.keys[layer], self.values[layer]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks (source, destination) in every layer this pool holds."""
+        size = self.block_size
+        src = torch.tensor([s * size + i for s, _ in pairs for i in range(size)])
+        dst = torch.tensor([d * size + i for _, d in pairs for i in range(size)])
+        for pool in (*self.keys.values(), *self.values.values()):
+            pool[:, :, dst.to(pool.device)] = pool[:, :, src.to(pool.device)]
+
     @staticmethod
     def bytes_per_block(cfg: DecoderConfig, block_size: int, dtype: torch.dtype) -> int:
         """Keys and values of one block over all layers (under TP each rank holds 1/tp of it)."""
@@ -55,11 +63,12 @@ class PagedKV:
 @dataclass
 class Chunk:
     """One sequence's part of a step: its block table, how many of its tokens are cached already, and how
-    many this step adds."""
+    many this step adds; `copy_from`: cached blocks whose keys and values its first blocks take first."""
 
     blocks: list[int]
     start: int
     length: int
+    copy_from: list[int] = field(default_factory=list)
 
 
 Where = tuple[int, int] | torch.Tensor  # a sequence's keys in the pool: one slice, or the slots in order
@@ -170,6 +179,9 @@ class PagedStep:
     def __init__(self, kv: PagedKV, chunks: list[Chunk], device: torch.device) -> None:
         self.kv, self.device = kv, device
         bs = kv.block_size
+        copies = [pair for c in chunks for pair in zip(c.copy_from, c.blocks, strict=False)]
+        if copies:
+            kv.copy_blocks(copies)
         positions = [np.arange(c.start, c.start + c.length) for c in chunks]
         slots = [np.asarray(c.blocks)[p // bs] * bs + p % bs for c, p in zip(chunks, positions, strict=True)]
         self.slots = self._put(np.concatenate(slots))  # [T]: where this step's keys and values go

@@ -7,6 +7,7 @@ API does not document is ignored, as OpenAI-compatible servers do, and logged.""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -14,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from shardforge.infer.sampling import SamplingError, SamplingParams
 
 log = logging.getLogger(__name__)
+_TOKEN_ID = re.compile(r"-?[0-9]{1,12}")  # ASCII digits only: int() would also read "٣" and refuse "²"
+
+# Bounds on lists a client may send, so that one request cannot slow every step of the others (each stop
+# string is searched for in every new piece of text): OpenAI documents up to 4 stop strings; vLLM takes more.
+MAX_STOP, MAX_STOP_CHARS, MAX_BIAS, MAX_MESSAGES = 16, 256, 1024, 8192
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -31,19 +37,19 @@ class _Common(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_BIAS)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_BIAS)
     # documented, and with no effect on what is generated: accepted and ignored
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -61,6 +67,11 @@ class _Common(BaseModel):
             value = getattr(self, name)
             if value is not None and value not in neutral:
                 raise SamplingError(f"{name} is not supported by this server (got {value!r})", name)
+        if self.stream_options is not None and not self.stream:
+            raise SamplingError("stream_options is only allowed with stream: true", "stream_options")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise SamplingError(f"stop: a stop string is longer than {MAX_STOP_CHARS} characters", "stop")
         if self.model_extra:
             log.warning("ignored request fields the OpenAI API does not have: %s", sorted(self.model_extra))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -88,8 +99,10 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """The API's {"token id": bias} map as (id, bias) pairs (ids written as decimal integers)."""
     pairs: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        if not key.strip().lstrip("-").isdigit():
-            raise SamplingError(f"logit_bias: the key {key!r} is not a token id (an integer)", "logit_bias")
+        if not _TOKEN_ID.fullmatch(key):
+            raise SamplingError(
+                f"logit_bias: the key {key[:40]!r} is not a token id (an integer)", "logit_bias"
+            )
         pairs[int(key)] = value
     return tuple(sorted(pairs.items()))
 
@@ -121,7 +134,7 @@ class Message(BaseModel):
 
 
 class ChatRequest(_Common):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -167,11 +180,15 @@ class ChatRequest(_Common):
         try:
             return self.sampling(limit, (self.top_logprobs or 0) if self.logprobs else None)
         except SamplingError as exc:
-            if exc.param == "max_tokens" and self.max_completion_tokens is not None:
-                raise SamplingError(
-                    str(exc).replace("max_tokens", "max_completion_tokens"), exc.param
-                ) from None
+            if exc.param == "max_tokens" and self.limit_field == "max_completion_tokens":
+                message = str(exc).replace("max_tokens", "max_completion_tokens")
+                raise SamplingError(message, "max_completion_tokens") from None
             raise
+
+    @property
+    def limit_field(self) -> str:
+        """The field that set the new-token limit (the engine's errors call it max_tokens)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 class CompletionRequest(_Common):
@@ -185,7 +202,15 @@ class CompletionRequest(_Common):
     def unsupported(self) -> dict[str, Any]:
         return {"suffix": ("",), "best_of": (1, self.n)}
 
+    @property
+    def limit_field(self) -> str:
+        return "max_tokens"
+
     def params(self) -> SamplingParams:
+        if self.echo and self.logprobs is not None:
+            raise SamplingError(
+                "echo with logprobs is not supported (it needs the prompt tokens' log-probabilities)", "echo"
+            )
         return self.sampling(self.max_tokens, self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:

@@ -23,6 +23,10 @@ class QueueFull(RequestError):
     """More requests wait than the server takes: the client should retry later (HTTP 429)."""
 
 
+class Unavailable(RequestError):
+    """The engine stopped on an error, or the server is shutting down (HTTP 503)."""
+
+
 @dataclass
 class Timing:
     """When a request arrived and when each of its tokens came (for the latency histograms)."""
@@ -96,13 +100,13 @@ class EngineRunner:
         """Queue a request; its updates arrive on the returned stream. Raises RequestError / SamplingError
         for a bad one (checked here, before it is queued), QueueFull when the queue is full."""
         if self.error is not None:
-            raise RuntimeError(f"the engine stopped on an error: {self.error!r}")
+            raise Unavailable(f"the engine stopped on an error: {self.error!r}", None)
         if self.stopping:
-            raise QueueFull("the server is shutting down")
+            raise Unavailable("the server is shutting down", None)
         params = self.engine.check(prompt, params)
         with self.count_lock:
             if len(self.pending) >= self.max_waiting:
-                raise QueueFull(f"{self.max_waiting} requests are waiting already; retry later")
+                raise QueueFull(f"{self.max_waiting} requests are waiting already; retry later", None)
             self.pending.add(request_id)
         updates: asyncio.Queue = asyncio.Queue()
         self.inbox.put(("add", request_id, prompt, params, _Sink(loop, updates, Timing())))
@@ -142,7 +146,7 @@ class EngineRunner:
                 self._end(request_id, "aborted")
         except BaseException as exc:  # a bug: fail every request rather than hang them
             self.error = exc
-            log.exception("the engine stopped on an error")
+            log.exception("the engine stopped on an error: %r", exc)
             for request_id in list(self.sinks):
                 self._end(request_id, "failed")
 

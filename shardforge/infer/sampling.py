@@ -22,10 +22,13 @@ class SamplingError(ShardforgeError):
         self.param = param
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """None means unset: the model's generation_config.json gives the value, else the neutral one.
-    `temperature` 0 means greedy (as in the OpenAI API and vLLM)."""
+    `temperature` 0 (below 1e-5) means greedy (as in the OpenAI API and vLLM)."""
 
     max_tokens: int | None = None
     min_tokens: int = 0
@@ -91,7 +94,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small that dividing by it would overflow (vLLM's threshold)."""
+        return self.temperature is not None and self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)

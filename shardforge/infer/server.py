@@ -21,13 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardforge.errors import ConfigError
 from shardforge.infer.engine import RequestError, TooLong, Update
 from shardforge.infer.load import Loaded
 from shardforge.infer.offline import chat_text, token_ids
 from shardforge.infer.protocol import ChatRequest, CompletionRequest, validation_message
-from shardforge.infer.runner import EngineRunner, QueueFull, RequestStream, Timing
+from shardforge.infer.runner import EngineRunner, QueueFull, RequestStream, Timing, Unavailable
 from shardforge.infer.sampling import SamplingError
 
 MAX_BODY_BYTES = 8 << 20
@@ -133,7 +134,8 @@ class Guard:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        if self.api_key is not None and (scheme.lower() != "bearer" or key != self.api_key):
             error = APIError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
             return await error.response()(scope, receive, send)
         declared = headers.get("content-length", "0")
@@ -159,7 +161,10 @@ class Guard:
                 return {"type": "http.request", "body": bytes(body), "more_body": False}
             return await receive()  # after the body: the disconnect, when it comes
 
-        return await self.app(scope, replay, send)
+        try:
+            return await self.app(scope, replay, send)
+        except asyncio.CancelledError:  # the shutdown grace is over: the request was aborted as it stopped
+            return None
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -195,7 +200,14 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
     runner.on_finish = metrics.finished
     created = int(time.time())
 
-    @app.get("/health")
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing errors (no such route, a method it does not take) in the API's shape too."""
+        return APIError(
+            exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers
+        ).response()
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Any:
         if runner.error is not None:
             return JSONResponse({"status": "error", "error": repr(runner.error)}, status_code=503)
@@ -207,13 +219,25 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             generate_latest(metrics.registry).decode(), media_type="text/plain; version=0.0.4"
         )
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
         return {"object": "list", "data": [_model_card(served_name, created)]}
 
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Any:
+        if model != served_name:
+            return APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {served_name!r}",
+                "invalid_request_error",
+                param="model",
+                code="model_not_found",
+            ).response()
+        return _model_card(served_name, created)
+
     async def parse(request: Request, kind: type) -> Any:
         try:
-            parsed = kind.model_validate_json(await request.body())
+            parsed = await asyncio.to_thread(kind.model_validate_json, await request.body())
         except ValidationError as exc:
             message, where = validation_message(exc)
             raise APIError(400, message, "invalid_request_error", param=where) from None
@@ -227,13 +251,14 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             )
         return parsed
 
-    def tokens_of(text: str, special: bool) -> list[int]:
+    def tokens_of(text: str, special: bool, field: str) -> list[int]:
         """A text's token ids, off the event loop (the tokenizer lets other threads run meanwhile)."""
         if len(text) > max_chars:
             raise APIError(
-                413,
+                400,
                 f"the prompt has {len(text)} characters: more tokens than the model's context of {context}",
                 "invalid_request_error",
+                param=field,
                 code="context_length_exceeded",
             )
         return token_ids(tokenizer, text, special)
@@ -248,9 +273,10 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
                 "invalid_request_error",
                 param="messages",
             ) from None
-        return tokens_of(text, special=False)
+        return tokens_of(text, False, "messages")
 
-    def submit(request_id: str, prompt: list[int], params: Any) -> RequestStream:
+    def submit(request_id: str, prompt: list[int], params: Any, body: Any, field: str) -> RequestStream:
+        """Queue a request; `field`: the request's prompt field (messages or prompt), for errors."""
         try:
             stream = runner.submit(request_id, prompt, params, asyncio.get_running_loop())
         except QueueFull as exc:
@@ -258,13 +284,16 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             raise APIError(
                 429, str(exc), "rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"}
             ) from None
+        except Unavailable as exc:
+            raise APIError(503, str(exc), "service_unavailable", headers={"Retry-After": "5"}) from None
         except SamplingError as exc:
             metrics.requests.labels("rejected").inc()
             raise APIError(400, str(exc), "invalid_request_error", param=exc.param) from None
         except RequestError as exc:
             metrics.requests.labels("rejected").inc()
-            status, code = (413, "context_length_exceeded") if isinstance(exc, TooLong) else (400, None)
-            raise APIError(status, str(exc), "invalid_request_error", param="messages", code=code) from None
+            code = "context_length_exceeded" if isinstance(exc, TooLong) else None
+            param = {"prompt": field, "max_tokens": body.limit_field}.get(exc.param or "", exc.param)
+            raise APIError(400, str(exc), "invalid_request_error", param=param, code=code) from None
         metrics.prompt_tokens.inc(len(prompt))
         return stream
 
@@ -276,7 +305,7 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             prompt = await asyncio.to_thread(chat_prompt, messages)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            stream = submit(rid, prompt, params)
+            stream = submit(rid, prompt, params, body, "messages")
         except SamplingError as exc:
             return APIError(400, str(exc), "invalid_request_error", param=exc.param).response()
         except APIError as exc:
@@ -289,6 +318,8 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             choices, completion_tokens = await until_disconnected(request, _collect(stream, params.n))
         except ClientGone:
             return None
+        except asyncio.CancelledError:  # the shutdown grace is over
+            return _shutting_down()
         finally:
             stream.close()
         out = []
@@ -314,7 +345,7 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
                     400, "prompt: a token id is out of the vocabulary", "invalid_request_error", "prompt"
                 )
             return prompt
-        return tokens_of(prompt, special=True)
+        return tokens_of(prompt, True, "prompt")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -323,6 +354,14 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             body = await parse(request, CompletionRequest)
             params = body.params()
             texts = body.prompts()
+            if len(texts) > runner.max_waiting:
+                raise APIError(
+                    400,
+                    f"prompt: {len(texts)} prompts in one request; this server queues at most "
+                    f"{runner.max_waiting} (--max-waiting)",
+                    "invalid_request_error",
+                    param="prompt",
+                )
             if body.stream and len(texts) > 1:
                 raise APIError(
                     400,
@@ -333,7 +372,7 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             prompts = await asyncio.to_thread(lambda: [encode(p) for p in texts])
             rid = f"cmpl-{uuid.uuid4().hex}"
             for i, p in enumerate(prompts):
-                streams.append(submit(f"{rid}-{i}", p, params))
+                streams.append(submit(f"{rid}-{i}", p, params, body, "prompt"))
         except (SamplingError, APIError) as exc:
             for stream in streams:
                 stream.close()
@@ -344,7 +383,11 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
         prompt_tokens = sum(map(len, prompts))
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(_completion_chunks(head, streams[0], prompt_tokens, usage), streams)
+            echo = tokenizer.decode(prompts[0]) if body.echo else ""
+            chunks = _completion_chunks(
+                head, streams[0], prompt_tokens, usage, echo, body.logprobs, tokenizer
+            )
+            return _sse(chunks, streams)
 
         async def collect_all() -> list[tuple[dict[int, dict], int]]:
             return [await _collect(stream, params.n) for stream in streams]
@@ -353,6 +396,8 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             collected = await until_disconnected(request, collect_all())
         except ClientGone:
             return None
+        except asyncio.CancelledError:  # the shutdown grace is over
+            return _shutting_down()
         finally:
             for stream in streams:
                 stream.close()
@@ -382,6 +427,12 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
         }
 
     return app
+
+
+def _shutting_down() -> JSONResponse:
+    return APIError(
+        503, "the server is shutting down: the request was aborted", "service_unavailable"
+    ).response()
 
 
 def _model_card(name: str, created: int) -> dict:
@@ -450,17 +501,32 @@ async def _chat_chunks(
 
 
 async def _completion_chunks(
-    head: dict, updates: AsyncIterator[Update], prompt_tokens: int, usage: bool
+    head: dict,
+    updates: AsyncIterator[Update],
+    prompt_tokens: int,
+    usage: bool,
+    echo: str,
+    logprobs: int | None,
+    tokenizer: Any,
 ) -> AsyncIterator[dict]:
     base = {**head, "object": "text_completion"}
     made = 0
+    sent: dict[int, int] = {}  # characters of each completion sent so far
     async for u in updates:
         made += len(u.tokens)
-        if u.text or u.finish_reason:
+        text = u.text
+        if echo and u.index not in sent:  # each completion's first piece starts with the prompt
+            text = echo + text
+        at = sent.get(u.index, 0)
+        sent[u.index] = at + len(text)
+        if text or u.finish_reason or logprobs is not None:
+            scores = (
+                _completion_logprobs(u.logprobs, u.tokens, tokenizer, at) if logprobs is not None else None
+            )
             yield {
                 **base,
                 "choices": [
-                    {"index": u.index, "text": u.text, "finish_reason": u.finish_reason, "logprobs": None}
+                    {"index": u.index, "text": text, "finish_reason": u.finish_reason, "logprobs": scores}
                 ],
             }
     if usage:
@@ -481,9 +547,10 @@ def _chat_logprobs(logprobs: list, tokens: list[int], tokenizer: Any) -> dict:
     return {"content": content}
 
 
-def _completion_logprobs(logprobs: list, tokens: list[int], tokenizer: Any) -> dict:
+def _completion_logprobs(logprobs: list, tokens: list[int], tokenizer: Any, start: int = 0) -> dict:
+    """The completions API's logprobs; `start`: the text's offset in the whole completion."""
     texts = [tokenizer.decode([t]) for t in tokens]
-    offsets, at = [], 0
+    offsets, at = [], start
     for text in texts:
         offsets.append(at)
         at += len(text)

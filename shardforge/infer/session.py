@@ -11,6 +11,7 @@ import torch.distributed as dist
 from shardforge.errors import ConfigError
 from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.load import Loaded, load_for_inference
+from shardforge.infer.packed import pack_linears
 from shardforge.parallel.distributed import (
     init_distributed,
     local_rank_from_env,
@@ -28,9 +29,11 @@ def inference_engine(
     device: str = "cpu",
     config: EngineConfig | None = None,
     tp: int = 1,
+    prepack: bool = True,
 ) -> Iterator[tuple[Loaded, Engine] | None]:
     """Yields (what was loaded, its engine) where the engine is driven: the only process, or rank 0 of a
-    tensor-parallel launch. The other ranks follow rank 0's steps inside this call and then get None."""
+    tensor-parallel launch. The other ranks follow rank 0's steps inside this call and then get None.
+    `prepack`: lay the frozen weights out for the CPU's GEMM library once (infer/packed.py)."""
     if tp > 1 and world_size_from_env() != tp:
         raise ConfigError(f"--tp {tp} runs on {tp} processes, but {world_size_from_env()} were started")
     place = pick_device(device, local_rank_from_env()) if tp > 1 else torch.device(device)
@@ -38,6 +41,8 @@ def inference_engine(
     try:
         loaded = load_for_inference(source, adapter, dtype, str(place))
         if tp == 1:
+            if prepack:
+                pack_linears(loaded.model)
             yield loaded, Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)
             return
         from shardforge.infer.tp import TPEngine, follow, shard_for_inference

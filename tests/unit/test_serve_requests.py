@@ -55,13 +55,16 @@ def loaded(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def app(loaded):
-    engine = Engine(
-        loaded.model, loaded.tokenizer, EngineConfig(block_size=8, num_blocks=512), loaded.defaults
-    )
-    runner = EngineRunner(engine)
-    yield build_app(loaded, runner, "tiny")
+def runner(loaded):
+    config = EngineConfig(block_size=8, num_blocks=512)
+    runner = EngineRunner(Engine(loaded.model, loaded.tokenizer, config, loaded.defaults), max_waiting=64)
+    yield runner
     runner.close()
+
+
+@pytest.fixture(scope="module")
+def app(loaded, runner):
+    return build_app(loaded, runner, "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -265,7 +268,11 @@ def test_max_tokens_is_filled_from_the_context(client, loaded):
     usage = response["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == CONTEXT
     assert response["choices"][0]["finish_reason"] == "length"
-    assert "context" in _refused(_chat(client, max_tokens=CONTEXT), "messages", 413)
+    too_many = _chat(client, max_tokens=CONTEXT)
+    assert (
+        "context" in _refused(too_many, "max_tokens")
+        and too_many.json()["error"]["code"] == "context_length_exceeded"
+    )
 
 
 @pytest.mark.parametrize("prompt", [[], [[]], [[1, 2], []]], ids=str)
@@ -323,5 +330,95 @@ def test_bodies_over_the_limit_are_refused_while_read(client):
 def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(client):
     started = time.monotonic()
     response = _completion(client, prompt="word " * 1_000_000)
-    assert response.status_code == 413 and time.monotonic() - started < 2
-    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert time.monotonic() - started < 2
+    assert _refused(response, "prompt") and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+# ---- found by an adversarial client ----------------------------------------------------------------------
+def test_min_tokens_with_every_token_a_stop_token_is_refused_and_the_engine_lives(client):
+    every = list(range(1024))
+    response = _completion(client, temperature=1.0, min_tokens=1, max_tokens=3, stop_token_ids=every)
+    _refused(response, "stop_token_ids")
+    assert client.get("/health").status_code == 200 and _completion(client).status_code == 200
+
+
+def test_a_stopped_engine_answers_503_in_the_apis_shape(client, runner):
+    runner.error = RuntimeError("boom")
+    try:
+        response = _chat(client)
+        assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+        assert client.get("/health").status_code == 503
+    finally:
+        runner.error = None
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["\u00b2", "\u0663", "9" * 5000, "1e3", " 5"],
+    ids=["superscript", "arabic", "long", "float", "space"],
+)
+def test_logit_bias_keys_are_ascii_token_ids(client, key):
+    _refused(_chat(client, logit_bias={key: 1}), "logit_bias")
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_429(client):
+    assert "--max-waiting" in _refused(_completion(client, prompt=[[5]] * 65), "prompt")
+
+
+def test_lists_a_client_sends_are_bounded(client):
+    started = time.monotonic()
+    many = [{"role": "user", "content": "x"}] * 200_000
+    _refused(_chat(client, messages=many), "messages")
+    assert time.monotonic() - started < 5
+    _refused(_chat(client, stop=[f"s{i}" for i in range(17)]), "stop")
+    _refused(_chat(client, stop="x" * 257), "stop")
+    _refused(_chat(client, logit_bias={str(i): 1 for i in range(1025)}), "logit_bias")
+
+
+def test_streamed_completions_carry_logprobs_and_the_echo(client):
+    whole = _completion(
+        client, prompt="hello", temperature=0, max_tokens=4, ignore_eos=True, logprobs=1
+    ).json()
+    body = {"model": "tiny", "prompt": "hello", "temperature": 0, "max_tokens": 4, "ignore_eos": True}
+    chunks = [
+        json.loads(line[6:])
+        for line in client.post(
+            "/v1/completions", json={**body, "stream": True, "logprobs": 1}
+        ).text.splitlines()
+        if line.startswith("data: {")
+    ]
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert tokens == whole["choices"][0]["logprobs"]["tokens"]
+    assert offsets == whole["choices"][0]["logprobs"]["text_offset"]
+    echoed = client.post("/v1/completions", json={**body, "stream": True, "echo": True}).text
+    first = json.loads(echoed.splitlines()[0][6:])
+    assert first["choices"][0]["text"].startswith("hello")
+    _refused(_completion(client, echo=True, logprobs=1), "echo")
+
+
+def test_errors_name_the_field_the_client_sent(client):
+    _refused(_chat(client, max_completion_tokens=0), "max_completion_tokens")
+    _refused(_completion(client, prompt=""), "prompt")
+    _refused(_completion(client, prompt=["a", ""]), "prompt")
+    _refused(_completion(client, prompt=[5] * CONTEXT), "prompt")
+    _refused(_completion(client, max_tokens=100_000), "max_tokens")
+    _refused(_chat(client, stream_options={"include_usage": True}), "stream_options")
+
+
+def test_a_tiny_temperature_is_greedy(client):
+    def text(**fields):
+        return _completion(client, prompt="hello", max_tokens=6, ignore_eos=True, **fields).json()["choices"][
+            0
+        ]["text"]
+
+    assert text(temperature=1e-45) == text(temperature=1e-300) == text(temperature=0)
+
+
+def test_routing_errors_are_the_apis_json(client):
+    for method, path, status in (("get", "/v1/chat/completions", 405), ("post", "/v1/nothing", 404)):
+        response = getattr(client, method)(path)
+        assert response.status_code == status and set(response.json()["error"]) >= {"message", "type"}
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert client.get("/v1/models/other").json()["error"]["code"] == "model_not_found"
+    assert client.head("/health").status_code == 200 and client.head("/v1/models").status_code == 200
