@@ -7,184 +7,28 @@ accepting, gives what is in flight a bounded grace, aborts the rest and exits 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import signal
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardforge.errors import ConfigError
 from shardforge.infer.engine import RequestError, TooLong, Update
+from shardforge.infer.http import APIError, ClientGone, Guard, until_disconnected, uvicorn_server
 from shardforge.infer.load import Loaded
+from shardforge.infer.metrics import Metrics
 from shardforge.infer.offline import chat_text, token_ids
 from shardforge.infer.protocol import ChatRequest, CompletionRequest, validation_message
-from shardforge.infer.runner import EngineRunner, QueueFull, RequestStream, Timing, Unavailable
+from shardforge.infer.runner import EngineRunner, QueueFull, RequestStream, Unavailable
 from shardforge.infer.sampling import SamplingError
-
-MAX_BODY_BYTES = 8 << 20
-T = TypeVar("T")
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the answer was ready."""
-
-
-class Metrics:
-    def __init__(self, runner: EngineRunner) -> None:
-        self.registry = registry = CollectorRegistry()
-        self.requests = Counter("shardforge_requests", "Requests by outcome", ["status"], registry=registry)
-        self.prompt_tokens = Counter("shardforge_prompt_tokens", "Prompt tokens taken", registry=registry)
-        self.output_tokens = Counter("shardforge_generation_tokens", "Tokens generated", registry=registry)
-        self.ttft = Histogram(
-            "shardforge_time_to_first_token_seconds",
-            "Time from arrival to the first token",
-            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-            registry=registry,
-        )
-        self.tpot = Histogram(
-            "shardforge_time_per_output_token_seconds",
-            "Time per output token after the first",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-            registry=registry,
-        )
-        self.itl = Histogram(
-            "shardforge_inter_token_latency_seconds",
-            "Time between two successive pieces of one completion",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
-            registry=registry,
-        )
-
-        def hit_rate() -> float:
-            stats = runner.stats
-            return stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
-
-        for name, doc, read in (
-            ("shardforge_queue_length", "Requests waiting for their first token", lambda: runner.waiting),
-            ("shardforge_running", "Sequences running", lambda: runner.stats.running),
-            (
-                "shardforge_waiting_sequences",
-                "Sequences the scheduler holds back",
-                lambda: runner.stats.waiting,
-            ),
-            ("shardforge_kv_blocks_in_use", "KV cache blocks in use", lambda: runner.stats.blocks_used),
-            ("shardforge_kv_blocks_total", "KV cache blocks", lambda: runner.stats.blocks_total),
-            (
-                "shardforge_prefix_cache_queried_tokens",
-                "Prompt tokens looked up",
-                lambda: runner.stats.prefix_queries,
-            ),
-            (
-                "shardforge_prefix_cache_hit_tokens",
-                "Prompt tokens found cached",
-                lambda: runner.stats.prefix_hits,
-            ),
-            ("shardforge_prefix_cache_hit_rate", "Cached share of the tokens looked up", hit_rate),
-            ("shardforge_preemptions", "Sequences preempted so far", lambda: runner.stats.preemptions),
-        ):
-            Gauge(name, doc, registry=registry).set_function(read)
-
-    def finished(self, timing: Timing) -> None:
-        self.requests.labels(timing.reason).inc()
-        self.output_tokens.inc(timing.tokens)
-        for gap in timing.gaps:
-            self.itl.observe(gap)
-        if timing.first is not None:
-            self.ttft.observe(timing.first - timing.arrived)
-            if timing.tokens > 1 and timing.last is not None:
-                self.tpot.observe((timing.last - timing.first) / (timing.tokens - 1))
-
-
-class Guard:
-    """ASGI middleware for every /v1 route: the API key, and the body's size counted while it is read (a
-    chunked body has no Content-Length); the body is then handed on whole. Errors are the API's JSON."""
-
-    def __init__(self, app: Any, api_key: str | None, max_body: int = MAX_BODY_BYTES) -> None:
-        self.app, self.api_key, self.max_body = app, api_key, max_body
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        scheme, _, key = headers.get("authorization", "").partition(" ")
-        if self.api_key is not None and (scheme.lower() != "bearer" or key != self.api_key):
-            error = APIError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
-            return await error.response()(scope, receive, send)
-        declared = headers.get("content-length", "0")
-        too_big = APIError(413, f"the body is larger than {self.max_body} bytes", "invalid_request_error")
-        if not declared.isdigit() or int(declared) > self.max_body:
-            return await too_big.response()(scope, receive, send)
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            if len(body) > self.max_body:
-                return await too_big.response()(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": bytes(body), "more_body": False}
-            return await receive()  # after the body: the disconnect, when it comes
-
-        try:
-            return await self.app(scope, replay, send)
-        except asyncio.CancelledError:  # the shutdown grace is over: the request was aborted as it stopped
-            return None
-
-
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """`work`'s result, or ClientGone (with `work` cancelled) as soon as the client closes the connection."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.done() or task.cancelled():
-        raise ClientGone
-    return task.result()
 
 
 def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: str | None = None) -> FastAPI:
@@ -568,33 +412,6 @@ def check_host(host: str, api_key: str | None) -> None:
         raise ConfigError(f"--host {host} listens beyond this machine: give it an --api-key")
 
 
-def _uvicorn_server(config: Any) -> Any:
-    """uvicorn's server with this command's own SIGINT/SIGTERM handling: the first signal stops accepting
-    and starts the grace, a second one ends it at once, and the process then exits 0 (uvicorn's own handling
-    re-raises the signal after shutting down, which kills the process with it)."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):  # type: ignore[no-untyped-def]
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-
-            def stop(_sig: int, _frame: Any) -> None:
-                self.force_exit = self.should_exit
-                self.should_exit = True
-
-            previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    return Server(config)
-
-
 def serve(
     loaded: Loaded,
     runner: EngineRunner,
@@ -612,6 +429,6 @@ def serve(
     app = build_app(loaded, runner, served_name or loaded.name, api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
     try:
-        _uvicorn_server(config).run()
+        uvicorn_server(config).run()
     finally:
         runner.close()

@@ -15,9 +15,10 @@ from starlette.testclient import TestClient
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.http import MAX_BODY_BYTES
 from shardforge.infer.load import load_for_inference
 from shardforge.infer.runner import EngineRunner
-from shardforge.infer.server import MAX_BODY_BYTES, build_app
+from shardforge.infer.server import build_app
 from tests.conftest import REPO
 
 CONTEXT = 96
