@@ -118,3 +118,31 @@ def logged():
 
     with collected(logging.INFO) as messages:
         yield messages
+
+
+def tiny_chat_model(folder, context: int, hidden: int = 64, layers: int = 2, std: float = 0.2):
+    """A small random Llama with the bundled tokenizer (and its chat template), saved to `folder`: weights
+    drawn large enough (`std`) that logits are peaked, so greedy tokens have no near-ties."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 16,
+        num_key_value_heads=hidden // 32,
+        max_position_embeddings=context,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

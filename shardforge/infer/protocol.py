@@ -151,6 +151,12 @@ class ChatRequest(_Common):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
+    # documented, and with no effect on what is generated here (OpenAI's own caching and abuse detection)
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
 
     def unsupported(self) -> dict[str, Any]:
         return {
@@ -165,6 +171,7 @@ class ChatRequest(_Common):
             "reasoning_effort": (),
             "verbosity": (),
             "web_search_options": (),
+            "moderation": (),
         }
 
     def params(self) -> SamplingParams:

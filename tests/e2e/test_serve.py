@@ -22,52 +22,28 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.offline import chat_ids
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models import load_model
-from tests.conftest import REPO
+from tests.conftest import REPO, tiny_chat_model
 
 KEY = "test-key"
 NO_EOS = {"ignore_eos": True}
 ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1"}
 
 
-def _tiny_chat_model(folder, context: int):
-    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)  # peaked logits: no near-ties for greedy decoding
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return _tiny_chat_model(tmp_path_factory.mktemp("served") / "tiny-chat", 256)
+    return tiny_chat_model(tmp_path_factory.mktemp("served") / "tiny-chat", 256)
 
 
 @pytest.fixture(scope="module")
 def long_model_dir(tmp_path_factory):
     """The same model with a long context: requests that run for many seconds, to leave or cut off."""
-    return _tiny_chat_model(tmp_path_factory.mktemp("served") / "tiny-long", 8192)
+    return tiny_chat_model(tmp_path_factory.mktemp("served") / "tiny-long", 8192)
 
 
 def _free_port() -> int:

@@ -8,18 +8,19 @@ import json
 import time
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import completion_create_params as chat_params
 from starlette.testclient import TestClient
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.http import MAX_BODY_BYTES
 from shardforge.infer.load import load_for_inference
+from shardforge.infer.protocol import ChatRequest, CompletionRequest
 from shardforge.infer.runner import EngineRunner
 from shardforge.infer.server import build_app
-from tests.conftest import REPO
+from tests.conftest import tiny_chat_model
 
 CONTEXT = 96
 GEMMA_LIKE = (  # Gemma's and Mistral's templates refuse a system turn / roles that do not alternate
@@ -34,25 +35,7 @@ GEMMA_LIKE = (  # Gemma's and Mistral's templates refuse a system turn / roles t
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     folder = tmp_path_factory.mktemp("requests") / "tiny"
-    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=CONTEXT,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return load_for_inference(folder)
+    return load_for_inference(tiny_chat_model(folder, CONTEXT, hidden=32, layers=1, std=0.3))
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +272,7 @@ def test_an_empty_prompt_is_refused(client, prompt):
         ("tool_choice", "required"),
         ("audio", {"voice": "alloy"}),
         ("reasoning_effort", "high"),
+        ("moderation", {"input": {"mode": "block"}}),
     ],
 )
 def test_an_unimplemented_field_is_refused_by_name(client, field, value):
@@ -423,3 +407,17 @@ def test_routing_errors_are_the_apis_json(client):
     assert client.get("/v1/models/tiny").json()["id"] == "tiny"
     assert client.get("/v1/models/other").json()["error"]["code"] == "model_not_found"
     assert client.head("/health").status_code == 200 and client.head("/v1/models").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "params, body",
+    [
+        (chat_params.CompletionCreateParamsBase, ChatRequest),
+        (completion_params.CompletionCreateParamsBase, CompletionRequest),
+    ],
+    ids=["chat", "completions"],
+)
+def test_every_field_the_openai_client_sends_is_declared(params, body):
+    """The anchor's own list: each request field of the openai package's types is validated here (used,
+    refused by name, or accepted as having no effect), never ignored as unknown."""
+    assert set(params.__annotations__) - set(body.model_fields) == set()
