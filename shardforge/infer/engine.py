@@ -6,8 +6,12 @@ over a paged KV cache and the training model's own forward.
     while engine.has_work():
         for update in engine.step(): ...
 
-`generate()` does that loop for a list of prompts. The engine is not thread-safe: one thread drives it
-(server.py's loop)."""
+A step is schedule (scheduler.py) -> execute (executor.py: the model runner on one process, or led over the
+ranks of a tensor-parallel or pipeline layout) -> sample (every row of the step in one batch, on the model's
+device) -> update (request state). Text comes from the output processor (output.py): inline after each step,
+or, for a server, on a thread of its own (`detokenize=False`: the engine hands out tokens only).
+`generate()` runs the loop for a list of prompts. The engine is not thread-safe: one thread drives it
+(runner.py's engine thread)."""
 
 from __future__ import annotations
 
@@ -16,11 +20,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from shardforge.errors import ShardforgeError
 from shardforge.infer.blocks import BlockManager
-from shardforge.infer.paged import Chunk, PagedKV, PagedStep
+from shardforge.infer.executor import Executor, LocalRunner, StepInput
+from shardforge.infer.output import OutputProcessor
+from shardforge.infer.paged import Chunk, PagedKV
 from shardforge.infer.sampling import (
     GenerationDefaults,
     Sampler,
@@ -28,10 +33,10 @@ from shardforge.infer.sampling import (
     SamplingParams,
     choose,
     processed_logits,
+    top_logprobs,
 )
-from shardforge.infer.sampling import top_logprobs as model_logprobs
 from shardforge.infer.scheduler import Scheduler, Sequence
-from shardforge.infer.text import TextStream
+from shardforge.models.common.protocol import CausalModel
 
 
 class RequestError(ShardforgeError):
@@ -97,35 +102,35 @@ class _Request:
     request_id: str
     params: SamplingParams
     waiting_children: int  # the n - 1 other completions, admitted once the prompt is cached
-    streams: dict[int, TextStream | None] = field(default_factory=dict)
-    live: set[int] = field(default_factory=set)
+    live: dict[int, Sequence] = field(default_factory=dict)
 
 
 class Engine:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalModel,
         tokenizer: Any = None,
         config: EngineConfig | None = None,
         defaults: GenerationDefaults | None = None,
+        executor: Executor | None = None,
     ) -> None:
+        """`executor`: where steps run (None: the model's own forward on this process, over a pool of
+        `kv_blocks(model, config)` blocks; a led executor's runners hold pools of that size)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config = config or EngineConfig()
         self.defaults = defaults or GenerationDefaults(
             eos_token_ids=(tokenizer.eos_token_id,) if getattr(tokenizer, "eos_token_id", None) else ()
         )
-        cfg = model.config
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        per_block = PagedKV.bytes_per_block(cfg, config.block_size, self.dtype)
-        num_blocks = config.num_blocks or max(1, config.kv_memory_bytes // per_block)
-        self.kv = PagedKV(num_blocks, config.block_size)
+        num_blocks = kv_blocks(model, config)
+        self.executor = executor or Executor(LocalRunner(model, PagedKV(num_blocks, config.block_size)))
+        self.output = OutputProcessor(tokenizer)
+        self.detokenize = True  # text inline after each step (a server's runner turns it off: its own thread)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.blocks, config.max_step_tokens, config.max_running, config.prefix_cache
         )
-        self.context = cfg.max_position
+        self.context = model.config.max_position
         self.requests: dict[str, _Request] = {}
 
     # ---- requests ----------------------------------------------------------------------------------------
@@ -137,6 +142,8 @@ class Engine:
         first = self._sequence(request_id, 0, prompt, params)
         request = _Request(request_id, params, params.n - 1)
         self.requests[request_id] = request
+        if self.detokenize:
+            self.output.start(request_id, params)
         self._start(request, first)
         return params
 
@@ -198,12 +205,18 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request (a client went away): its blocks are released now."""
+        self.output.drop(request_id)
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.request_id == request_id:
-                self.scheduler.remove(seq)
+        for seq in list(request.live.values()):
+            self.scheduler.remove(seq)
+
+    def finish(self, request_id: str, index: int) -> None:
+        """End one completion that a stop string ended (the output processor found it)."""
+        request = self.requests.get(request_id)
+        if request is not None and index in request.live:
+            self._finish(request, request.live[index], "stop")
 
     def has_work(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
@@ -211,6 +224,7 @@ class Engine:
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Update]:
+        """Schedule, execute, sample, update; then (with `detokenize`) the text of what the step made."""
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -222,65 +236,63 @@ class Engine:
             if seq.computed + n == len(seq.tokens):  # its last token: the next one is sampled
                 last.append(offset - 1)
                 ends.append(seq)
-        logits = self.forward(ids, chunks, last)
+        logits = self.executor.execute(StepInput(ids, chunks, last))
         for seq, n in plan:
             self.scheduler.computed(seq, n)
-        updates = []
-        rows = logits.float().cpu()
-        greedy = any(seq.sampler.plain_greedy for seq in ends)
-        argmax = rows.argmax(-1).tolist() if greedy else [-1] * len(ends)  # plain greedy rows, in one pass
-        for row, best, seq in zip(rows, argmax, ends, strict=True):
-            updates.append(self._advance(seq, row, best))
-        return updates
+        for seq in ends:  # the prompt is cached: the request's other completions start from it
+            request = self.requests[seq.request_id]
+            if seq.index == 0 and request.waiting_children and seq.computed >= seq.prompt_len:
+                self._spawn_children(request, seq.tokens[: seq.prompt_len])
+        tokens, logprobs = self._sample(logits, ends)
+        updates = [self._advance(*row) for row in zip(ends, tokens, logprobs, strict=True)]
+        if not self.detokenize:
+            return updates
+        processed = self.output.process(updates)
+        for request_id, index in processed.stopped:
+            self.finish(request_id, index)
+        return processed.updates
 
-    def forward(self, ids: list[int], chunks: list[Chunk], last: list[int]) -> torch.Tensor:
-        """One step's model forward: the logits [len(last), vocab] of the tokens at the `last` indices.
-        (infer/tp.py's engine first hands the same arguments to the other TP ranks.)"""
-        return step_forward(self.model, self.kv, ids, chunks, last, self.device)
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
+        """Every row's next token in one batch on the logits' device, and the log-probabilities asked for."""
+        samplers = [seq.sampler for seq in seqs]
+        suppress = [self._suppressed(seq) for seq in seqs]
+        if all(s.plain_greedy for s in samplers) and not any(suppress):
+            tokens = logits.argmax(-1).tolist()
+        else:
+            tokens = choose(processed_logits(logits, samplers, [s.tokens for s in seqs], suppress), samplers)
+        return tokens, top_logprobs(logits, tokens, [s.params.logprobs for s in samplers])
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> Update:
+    def _suppressed(self, seq: Sequence) -> tuple[int, ...]:
+        """The stop tokens, while the completion is shorter than min_tokens."""
+        params = seq.sampler.params
+        if len(seq.output) >= params.min_tokens:
+            return ()
+        return (*self._eos(params), *params.stop_token_ids)
+
+    def _eos(self, params: SamplingParams) -> tuple[int, ...]:
+        return () if params.ignore_eos else self.defaults.eos_token_ids
+
+    def _advance(self, seq: Sequence, token: int, logprobs: Any) -> Update:
         request = self.requests[seq.request_id]
         params = seq.sampler.params
-        if seq.index == 0 and request.waiting_children and seq.computed >= seq.prompt_len:
-            self._spawn_children(request, seq.tokens[: seq.prompt_len])
-        made = len(seq.output)
-        stops = () if params.ignore_eos else self.defaults.eos_token_ids
-        stop_ids = (*stops, *params.stop_token_ids)
-        suppress = stop_ids if made < params.min_tokens else ()
-        if seq.sampler.plain_greedy and not suppress:
-            token = argmax
-        else:
-            token = choose(processed_logits(logits, seq.sampler, seq.tokens, suppress), seq.sampler)
         seq.tokens.append(token)
         seq.sampler.observe(token)
-        logprobs = [model_logprobs(logits, token, params.logprobs)] if params.logprobs is not None else []
-        stream = request.streams[seq.index]
-        finish = "stop" if token in stop_ids else None
-        if stream is not None:
-            stream.update(seq.output[:-1] if finish else seq.output)  # a stop token has no text
-            finish = "stop" if stream.stopped is not None else finish
+        finish = "stop" if token in self._eos(params) or token in params.stop_token_ids else None
         if finish is None and len(seq.output) >= seq.max_tokens:
             finish = "length"
-        text = stream.delta(final=finish is not None) if stream is not None else ""
         if finish is not None:
             self._finish(request, seq, finish)
-        return Update(seq.request_id, seq.index, [token], text, finish, logprobs)
+        return Update(seq.request_id, seq.index, [token], "", finish, [logprobs] if logprobs else [])
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
     def _sequence(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Sequence:
+        assert params.max_tokens is not None  # filled by `check`
         return Sequence(
             request_id, index, list(prompt), len(prompt), Sampler.create(params, index), params.max_tokens
         )
 
     def _start(self, request: _Request, seq: Sequence, first: bool = False) -> None:
-        p = request.params
-        stream = (
-            TextStream(self.tokenizer, p.stop, p.include_stop_in_output)
-            if self.tokenizer is not None
-            else None
-        )
-        request.streams[seq.index] = stream
-        request.live.add(seq.index)
+        request.live[seq.index] = seq
         self.scheduler.add(seq, first=first)
 
     def _spawn_children(self, request: _Request, prompt: list[int]) -> None:
@@ -294,7 +306,7 @@ class Engine:
     def _finish(self, request: _Request, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
-        request.live.discard(seq.index)
+        request.live.pop(seq.index, None)
         if not request.live and not request.waiting_children:
             del self.requests[request.request_id]
 
@@ -328,24 +340,9 @@ class Engine:
         return [[results[f"gen-{i}"][k] for k in sorted(results[f"gen-{i}"])] for i in range(len(prompts))]
 
 
-def step_forward(
-    model: nn.Module, kv: PagedKV, ids: list[int], chunks: list[Chunk], last: list[int], device: torch.device
-) -> torch.Tensor:
-    paged = PagedStep(kv, chunks, device)
-    mask = sampled_positions(len(ids), last, device)
-    logits = model(torch.tensor(ids, device=device)[None], paged.positions, output_mask=mask, cache=paged)
-    return whole_vocabulary(logits, model.config.vocab_size)
-
-
-def sampled_positions(tokens: int, last: list[int], device: torch.device) -> torch.Tensor:
-    """The step's output mask [1, tokens]: the head runs only where a next token is sampled."""
-    mask = torch.zeros(1, tokens, dtype=torch.bool, device=device)
-    mask[0, last] = True
-    return mask
-
-
-def whole_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Logits over the real vocabulary: TP's vocabulary shards gathered, and the rows a training layout padded
-    the vocabulary with (never tokens) cut off."""
-    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-    return logits[..., :vocab_size]
+def kv_blocks(model: CausalModel, config: EngineConfig) -> int:
+    """The pool's block count: the config's, or as many as its memory budget holds (the same on every rank
+    of a group: the whole model's head count sizes it)."""
+    param = next(model.parameters())
+    per_block = PagedKV.bytes_per_block(model.config, config.block_size, param.dtype)
+    return config.num_blocks or max(1, config.kv_memory_bytes // per_block)

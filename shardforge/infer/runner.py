@@ -1,6 +1,9 @@
-"""The engine on a thread of its own, for a server. New requests and aborts reach it through an inbox it
-drains between two steps, so neither waits for a step to end; each request's updates come out on its own
-asyncio queue. The thread publishes an `EngineStats` snapshot after every step for the metrics to read."""
+"""The engine on a thread of its own, for a server, and its output processing on another. New requests and
+aborts reach the engine through an inbox it drains between two steps, so neither waits for a step to end.
+Each step's token updates go, in order, to the output thread, which detokenizes them (output.py: text, stop
+strings; a stop string's completion is finished through the inbox) while the engine runs the next step,
+and puts each request's updates on its own asyncio queue. The engine thread publishes an `EngineStats`
+snapshot after every step for the metrics to read."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardforge.infer.engine import Engine, RequestError, Update
+from shardforge.infer.output import OutputProcessor
 from shardforge.infer.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -80,17 +84,22 @@ class EngineRunner:
         on_finish: Callable[[Timing], None] | None = None,
     ) -> None:
         self.engine = engine
+        engine.detokenize = False  # the output thread does it
+        self.output = OutputProcessor(engine.tokenizer)
         self.max_waiting = max_waiting
         self.on_finish = on_finish  # called with the request's Timing when it ends
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # engine thread -> output thread, in order
         self.wake = threading.Event()
-        self.sinks: dict[str, _Sink] = {}  # the engine thread's alone
+        self.sinks: dict[str, _Sink] = {}  # the output thread's alone
         self.count_lock = threading.Lock()
         self.pending: set[str] = set()  # submitted, no token yet: the queue that 429 bounds
         self.stats = engine.stats()
         self.stopping = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="shardforge-engine", daemon=True)
+        self.output_thread = threading.Thread(target=self._outputs, name="shardforge-output", daemon=True)
+        self.output_thread.start()
         self.thread.start()
 
     # ---- any thread -------------------------------------------------------------------------------------
@@ -123,10 +132,11 @@ class EngineRunner:
         return len(self.pending)
 
     def close(self) -> None:
-        """Abort what is in flight and stop the thread."""
+        """Abort what is in flight and stop the threads."""
         self.stopping = True
         self.wake.set()
         self.thread.join(timeout=30)
+        self.output_thread.join(timeout=30)
 
     # ---- the engine thread ------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -134,41 +144,67 @@ class EngineRunner:
             while not self.stopping:
                 self._drain()
                 if self.engine.has_work():
-                    self._dispatch(self.engine.step())
+                    updates = self.engine.step()
+                    self.outbox.put(("updates", updates, time.perf_counter()))
                     self.stats = self.engine.stats()
                 else:
                     self.stats = self.engine.stats()
                     self.wake.wait(timeout=0.5)
                     self.wake.clear()
             self._drain()
-            for request_id in list(self.sinks):
+            for request_id in list(self.engine.requests):
                 self.engine.abort(request_id)
-                self._end(request_id, "aborted")
+            self.outbox.put(("stop", "aborted"))
         except BaseException as exc:  # a bug: fail every request rather than hang them
             self.error = exc
             log.exception("the engine stopped on an error: %r", exc)
-            for request_id in list(self.sinks):
-                self._end(request_id, "failed")
+            self.outbox.put(("stop", "failed"))
 
     def _drain(self) -> None:
-        """Apply the queued adds and aborts (an abort of a request not yet added cancels the add)."""
+        """Apply the queued adds, aborts and stop-string finishes (an abort of a request not yet added
+        cancels the add)."""
         while True:
             try:
                 message = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if message[0] == "add":
+            kind = message[0]
+            if kind == "add":
                 _, request_id, prompt, params, sink = message
-                self.sinks[request_id] = sink
                 try:
-                    self.engine.add(request_id, prompt, params)
+                    params = self.engine.add(request_id, prompt, params)
                 except RequestError as exc:  # checked in submit: only a duplicate id gets here
                     log.warning("request %s refused: %s", request_id, exc)
-                    self._end(request_id, "failed")
-            else:
-                request_id = message[1]
-                self.engine.abort(request_id)
-                self._end(request_id, "aborted")
+                    self.outbox.put(("start", request_id, params, sink))
+                    self.outbox.put(("end", request_id, "failed"))
+                    continue
+                self.outbox.put(("start", request_id, params, sink))
+            elif kind == "abort":
+                self.engine.abort(message[1])
+                self.outbox.put(("end", message[1], "aborted"))
+            else:  # "finish": a stop string ended one completion
+                self.engine.finish(message[1], message[2])
+
+    # ---- the output thread ------------------------------------------------------------------------------
+    def _outputs(self) -> None:
+        """Messages from the engine thread, in its order: a request started, a step's updates, a request
+        ended by an abort, stop."""
+        while True:
+            message = self.outbox.get()
+            kind = message[0]
+            if kind == "start":
+                _, request_id, params, sink = message
+                self.sinks[request_id] = sink
+                self.output.start(request_id, params)
+            elif kind == "updates":
+                self._dispatch(message[1], message[2])
+            elif kind == "end":
+                self.output.drop(message[1])
+                self._end(message[1], message[2])
+            else:  # "stop": whatever is still open ends
+                for request_id in list(self.sinks):
+                    self._end(request_id, message[1])
+                return
 
     def _end(self, request_id: str, reason: str) -> None:
         with self.count_lock:
@@ -182,10 +218,12 @@ class EngineRunner:
         if self.on_finish is not None:
             self.on_finish(sink.timing)
 
-    def _dispatch(self, updates: list[Update]) -> None:
-        now = time.perf_counter()
+    def _dispatch(self, updates: list[Update], now: float) -> None:
+        processed = self.output.process(updates)
+        for request_id, index in processed.stopped:
+            self.inbox.put(("finish", request_id, index))
         started = []
-        for update in updates:
+        for update in processed.updates:
             sink = self.sinks.get(update.request_id)
             if sink is None:
                 continue
@@ -196,9 +234,9 @@ class EngineRunner:
             elif timing.last is not None:
                 timing.gaps.append(now - timing.last)
             timing.last, timing.tokens = now, timing.tokens + len(update.tokens)
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, update)
+            with contextlib.suppress(RuntimeError):
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, update)
         with self.count_lock:
             self.pending.difference_update(started)
-        for request_id in {u.request_id for u in updates}:  # after the whole step: n completions may end
-            if request_id in self.sinks and request_id not in self.engine.requests:
-                self._end(request_id, "finished")
+        for request_id in processed.done:  # after the whole batch: n completions may end in one step
+            self._end(request_id, "finished")

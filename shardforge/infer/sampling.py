@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -164,14 +165,56 @@ class Sampler:
 
 
 def processed_logits(
-    logits: torch.Tensor, sampler: Sampler, history: list[int], suppress: tuple[int, ...] = ()
+    logits: torch.Tensor,
+    samplers: Sequence[Sampler],
+    histories: Sequence[list[int]] | None = None,
+    suppress: Sequence[tuple[int, ...]] | None = None,
 ) -> torch.Tensor:
-    """One row's logits [vocab] (fp32) after the penalties, temperature and the top-k / top-p / min-p filters,
-    in transformers' order; filtered-out tokens are -inf. `history`: prompt and output tokens (repetition
-    penalty); `suppress`: tokens that may not come yet (eos and stop tokens before min_tokens). A logit bias
-    comes first: it is added to the model's logits (as the OpenAI API defines it)."""
-    p = sampler.params
+    """A batch of rows' logits [rows, vocab] (fp32, on their device) after each row's penalties, temperature
+    and top-k / top-p / min-p filters, in transformers' order; filtered-out tokens are -inf. `histories`:
+    each row's prompt and output tokens (repetition penalty); `suppress`: tokens that may not come yet (eos
+    and stop tokens before min_tokens). A logit bias comes first: it is added to the model's logits (as the
+    OpenAI API defines it). Row-wise operations only, so a row's result does not depend on the others."""
     x = logits.float().clone()
+    for row, sampler in enumerate(samplers):
+        _penalize(x[row], sampler, histories[row] if histories else [], suppress[row] if suppress else ())
+    drawn = [row for row, s in enumerate(samplers) if not s.params.greedy]
+    if not drawn:
+        return x
+    params = [samplers[row].params for row in drawn]
+    rows = torch.tensor(drawn, device=x.device)
+    temperature = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
+    xs = x.index_select(0, rows) / temperature[:, None]
+    vocab = x.shape[-1]
+    k = [p.top_k if p.top_k is not None and 0 < p.top_k < vocab else 0 for p in params]
+    if any(k):
+        at = [i for i, ki in enumerate(k) if ki]
+        part = xs[at]
+        kth_index = torch.tensor([[k[i] - 1] for i in at], device=x.device)
+        kth = torch.topk(part, max(k)).values.gather(1, kth_index)
+        xs[at] = part.masked_fill(part < kth, -math.inf)
+    at = [i for i, p in enumerate(params) if p.top_p is not None and p.top_p < 1.0]
+    if at:
+        part = xs[at]
+        ordered, order = torch.sort(part, descending=False)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        keep = torch.tensor([1 - (params[i].top_p or 1.0) for i in at], dtype=x.dtype, device=x.device)
+        drop = cumulative <= keep[:, None]  # the least likely tokens whose mass is at most 1 - top_p
+        drop[:, -1] = False  # the most likely token always stays
+        xs[at] = part.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), -math.inf)
+    at = [i for i, p in enumerate(params) if p.min_p is not None and p.min_p > 0]
+    if at:
+        part = xs[at]
+        probs = part.softmax(-1)
+        floor = torch.tensor([params[i].min_p for i in at], dtype=x.dtype, device=x.device)[:, None]
+        xs[at] = part.masked_fill(probs < floor * probs.max(-1, keepdim=True).values, -math.inf)
+    x[drawn] = xs
+    return x
+
+
+def _penalize(x: torch.Tensor, sampler: Sampler, history: list[int], suppress: tuple[int, ...]) -> None:
+    """One row's logit bias, penalties and suppressed tokens, in place."""
+    p = sampler.params
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias, strict=True)
         x[list(ids)] += torch.tensor(bias, dtype=x.dtype, device=x.device)
@@ -180,48 +223,48 @@ def processed_logits(
         scores = x[seen]
         x[seen] = torch.where(scores > 0, scores / p.repetition_penalty, scores * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and sampler.counts:
-        ids = torch.tensor(list(sampler.counts), dtype=torch.long, device=x.device)
+        seen = torch.tensor(list(sampler.counts), dtype=torch.long, device=x.device)
         counts = torch.tensor(list(sampler.counts.values()), dtype=x.dtype, device=x.device)
-        x[ids] -= p.presence_penalty + p.frequency_penalty * counts
+        x[seen] -= p.presence_penalty + p.frequency_penalty * counts
     if suppress:
         x[list(suppress)] = -math.inf
-    if p.greedy:
-        return x
-    x = x / p.temperature
-    if p.top_k is not None and 0 < p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, -math.inf)
-    if p.top_p is not None and p.top_p < 1.0:
-        ordered, order = torch.sort(x, descending=False)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative <= 1 - p.top_p  # the least likely tokens whose mass is at most 1 - top_p
-        drop[-1] = False  # the most likely token always stays
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), -math.inf)
-    if p.min_p is not None and p.min_p > 0:
-        probs = x.softmax(-1)
-        x = x.masked_fill(probs < p.min_p * probs.max(), -math.inf)
-    return x
 
 
-def choose(x: torch.Tensor, sampler: Sampler) -> int:
-    """The next token from processed logits: the argmax when greedy, else a draw from the request's own
-    generator by the inverse of the distribution function (one uniform number and a search of the cumulative
-    probabilities: `torch.multinomial` draws an exponential number per vocabulary entry, measured at 0.9 ms a
-    row of a 49k vocabulary here, most of a small model's decode step on CPU)."""
-    if sampler.params.greedy:
-        return int(x.argmax())
-    cumulative = x.softmax(-1).cumsum(-1)
-    u = torch.rand(1, generator=sampler.generator, dtype=cumulative.dtype) * cumulative[-1]
-    token = int(torch.searchsorted(cumulative, u, right=True))
-    if token >= len(cumulative):  # u rounded up to the total: the last token with any probability
-        token = int(torch.nonzero(x > -math.inf).max())
-    return token
+def choose(x: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
+    """Each row's next token from processed logits [rows, vocab]: the argmax when greedy, else a draw from the
+    row's own generator by the inverse of the distribution function (one uniform number and a search of the
+    cumulative probabilities: `torch.multinomial` draws an exponential number per vocabulary entry, measured
+    at 0.9 ms a row of a 49k vocabulary here, most of a small model's decode step on CPU). One transfer to
+    the host for the whole batch."""
+    tokens = x.argmax(-1)
+    drawn = [row for row, s in enumerate(samplers) if not s.params.greedy]
+    if drawn:
+        rows = torch.tensor(drawn, device=x.device)
+        part = x.index_select(0, rows)
+        cumulative = part.softmax(-1).cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=samplers[r].generator, dtype=x.dtype) for r in drawn])
+        u = u.to(x.device)[:, None] * cumulative[:, -1:]
+        picked = torch.searchsorted(cumulative, u, right=True)[:, 0]
+        # u rounded up to the total: the last token with any probability
+        last = (part > -math.inf).cumsum(-1).argmax(-1)
+        tokens[rows] = torch.where(picked >= part.shape[-1], last, picked)
+    return tokens.tolist()
 
 
-def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """The chosen token's log-probability under the model (before penalties and filters, as vLLM reports
-    it) and the k most likely tokens with theirs."""
-    logp = logits.float().log_softmax(-1)
-    best = torch.topk(logp, k) if k else None
-    pairs = list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best is not None else []
-    return float(logp[token]), pairs
+def top_logprobs(
+    logits: torch.Tensor, tokens: list[int], ks: list[int | None]
+) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """For each row that asks (k not None): the chosen token's log-probability under the model (before
+    penalties and filters, as vLLM reports it) and the k most likely tokens with theirs."""
+    asked = {row: k for row, k in enumerate(ks) if k is not None}
+    out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(ks)
+    if not asked:
+        return out
+    rows = torch.tensor(list(asked), device=logits.device)
+    logp = logits.index_select(0, rows).float().log_softmax(-1)
+    chosen = logp.gather(1, torch.tensor([[tokens[r]] for r in asked], device=logp.device))[:, 0].tolist()
+    best = torch.topk(logp, max(asked.values()))
+    indices, values = best.indices.tolist(), best.values.tolist()
+    for i, (row, k) in enumerate(asked.items()):
+        out[row] = (chosen[i], list(zip(indices[i][:k], values[i][:k], strict=True)))
+    return out

@@ -45,18 +45,18 @@ def inference_engine(
                 pack_linears(loaded.model)
             yield loaded, Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)
             return
-        from shardforge.infer.tp import TPEngine, follow, shard_for_inference
+        from shardforge.infer.tp import shard_for_inference, tp_executor
 
         shard_for_inference(loaded.model, tp)
-        engine = TPEngine(loaded.model, loaded.tokenizer, config, loaded.defaults)
-        if dist.get_rank() != 0:
-            follow(engine)
+        executor = tp_executor(loaded.model, config or EngineConfig())
+        if not executor.leads:
+            executor.follow()
             yield None
             return
         try:
-            yield loaded, engine
+            yield loaded, Engine(loaded.model, loaded.tokenizer, config, loaded.defaults, executor)
         finally:
-            engine.close()
+            executor.close()
     finally:
         if owns:
             dist.barrier()  # every rank is done with the last broadcast before any tears the group down

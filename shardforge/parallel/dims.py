@@ -13,6 +13,7 @@ import datetime
 import math
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -180,6 +181,14 @@ class ParallelDims:
         if not names:
             return None
         return mesh[names[0]] if len(names) == 1 else mesh[names]
+
+    def model_group(self, mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+        """The ranks that hold the parts of one model copy (its pipeline stages and tensor shards; None when
+        each rank holds a whole one): RL's rollouts run led by the group's first rank."""
+        names = tuple(n for n in ("pp", "tp") if self.degrees()[n] > 1)
+        if mesh is None or not names:
+            return None
+        return (mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))).get_group()
 
     def pp_rank(self, mesh: DeviceMesh | None) -> int:
         """This rank's index along the pipeline (which stages it runs)."""

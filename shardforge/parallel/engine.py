@@ -11,6 +11,7 @@ batches (`input_ids`, `fields()`, `from_fields()`): the parallel layer knows nei
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -78,6 +79,11 @@ class Engine(Protocol):
         """The whole model's output for token ids and the forward's keyword `inputs`, without gradients:
         the trained model's (`net` None) or a frozen copy laid out as it is (a reference); under a pipeline
         only the rank of the last stage gets it (None elsewhere)."""
+        ...
+
+    def rollout_group(self) -> dist.ProcessGroup | None:
+        """The ranks that generate a rollout together (the parts of one model copy: tensor shards and
+        pipeline stages), led by the group's first rank; None: the rank alone."""
         ...
 
     def from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
@@ -227,6 +233,10 @@ class PlainEngine:
 
     def fsdp_roots(self) -> list[nn.Module]:
         return [self.inner]
+
+    @functools.cache  # noqa: B019 (one per engine, which lives as long as the run)
+    def rollout_group(self) -> dist.ProcessGroup | None:
+        return self.dims.model_group(self.mesh)
 
     @torch.no_grad()
     def forward_only(

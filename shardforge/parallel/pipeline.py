@@ -17,6 +17,7 @@ per micro-batch shape and reused while the shape repeats.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -223,6 +224,10 @@ class PipelineEngine:
 
     def fsdp_roots(self) -> list[nn.Module]:
         return list(self.stages.values())
+
+    @functools.cache  # noqa: B019 (one per engine, which lives as long as the run)
+    def rollout_group(self) -> dist.ProcessGroup | None:
+        return self.dims.model_group(self.mesh)
 
     def from_last_stage(self, stats: dict[str, float]) -> dict[str, float]:
         if not stats:

@@ -4,9 +4,8 @@ paged KV cache, infer/engine.py) running the training model itself, whatever its
 stays below the inference layer.
 
 - FSDP2: the caller keeps every unit gathered around the sampling and scoring (`kept_unsharded`).
-- Tensor parallel: the ranks of a TP group hold the same prompts and seeds, so their engines schedule the
-  same steps and run the sharded forward together (the logits' vocabulary shards are gathered).
-- Pipeline: each stage's rank runs the engine over its layers and passes the stream on (infer/pp.py).
+- Tensor parallel and pipelines: the ranks that hold parts of one model copy generate together, led by the
+  first (it schedules and samples; the others run its steps: infer/pp.py), and all get the completions.
 - DDP and one process: the module itself. LoRA: the adapters apply in the forward; nothing is merged.
 """
 
@@ -20,7 +19,8 @@ from typing import Any
 
 from shardforge.config.schema import Config
 from shardforge.infer.engine import EngineConfig
-from shardforge.infer.pp import generator_for
+from shardforge.infer.packed import packed_while
+from shardforge.infer.pp import generate_in_place
 from shardforge.infer.sampling import GenerationDefaults, SamplingParams
 from shardforge.parallel.engine import Engine
 from shardforge.planner.memory import ROLLOUT_BLOCK  # the planner counts the cache in these blocks
@@ -65,9 +65,9 @@ class TrainingSampler:
         ]
         was_training = model.training
         try:
-            with self.autocast():
-                # No tokenizer: the engine streams no text token by token; the rollout decodes each once.
-                generator = generator_for(self.engine, model, None, config, self.defaults)
-                return generator.generate(prompts, params)
+            # No tokenizer: the engine streams no text token by token; the rollout decodes each once.
+            # The weights change every step: laid out for the CPU's GEMM library for this rollout only.
+            with self.autocast(), packed_while(model):
+                return generate_in_place(self.engine, model, config, self.defaults, prompts, params)
         finally:
             model.train(was_training)

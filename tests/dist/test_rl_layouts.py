@@ -157,8 +157,12 @@ def test_rl_on_two_ranks_equals_one_process(tmp_path, data, critic, four_layers)
 def test_rl_under_pipeline_and_zero3_equals_one_process(tmp_path, data):
     """pp2 x dp_shard2 on 4 ranks, with the KL term against a frozen copy: the rollout gathers the stage
     modules' FSDP units (their roots hold the embedding and head), the copy is gathered whole for its pass
-    through the stages."""
+    through the stages. And pp2 x tp2: the four ranks of one model copy generate together, led by the first
+    (it alone schedules and samples)."""
     ref = train_runs([_cfg(tmp_path, "one", data, kl=0.1, mb=4)])[0]
     cfg = _cfg(tmp_path, "pp2-zero3", data, kl=0.1, mb=2, dp_shard=2, zero_stage=3, pp=2, pp_microbatches=2)
-    run = run_ranks(train_runs, 4, [cfg])[0][0]
-    assert_same(run, ref, rel=1e-5, atol=1e-4, loss_atol=1e-7)
+    pp_tp = _cfg(tmp_path, "pp2-tp2", data, kl=0.1, mb=4, dp_shard=1, pp=2, tp=2, sequence_parallel=False,
+                 pp_microbatches=2)  # fmt: skip
+    runs = run_ranks(train_runs, 4, [cfg, pp_tp])[0]
+    for run in runs:
+        assert_same(run, ref, rel=1e-5, atol=1e-4, loss_atol=1e-7)

@@ -21,6 +21,7 @@ from transformers import (
 from shardforge.infer import paged
 from shardforge.infer.blocks import BlockManager
 from shardforge.infer.engine import Engine, EngineConfig, RequestError
+from shardforge.infer.output import OutputProcessor
 from shardforge.infer.sampling import (
     GenerationDefaults,
     Sampler,
@@ -143,7 +144,7 @@ def test_bf16_engine_matches_bf16_generate(tmp_path):
     engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64, max_step_tokens=16))
     got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [c[0].tokens for c in got] == expected
-    assert engine.kv.keys[0].dtype == torch.bfloat16
+    assert engine.executor.runner.kv.keys[0].dtype == torch.bfloat16
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(tmp_path):
@@ -236,7 +237,7 @@ def test_filters_equal_transformers_processors(params):
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(VOCAB, generator=generator) * 3
     history = [3, 3, 17, 40, 99]
-    ours = processed_logits(logits, Sampler.create(SamplingParams(**params).check()), history)
+    ours = processed_logits(logits[None], [Sampler.create(SamplingParams(**params).check())], [history])[0]
     scores = logits[None].clone()
     ids = torch.tensor([history])
     if "repetition_penalty" in params:
@@ -252,6 +253,34 @@ def test_filters_equal_transformers_processors(params):
     assert torch.equal(torch.isinf(ours), torch.isinf(scores[0]))
     kept = ~torch.isinf(ours)
     torch.testing.assert_close(ours[kept], scores[0][kept], rtol=1e-6, atol=1e-6)
+
+
+def test_a_row_sampled_in_a_batch_equals_the_row_alone():
+    """The batched sampler (one call for every row of a step, on the logits' device) gives each row exactly
+    what it gives the row alone: the filtered logits bit for bit, and the same draws from the same seeds."""
+    settings = [
+        dict(temperature=0.0),
+        dict(temperature=0.7, top_k=5, seed=1),
+        dict(temperature=1.3, top_p=0.8, seed=2),
+        dict(temperature=1.0, min_p=0.1, seed=3),
+        dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, repetition_penalty=1.3, seed=4),
+        dict(temperature=0.0, presence_penalty=0.5, logit_bias=((7, 100.0),)),
+        dict(temperature=1.0, seed=5),
+    ]
+    logits = torch.randn(len(settings), VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    history = [3, 3, 17, 40, 99]
+
+    def samplers():
+        return [Sampler.create(SamplingParams(**p).check(), index=0) for p in settings]
+
+    together, alone = samplers(), samplers()
+    batch = processed_logits(logits, together, [history] * len(settings), [(1, 2)] * len(settings))
+    tokens = choose(batch, together)
+    for row, sampler in enumerate(alone):
+        one = processed_logits(logits[row : row + 1], [sampler], [history], [(1, 2)])
+        assert torch.equal(one[0], batch[row])
+        assert choose(one, [sampler]) == [tokens[row]]
+    assert tokens[5] == 7  # the logit bias applied to a greedy row
 
 
 def test_draws_follow_the_filtered_distribution():
@@ -271,7 +300,7 @@ def test_draws_follow_the_filtered_distribution():
     sampler = Sampler.create(SamplingParams(temperature=1.0, top_p=0.8, seed=0).check())
     counts = torch.zeros_like(probs)
     for _ in range(4000):
-        counts[choose(processed_logits(logits, sampler, []), sampler)] += 1
+        counts[choose(processed_logits(logits[None], [sampler]), [sampler])[0]] += 1
     assert torch.all(counts[expected == 0] == 0)
     torch.testing.assert_close(counts / 4000, expected, atol=0.025, rtol=0)
 
@@ -281,7 +310,7 @@ def test_penalties_and_defaults():
     sampler = Sampler.create(SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25))
     for token in (2, 2, 5):
         sampler.observe(token)
-    x = processed_logits(logits, sampler, [])
+    x = processed_logits(logits[None], [sampler])[0]
     assert x[2].item() == -1.0 and x[5].item() == -0.75 and x[0].item() == 0.0
     defaults = GenerationDefaults({"temperature": 0.6, "top_p": 0.9}, (2,))
     filled = defaults.fill(SamplingParams(top_p=0.5))
@@ -307,3 +336,34 @@ def test_stop_strings_are_cut_and_never_streamed():
         if stream.stopped:
             break
     assert "".join(pieces) == "ab" and stream.stopped == "cde" and pieces[:2] == ["", ""]
+
+
+def test_output_processor_ends_a_completion_at_its_stop_string(tmp_path):
+    """Detokenizing outside the engine (a server's output thread): the stop string is found in the text of
+    the token that completes it, that completion is finished in the engine at once (no more tokens, its
+    blocks freed), the other completion of the request runs on, and the request is done when both are."""
+    _, folder = _hf_model(tmp_path, "llama")
+    engine = Engine(load_model(folder), _Letters(), EngineConfig(block_size=4, num_blocks=64))
+    engine.detokenize = False
+    prompt = _prompts((6,), seed=1)[0]
+    free = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0][0]
+    text = _Letters().decode(free.tokens)
+    stop = text[5:7]
+    first = text.index(stop)  # the token that completes the stop string's first occurrence
+    output = OutputProcessor(_Letters())
+    params = SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True, stop=(stop,), n=2)
+    output.start("r", engine.add("r", prompt, params))  # top_k 1: both completions are the greedy one
+    pieces: dict[int, str] = {0: "", 1: ""}
+    made, done = 0, []
+    while engine.has_work():
+        processed = output.process(engine.step())
+        for request_id, index in processed.stopped:
+            engine.finish(request_id, index)
+        for u in processed.updates:
+            pieces[u.index] += u.text
+            made += len(u.tokens)
+            assert u.finish_reason in (None, "stop")
+        done += processed.done
+    assert pieces == {0: text[:first], 1: text[:first]} and done == ["r"]
+    assert made == 2 * (first + len(stop))  # not one token past the stop string
+    assert engine.blocks.in_use == 0 and not engine.requests

@@ -421,3 +421,18 @@ def test_every_field_the_openai_client_sends_is_declared(params, body):
     """The anchor's own list: each request field of the openai package's types is validated here (used,
     refused by name, or accepted as having no effect), never ignored as unknown."""
     assert set(params.__annotations__) - set(body.model_fields) == set()
+
+
+def test_a_stop_string_found_on_the_output_thread_ends_the_completion_in_the_engine(client, runner):
+    """Text is made on the runner's output thread; a stop string it finds finishes the completion in the
+    engine (through the inbox): the answer is cut before it, n=2 completions both end, nothing is held."""
+    free = _completion(client, max_tokens=24, temperature=0.0, ignore_eos=True).json()["choices"][0]["text"]
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    assert stop.strip(), free
+    cut = _completion(client, max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop], n=2).json()
+    for choice in cut["choices"]:
+        assert choice["text"] == free[: free.index(stop)] and choice["finish_reason"] == "stop"
+    deadline = time.monotonic() + 2
+    while runner.stats.blocks_used and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert runner.stats.blocks_used == 0 and runner.stats.running == 0
