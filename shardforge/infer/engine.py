@@ -23,6 +23,7 @@ import torch
 
 from shardforge.errors import ShardforgeError
 from shardforge.infer.blocks import BlockManager
+from shardforge.infer.decode_kernel import decode_kernel
 from shardforge.infer.executor import Executor, LocalRunner, StepInput
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.paged import Chunk, PagedKV
@@ -61,6 +62,7 @@ class EngineConfig:
     max_step_tokens: int = 512  # prefill chunks and decodes together, per step
     max_running: int = 64
     prefix_cache: bool = True
+    decode_kernel: bool = True  # CPU fp32: one call a layer for the decodes (infer/decode_kernel.py)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class Engine:
             eos_token_ids=(tokenizer.eos_token_id,) if getattr(tokenizer, "eos_token_id", None) else ()
         )
         num_blocks = kv_blocks(model, config)
-        self.executor = executor or Executor(LocalRunner(model, PagedKV(num_blocks, config.block_size)))
+        self.executor = executor or Executor(LocalRunner(model, paged_pool(model, config)))
         self.output = OutputProcessor(tokenizer)
         self.detokenize = True  # text inline after each step (a server's runner turns it off: its own thread)
         self.blocks = BlockManager(num_blocks, config.block_size)
@@ -346,3 +348,10 @@ def kv_blocks(model: CausalModel, config: EngineConfig) -> int:
     param = next(model.parameters())
     per_block = PagedKV.bytes_per_block(model.config, config.block_size, param.dtype)
     return config.num_blocks or max(1, config.kv_memory_bytes // per_block)
+
+
+def paged_pool(model: CausalModel, config: EngineConfig) -> PagedKV:
+    """A rank's pool of `kv_blocks` blocks, with the CPU decode kernel where it applies (fp32 on CPU)."""
+    param = next(model.parameters())
+    fast = config.decode_kernel and param.device.type == "cpu" and param.dtype == torch.float32
+    return PagedKV(kv_blocks(model, config), config.block_size, decode_kernel() if fast else None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,8 +32,9 @@ class PagedKV:
     dtype). Heads first, so that a run of consecutive blocks is a slice SDPA reads in place (measured here:
     2x faster attention than gathering every sequence's blocks into a padded batch)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, num_blocks: int, block_size: int, kernel: Any = None) -> None:
+        """`kernel`: the CPU decode-attention kernel (infer/decode_kernel.py) for fp32 pools, or None."""
+        self.num_blocks, self.block_size, self.kernel = num_blocks, block_size, kernel
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
@@ -190,14 +192,21 @@ class PagedStep:
         decodes: list[tuple[int, Chunk]] = []
         lo = 0
         self.slices: list[list[tuple[int, int]]] = []
+        self.sliced: list[tuple[int, tuple[int, int]]] = []  # decodes whose keys are one slice: (row, slice)
         for c in chunks:
             slices = _slices(c.blocks, c.start + c.length, bs)
             if c.length == 1 and len(slices) > 1:
                 decodes.append((lo, c))  # its keys need a gather: gathered and attended with the others
+            elif c.length == 1 and kv.kernel is not None:
+                self.sliced.append((lo, slices[0]))  # with the others, by the kernel
             else:
                 self.spans.append(_Span(lo, lo + c.length, c.start, self._where(slices, 0)))
                 self.slices.append(slices)
             lo += c.length
+        self.kernel_rows = self._put(np.array([r for r, _ in self.sliced])) if self.sliced else None
+        starts = torch.tensor([a for _, (a, _) in self.sliced], dtype=torch.int64)
+        ends = torch.tensor([b for _, (_, b) in self.sliced], dtype=torch.int64)
+        self.ranges = {False: (starts, ends), True: (starts, ends)}  # the kernel's (sliding: `context`)
         self.decodes = (
             _Decodes([r for r, _ in decodes], [c for _, c in decodes], bs, device) if decodes else None
         )
@@ -224,6 +233,9 @@ class PagedStep:
         window = cfg.sliding_window
         if window is not None and self.decodes is not None:
             self.decodes.slide(window)
+        if window is not None and self.sliced:  # sliding layers' decodes see the window's keys
+            starts, ends = self.ranges[False]
+            self.ranges[True] = (torch.maximum(starts, ends - window), ends)
         for s, slices in zip(self.spans, self.slices, strict=True):
             n, end = s.hi - s.lo, s.start + s.hi - s.lo
             if n == 1:
@@ -255,14 +267,31 @@ class PagedStep:
         keys[0, :, self.slots] = k[0]
         values[0, :, self.slots] = v[0]
         decoded = self.decodes.attend(q, keys, values, sliding, softcap) if self.decodes is not None else None
-        if not self.spans:  # a step of decodes only (in their order)
+        if not self.spans and self.kernel_rows is None:  # a step of batched decodes only (in their order)
             return decoded
         out = torch.empty_like(q)
         if decoded is not None:
             out[:, :, self.decodes.rows] = decoded
+        if self.kernel_rows is not None:
+            out[:, :, self.kernel_rows] = self._kernel_attend(q, keys, values, sliding, softcap)
         for s in self.spans:
             out[:, :, s.lo : s.hi] = s.attend(q, keys, values, sliding, softcap)
         return out
+
+    def _kernel_attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool, softcap: float | None
+    ) -> torch.Tensor:
+        """The single-slice decodes' outputs [1, heads, rows, d]: the kernel, where it applies (fp32 on CPU,
+        no soft cap), else one SDPA call each."""
+        rows, (starts, ends) = self.kernel_rows, self.ranges[sliding]
+        if softcap is not None or keys.dtype != torch.float32 or keys.device.type != "cpu":
+            spans = zip(rows.tolist(), starts.tolist(), ends.tolist(), strict=True)
+            parts = [_Span(r, r + 1, 0, (a, b)).attend(q, keys, values, False, softcap) for r, a, b in spans]
+            return torch.cat(parts, dim=2)
+        queries = q[0].index_select(1, rows)  # [heads, rows, d]
+        out = torch.empty_like(queries)
+        self.kv.kernel.decode_attention(queries, keys[0], values[0], starts, ends, out, q.shape[-1] ** -0.5)
+        return out[None]
 
     def advance(self, n: int) -> None:
         """The engine keeps each sequence's count of cached tokens itself."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardforge.infer.engine import Completion, Engine, EngineConfig, kv_blocks
+from shardforge.infer.engine import Completion, Engine, EngineConfig, paged_pool
 from shardforge.infer.executor import (
     Executor,
     LocalRunner,
@@ -70,7 +70,7 @@ def generate_in_place(
 ) -> list[list[Completion]]:
     """Completions of `prompts` from a training engine's model as it is laid out, on every rank of its
     rollout group (the leader generates; the others run its steps)."""
-    kv = PagedKV(kv_blocks(model, config), config.block_size)
+    kv = paged_pool(model, config)
     runner = StageRunner(model, kv, engine) if engine.is_pipeline else LocalRunner(model, kv)
     executor = Executor(runner, engine.rollout_group())
     if not executor.leads:

@@ -11,9 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardforge.config.schema import ParallelSection
-from shardforge.infer.engine import EngineConfig, kv_blocks
+from shardforge.infer.engine import EngineConfig, paged_pool
 from shardforge.infer.executor import Executor, LocalRunner
-from shardforge.infer.paged import PagedKV
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -29,5 +28,5 @@ def shard_for_inference(model: nn.Module, tp: int) -> None:
 
 def tp_executor(model: nn.Module, config: EngineConfig) -> Executor:
     """The sharded model's forward on every rank of the job, led by rank 0."""
-    kv = PagedKV(kv_blocks(model, config), config.block_size)
+    kv = paged_pool(model, config)
     return Executor(LocalRunner(model, kv), dist.group.WORLD)

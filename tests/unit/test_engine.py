@@ -20,6 +20,7 @@ from transformers import (
 
 from shardforge.infer import paged
 from shardforge.infer.blocks import BlockManager
+from shardforge.infer.decode_kernel import decode_kernel
 from shardforge.infer.engine import Engine, EngineConfig, RequestError
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.sampling import (
@@ -32,6 +33,7 @@ from shardforge.infer.sampling import (
 )
 from shardforge.infer.text import TextStream
 from shardforge.models import load_model
+from shardforge.models.common.config import DecoderConfig
 from tests.generate_oracle import generate
 from tests.unit.test_generate import FAMILIES, VOCAB, _hf_model, _prompts
 
@@ -97,6 +99,39 @@ def test_scattered_blocks_keep_greedy_tokens(tmp_path, monkeypatch):
     got = _run(engine, {f"r{i}": (p, GREEDY) for i, p in enumerate(prompts)}, join_after=3)
     assert [got[f"r{i}"] for i in range(len(prompts))] == expected
     assert max(most) >= 4
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads):
+    """The CPU decode-attention kernel against the SDPA loop it replaces, on one step of decodes whose keys
+    are single slices of the pool (lengths 1 to 200, some ending mid-block), mixed with a prefill chunk, on
+    full-attention and sliding-window layers."""
+    kernel = decode_kernel()
+    assert kernel is not None, "the kernel must build here (a compiler is part of the test machine)"
+    generator = torch.Generator().manual_seed(0)
+    lengths, size = [1, 5, 16, 17, 63, 200, 129], 8
+    chunks, at = [], 0
+    for n in lengths:  # decode the n-th token of a sequence whose blocks form one run
+        blocks = list(range(at, at + -(-n // size)))
+        chunks.append(paged.Chunk(blocks, n - 1, 1))
+        at += len(blocks) + 1
+    chunks.append(paged.Chunk(list(range(at, at + 3)), 0, 20))  # a prefill chunk among them
+    tokens = len(lengths) + 20
+    q = torch.randn(1, heads, tokens, 16, generator=generator)
+    k, v = (torch.randn(1, kv_heads, tokens, 16, generator=generator) for _ in range(2))
+    outs = []
+    for fast in (kernel, None):
+        kv = paged.PagedKV(at + 4, size, fast)
+        pool_k, pool_v = kv.layer(0, k)
+        pool_k.copy_(torch.randn(pool_k.shape, generator=torch.Generator().manual_seed(1)))
+        pool_v.copy_(torch.randn(pool_v.shape, generator=torch.Generator().manual_seed(2)))
+        step = paged.PagedStep(kv, chunks, torch.device("cpu"))
+        cfg = DecoderConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=heads,
+                            num_kv_heads=kv_heads, head_dim=16, sliding_window=12)  # fmt: skip
+        step.context(cfg, step.positions)
+        outs.append([step.attend(0, q, k, v, sliding) for sliding in (False, True)])
+    for ours, loop in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(ours, loop, rtol=1e-5, atol=1e-5)
 
 
 def test_blocks_come_in_runs_reserved_softly():
