@@ -192,21 +192,21 @@ class PagedStep:
         decodes: list[tuple[int, Chunk]] = []
         lo = 0
         self.slices: list[list[tuple[int, int]]] = []
-        self.sliced: list[tuple[int, tuple[int, int]]] = []  # decodes whose keys are one slice: (row, slice)
+        kernel: list[tuple[int, list[tuple[int, int]]]] = []  # decodes for the kernel: (row, their slices)
         for c in chunks:
             slices = _slices(c.blocks, c.start + c.length, bs)
-            if c.length == 1 and len(slices) > 1:
+            if c.length == 1 and kv.kernel is not None:
+                kernel.append((lo, slices))  # with the others, by the kernel, wherever its keys are
+            elif c.length == 1 and len(slices) > 1:
                 decodes.append((lo, c))  # its keys need a gather: gathered and attended with the others
-            elif c.length == 1 and kv.kernel is not None:
-                self.sliced.append((lo, slices[0]))  # with the others, by the kernel
             else:
                 self.spans.append(_Span(lo, lo + c.length, c.start, self._where(slices, 0)))
                 self.slices.append(slices)
             lo += c.length
-        self.kernel_rows = self._put(np.array([r for r, _ in self.sliced])) if self.sliced else None
-        starts = torch.tensor([a for _, (a, _) in self.sliced], dtype=torch.int64)
-        ends = torch.tensor([b for _, (_, b) in self.sliced], dtype=torch.int64)
-        self.ranges = {False: (starts, ends), True: (starts, ends)}  # the kernel's (sliding: `context`)
+        self.kernel_rows = self._put(np.array([r for r, _ in kernel])) if kernel else None
+        self.kernel_slices = [slices for _, slices in kernel]
+        whole = _ranges(self.kernel_slices, None)
+        self.ranges = {False: whole, True: whole}  # the kernel's slices (sliding layers': `context`)
         self.decodes = (
             _Decodes([r for r, _ in decodes], [c for _, c in decodes], bs, device) if decodes else None
         )
@@ -233,9 +233,8 @@ class PagedStep:
         window = cfg.sliding_window
         if window is not None and self.decodes is not None:
             self.decodes.slide(window)
-        if window is not None and self.sliced:  # sliding layers' decodes see the window's keys
-            starts, ends = self.ranges[False]
-            self.ranges[True] = (torch.maximum(starts, ends - window), ends)
+        if window is not None and self.kernel_slices:  # sliding layers' decodes see the window's keys
+            self.ranges[True] = _ranges(self.kernel_slices, window)
         for s, slices in zip(self.spans, self.slices, strict=True):
             n, end = s.hi - s.lo, s.start + s.hi - s.lo
             if n == 1:
@@ -283,18 +282,51 @@ class PagedStep:
     ) -> torch.Tensor:
         """The single-slice decodes' outputs [1, heads, rows, d]: the kernel, where it applies (fp32 on CPU,
         no soft cap), else one SDPA call each."""
-        rows, (starts, ends) = self.kernel_rows, self.ranges[sliding]
+        rows, (starts, ends, offsets) = self.kernel_rows, self.ranges[sliding]
         if softcap is not None or keys.dtype != torch.float32 or keys.device.type != "cpu":
-            spans = zip(rows.tolist(), starts.tolist(), ends.tolist(), strict=True)
-            parts = [_Span(r, r + 1, 0, (a, b)).attend(q, keys, values, False, softcap) for r, a, b in spans]
+            parts = []
+            for i, row in enumerate(rows.tolist()):
+                lo, hi = int(offsets[i]), int(offsets[i + 1])
+                slots = [
+                    np.arange(a, b) for a, b in zip(starts[lo:hi].tolist(), ends[lo:hi].tolist(), strict=True)
+                ]
+                parts.append(
+                    _Span(row, row + 1, 0, self._put(np.concatenate(slots))).attend(
+                        q, keys, values, False, softcap
+                    )
+                )
             return torch.cat(parts, dim=2)
         queries = q[0].index_select(1, rows)  # [heads, rows, d]
         out = torch.empty_like(queries)
-        self.kv.kernel.decode_attention(queries, keys[0], values[0], starts, ends, out, q.shape[-1] ** -0.5)
+        self.kv.kernel.decode_attention(
+            queries, keys[0], values[0], starts, ends, offsets, out, q.shape[-1] ** -0.5
+        )
         return out[None]
 
     def advance(self, n: int) -> None:
         """The engine keeps each sequence's count of cached tokens itself."""
+
+
+def _ranges(decodes: list[list[tuple[int, int]]], window: int | None) -> tuple[torch.Tensor, ...]:
+    """The kernel's view of the decodes' keys: every slice's start and end, and where each decode's slices
+    begin (CSR offsets); under a window, only the last `window` keys of each."""
+    starts: list[int] = []
+    ends: list[int] = []
+    offsets = [0]
+    for slices in decodes:
+        kept, left = [], window
+        for a, b in reversed(slices):
+            if left is not None:
+                if left <= 0:
+                    break
+                a = max(a, b - left)
+                left -= b - a
+            kept.append((a, b))
+        for a, b in reversed(kept):
+            starts.append(a)
+            ends.append(b)
+        offsets.append(len(starts))
+    return tuple(torch.tensor(x, dtype=torch.int64) for x in (starts, ends, offsets))
 
 
 def _slices(blocks: list[int], length: int, block_size: int) -> list[tuple[int, int]]:

@@ -103,18 +103,24 @@ def test_scattered_blocks_keep_greedy_tokens(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads):
-    """The CPU decode-attention kernel against the SDPA loop it replaces, on one step of decodes whose keys
-    are single slices of the pool (lengths 1 to 200, some ending mid-block), mixed with a prefill chunk, on
-    full-attention and sliding-window layers."""
+    """The CPU decode-attention kernel against the SDPA calls it replaces, on one step of decodes (lengths 1
+    to 200, some ending mid-block) whose keys are one run of blocks or split over runs (the n completions
+    of a prompt: its shared blocks, then their own), two decodes sharing blocks, and a prefill chunk among
+    them, on full-attention and sliding-window layers."""
     kernel = decode_kernel()
     assert kernel is not None, "the kernel must build here (a compiler is part of the test machine)"
     generator = torch.Generator().manual_seed(0)
-    lengths, size = [1, 5, 16, 17, 63, 200, 129], 8
+    lengths, size = [1, 5, 16, 17, 63, 200, 129, 40, 90], 8
     chunks, at = [], 0
-    for n in lengths:  # decode the n-th token of a sequence whose blocks form one run
+    for i, n in enumerate(lengths):  # decode the n-th token of a sequence
         blocks = list(range(at, at + -(-n // size)))
+        if i % 3 == 2 and len(blocks) > 2:  # split over two runs
+            blocks = blocks[:2] + [b + 3 for b in blocks[2:]]
         chunks.append(paged.Chunk(blocks, n - 1, 1))
-        at += len(blocks) + 1
+        at = blocks[-1] + 2
+    chunks.append(paged.Chunk([*chunks[-1].blocks[:2], at, at + 1], 29, 1))  # shares the last one's prefix
+    lengths.append(30)
+    at += 2
     chunks.append(paged.Chunk(list(range(at, at + 3)), 0, 20))  # a prefill chunk among them
     tokens = len(lengths) + 20
     q = torch.randn(1, heads, tokens, 16, generator=generator)
