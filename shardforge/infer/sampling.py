@@ -175,16 +175,22 @@ def processed_logits(
     each row's prompt and output tokens (repetition penalty); `suppress`: tokens that may not come yet (eos
     and stop tokens before min_tokens). A logit bias comes first: it is added to the model's logits (as the
     OpenAI API defines it). Row-wise operations only, so a row's result does not depend on the others."""
-    x = logits.float().clone()
-    for row, sampler in enumerate(samplers):
-        _penalize(x[row], sampler, histories[row] if histories else [], suppress[row] if suppress else ())
+    x = logits.float()
+    if any(suppress or ()) or any(_penalized(s.params) for s in samplers):
+        x = x.clone()
+        for row, sampler in enumerate(samplers):
+            _penalize(x[row], sampler, histories[row] if histories else [], suppress[row] if suppress else ())
     drawn = [row for row, s in enumerate(samplers) if not s.params.greedy]
     if not drawn:
         return x
     params = [samplers[row].params for row in drawn]
     rows = torch.tensor(drawn, device=x.device)
-    temperature = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
-    xs = x.index_select(0, rows) / temperature[:, None]
+    xs = x if len(drawn) == len(samplers) else x.index_select(0, rows)  # a new tensor below in any case
+    temperature = [p.temperature or 1.0 for p in params]
+    if any(t != 1.0 for t in temperature):
+        xs = xs / torch.tensor(temperature, dtype=x.dtype, device=x.device)[:, None]
+    elif xs is x or xs is logits:
+        xs = xs.clone()
     vocab = x.shape[-1]
     k = [p.top_k if p.top_k is not None and 0 < p.top_k < vocab else 0 for p in params]
     if any(k):
@@ -208,8 +214,17 @@ def processed_logits(
         probs = part.softmax(-1)
         floor = torch.tensor([params[i].min_p for i in at], dtype=x.dtype, device=x.device)[:, None]
         xs[at] = part.masked_fill(probs < floor * probs.max(-1, keepdim=True).values, -math.inf)
+    if len(drawn) == len(samplers):
+        return xs
+    x = x.clone() if x is logits else x
     x[drawn] = xs
     return x
+
+
+def _penalized(p: SamplingParams) -> bool:
+    """Whether `_penalize` changes the row (a bias or a penalty)."""
+    repetition = p.repetition_penalty not in (None, 1.0)
+    return bool(p.logit_bias or p.presence_penalty or p.frequency_penalty or repetition)
 
 
 def _penalize(x: torch.Tensor, sampler: Sampler, history: list[int], suppress: tuple[int, ...]) -> None:
@@ -240,14 +255,16 @@ def choose(x: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
     drawn = [row for row, s in enumerate(samplers) if not s.params.greedy]
     if drawn:
         rows = torch.tensor(drawn, device=x.device)
-        part = x.index_select(0, rows)
+        part = x if len(drawn) == len(samplers) else x.index_select(0, rows)
         cumulative = part.softmax(-1).cumsum(-1)
         u = torch.cat([torch.rand(1, generator=samplers[r].generator, dtype=x.dtype) for r in drawn])
         u = u.to(x.device)[:, None] * cumulative[:, -1:]
         picked = torch.searchsorted(cumulative, u, right=True)[:, 0]
-        # u rounded up to the total: the last token with any probability
-        last = (part > -math.inf).cumsum(-1).argmax(-1)
-        tokens[rows] = torch.where(picked >= part.shape[-1], last, picked)
+        over = picked >= part.shape[-1]
+        if over.any():  # u rounded up to the total: the last token with any probability
+            last = (part > -math.inf).cumsum(-1).argmax(-1)
+            picked = torch.where(over, last, picked)
+        tokens[rows] = picked
     return tokens.tolist()
 
 
@@ -261,10 +278,12 @@ def top_logprobs(
     if not asked:
         return out
     rows = torch.tensor(list(asked), device=logits.device)
-    logp = logits.index_select(0, rows).float().log_softmax(-1)
-    chosen = logp.gather(1, torch.tensor([[tokens[r]] for r in asked], device=logp.device))[:, 0].tolist()
-    best = torch.topk(logp, max(asked.values()))
-    indices, values = best.indices.tolist(), best.values.tolist()
+    part = (logits if len(asked) == len(ks) else logits.index_select(0, rows)).float()
+    total = part.logsumexp(-1, keepdim=True)  # log p = logit - logsumexp: no [rows, vocab] output
+    picked = torch.tensor([[tokens[r]] for r in asked], device=part.device)
+    chosen = (part.gather(1, picked) - total)[:, 0].tolist()
+    best = torch.topk(part, max(asked.values()))
+    indices, values = best.indices.tolist(), (best.values - total).tolist()
     for i, (row, k) in enumerate(asked.items()):
         out[row] = (chosen[i], list(zip(indices[i][:k], values[i][:k], strict=True)))
     return out
