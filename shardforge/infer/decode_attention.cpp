@@ -18,7 +18,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3 && out.dim() == 3);
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat);
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && q.stride(2) == 1 && out.stride(2) == 1);
-  TORCH_CHECK(q.size(0) % keys.size(0) == 0 && q.size(0) / keys.size(0) <= 64);
+  TORCH_CHECK(q.size(0) % keys.size(0) == 0);
   TORCH_CHECK(offsets.size(0) == q.size(1) + 1);
   const int64_t R = q.size(1), D = q.size(2);
   const int64_t KV = keys.size(0), S = keys.size(1);
@@ -34,13 +34,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<float> acc(G * D);
+    std::vector<float> acc(G * D), mx(G), sum(G);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / KV, kv = task % KV;
       int64_t n = 0;
       for (int64_t i = off[r]; i < off[r + 1]; ++i) n += b[i] - a[i];
       scores.resize(G * n);
-      float mx[64], sum[64];
       for (int64_t g = 0; g < G; ++g) mx[g] = -INFINITY;
       int64_t at = 0;
       for (int64_t i = off[r]; i < off[r + 1]; ++i) {

@@ -101,8 +101,8 @@ def test_scattered_blocks_keep_greedy_tokens(tmp_path, monkeypatch):
     assert max(most) >= 4
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 1, 128), (71, 1, 80)])  # falcon-7b
+def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads, d):
     """The CPU decode-attention kernel against the SDPA calls it replaces, on one step of decodes (lengths 1
     to 200, some ending mid-block) whose keys are one run of blocks or split over runs (the n completions
     of a prompt: its shared blocks, then their own), two decodes sharing blocks, and a prefill chunk among
@@ -123,8 +123,8 @@ def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads):
     at += 2
     chunks.append(paged.Chunk(list(range(at, at + 3)), 0, 20))  # a prefill chunk among them
     tokens = len(lengths) + 20
-    q = torch.randn(1, heads, tokens, 16, generator=generator)
-    k, v = (torch.randn(1, kv_heads, tokens, 16, generator=generator) for _ in range(2))
+    q = torch.randn(1, heads, tokens, d, generator=generator)
+    k, v = (torch.randn(1, kv_heads, tokens, d, generator=generator) for _ in range(2))
     outs = []
     for fast in (kernel, None):
         kv = paged.PagedKV(at + 4, size, fast)
@@ -133,7 +133,7 @@ def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads):
         pool_v.copy_(torch.randn(pool_v.shape, generator=torch.Generator().manual_seed(2)))
         step = paged.PagedStep(kv, chunks, torch.device("cpu"))
         cfg = DecoderConfig(vocab_size=8, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=heads,
-                            num_kv_heads=kv_heads, head_dim=16, sliding_window=12)  # fmt: skip
+                            num_kv_heads=kv_heads, head_dim=d, sliding_window=12)  # fmt: skip
         step.context(cfg, step.positions)
         outs.append([step.attend(0, q, k, v, sliding) for sliding in (False, True)])
     for ours, loop in zip(outs[0], outs[1], strict=True):
