@@ -188,23 +188,31 @@ class EngineRunner:
     # ---- the output thread ------------------------------------------------------------------------------
     def _outputs(self) -> None:
         """Messages from the engine thread, in its order: a request started, a step's updates, a request
-        ended by an abort, stop."""
-        while True:
-            message = self.outbox.get()
-            kind = message[0]
-            if kind == "start":
-                _, request_id, params, sink = message
-                self.sinks[request_id] = sink
-                self.output.start(request_id, params)
-            elif kind == "updates":
-                self._dispatch(message[1], message[2])
-            elif kind == "end":
-                self.output.drop(message[1])
-                self._end(message[1], message[2])
-            else:  # "stop": whatever is still open ends
-                for request_id in list(self.sinks):
-                    self._end(request_id, message[1])
-                return
+        ended by an abort, stop. A bug here fails every request and stops the engine rather than hang."""
+        try:
+            while True:
+                message = self.outbox.get()
+                kind = message[0]
+                if kind == "start":
+                    _, request_id, params, sink = message
+                    self.sinks[request_id] = sink
+                    self.output.start(request_id, params)
+                elif kind == "updates":
+                    self._dispatch(message[1], message[2])
+                elif kind == "end":
+                    self.output.drop(message[1])
+                    self._end(message[1], message[2])
+                else:  # "stop": whatever is still open ends
+                    for request_id in list(self.sinks):
+                        self._end(request_id, message[1])
+                    return
+        except BaseException as exc:
+            self.error = exc
+            log.exception("the output thread stopped on an error: %r", exc)
+            self.stopping = True
+            self.wake.set()
+            for request_id in list(self.sinks):
+                self._end(request_id, "failed")
 
     def _end(self, request_id: str, reason: str) -> None:
         with self.count_lock:

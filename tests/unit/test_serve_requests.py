@@ -4,6 +4,7 @@ with its name as the error's `param`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -18,7 +19,8 @@ from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.http import MAX_BODY_BYTES
 from shardforge.infer.load import load_for_inference
 from shardforge.infer.protocol import ChatRequest, CompletionRequest
-from shardforge.infer.runner import EngineRunner
+from shardforge.infer.runner import EngineRunner, Unavailable
+from shardforge.infer.sampling import SamplingParams
 from shardforge.infer.server import build_app
 from tests.conftest import tiny_chat_model
 
@@ -436,3 +438,30 @@ def test_a_stop_string_found_on_the_output_thread_ends_the_completion_in_the_eng
     while runner.stats.blocks_used and time.monotonic() < deadline:
         time.sleep(0.02)
     assert runner.stats.blocks_used == 0 and runner.stats.running == 0
+
+
+def test_an_error_on_the_output_thread_fails_requests_instead_of_hanging_them(loaded):
+    """Text is made on the runner's output thread: if making it raises (a tokenizer bug), the open request
+    ends at once, the engine stops, and new requests are refused as unavailable."""
+
+    class Broken:
+        eos_token_id = loaded.tokenizer.eos_token_id
+
+        def decode(self, *args, **kwargs):
+            raise ValueError("a tokenizer bug")
+
+    engine = Engine(loaded.model, Broken(), EngineConfig(block_size=8, num_blocks=64), loaded.defaults)
+    runner = EngineRunner(engine)
+
+    async def ask():
+        stream = runner.submit("r", [1, 2, 3], SamplingParams(max_tokens=4), asyncio.get_running_loop())
+        return [u async for u in stream]
+
+    try:
+        assert asyncio.run(asyncio.wait_for(ask(), timeout=10)) == []
+        assert isinstance(runner.error, ValueError)
+        with pytest.raises(Unavailable):
+            runner.submit("s", [1, 2, 3], SamplingParams(max_tokens=4), None)
+    finally:
+        runner.close()
+    assert not runner.thread.is_alive() and not runner.output_thread.is_alive()
