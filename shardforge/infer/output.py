@@ -63,7 +63,7 @@ class OutputProcessor:
             if completion.ended:  # a stop string ended it; the core made this token before it heard
                 continue
             core_finished = update.finish_reason is not None
-            update = self._text(completion, update)
+            update = self._text(completion, update, request.params.min_tokens)
             if update.finish_reason is not None:
                 completion.ended = True
                 request.left -= 1
@@ -81,14 +81,16 @@ class OutputProcessor:
         return TextStream(self.tokenizer, params.stop, params.include_stop_in_output)
 
     @staticmethod
-    def _text(completion: _Completion, update: Any) -> Any:
+    def _text(completion: _Completion, update: Any, min_tokens: int) -> Any:
         completion.tokens += update.tokens
         stream = completion.stream
         if stream is None:
             return update
         finish = update.finish_reason
-        # a stop token (eos, stop_token_ids: the core finished the completion with "stop") has no text
-        stream.update(completion.tokens[:-1] if finish == "stop" else completion.tokens)
+        # a stop token (eos, stop_token_ids: the core finished the completion with "stop") has no text;
+        # stop strings count from min_tokens on (vLLM's rule; the core suppresses stop tokens until then)
+        visible = completion.tokens[:-1] if finish == "stop" else completion.tokens
+        stream.update(visible, stops=len(completion.tokens) >= min_tokens)
         if stream.stopped is not None:
             finish = "stop"
         return replace(update, text=stream.delta(final=finish is not None), finish_reason=finish)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -37,7 +37,7 @@ class _Common(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
-    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None  # one string: MAX_STOP_CHARS
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -13,12 +13,18 @@ class TextStream:
         self.text = ""
         self.sent = 0  # characters handed out so far
         self.stopped: str | None = None  # the stop string that ended it
+        self.floor = 0  # a stop string must end past this (the text made before min_tokens was reached)
 
-    def update(self, output_ids: list[int]) -> None:
-        """The whole output so far (decoded anew: a token's text can depend on its neighbours)."""
+    def update(self, output_ids: list[int], stops: bool = True) -> None:
+        """The whole output so far (decoded anew: a token's text can depend on its neighbours). `stops`
+        False: stop strings do not count yet (before min_tokens, as vLLM), nor later in the text made so
+        far."""
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        if not stops:
+            self.text, self.floor = text, len(text)
+            return
         for stop in self.stop:
-            at = text.find(stop, max(0, self.sent - len(stop)))
+            at = text.find(stop, max(0, self.sent - len(stop), self.floor - len(stop) + 1))
             if at >= 0:
                 self.stopped = stop
                 text = text[: at + len(stop)] if self.keep_stop else text[:at]

@@ -6,6 +6,7 @@ filters equal transformers' processors; stops, lengths, n > 1, aborts and bad re
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -408,3 +409,19 @@ def test_output_processor_ends_a_completion_at_its_stop_string(tmp_path):
     assert pieces == {0: text[:first], 1: text[:first]} and done == ["r"]
     assert made == 2 * (first + len(stop))  # not one token past the stop string
     assert engine.blocks.in_use == 0 and not engine.requests
+
+
+def test_stop_strings_count_from_min_tokens_on(tmp_path):
+    """As vLLM: before min_tokens a stop string does not end the completion (stop tokens are suppressed
+    until then too); the first occurrence that ends at or after the min_tokens-th token does."""
+    _, folder = _hf_model(tmp_path, "llama")
+    engine = Engine(load_model(folder), _Letters(), EngineConfig(block_size=4, num_blocks=64))
+    prompt = _prompts((6,), seed=1)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    text = engine.generate([prompt], greedy)[0][0].text
+    stop = text[2:4]
+    for min_tokens in (0, 5, 12):
+        done = engine.generate([prompt], replace(greedy, stop=(stop,), min_tokens=min_tokens))[0][0]
+        ends = [at for at in range(len(text)) if text.startswith(stop, at) and at + len(stop) >= min_tokens]
+        expected = (text[: ends[0]], "stop") if ends else (text, "length")
+        assert (done.text, done.finish_reason) == expected, min_tokens

@@ -465,3 +465,10 @@ def test_an_error_on_the_output_thread_fails_requests_instead_of_hanging_them(lo
     finally:
         runner.close()
     assert not runner.thread.is_alive() and not runner.output_thread.is_alive()
+
+
+def test_one_stop_string_is_bounded_by_its_characters_not_the_list_bound(client):
+    """A plain string `stop` of 17-256 characters is one stop string (the 16 bounds a list of them)."""
+    assert _completion(client, stop="0123456789abcdefg").status_code == 200
+    assert _chat(client, stop="x" * 256).status_code == 200
+    _refused(_chat(client, stop="x" * 257), "stop")
