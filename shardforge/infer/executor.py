@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from shardforge.infer.paged import Chunk, PagedKV, PagedStep
 from shardforge.models.common.protocol import CausalModel
@@ -109,5 +110,5 @@ def sampled_positions(tokens: int, last: list[int], device: torch.device) -> tor
 def whole_vocabulary(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Logits over the real vocabulary: TP's vocabulary shards gathered, and the rows a training layout padded
     the vocabulary with (never tokens) cut off."""
-    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
     return logits[..., :vocab_size]

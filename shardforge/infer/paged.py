@@ -280,21 +280,17 @@ class PagedStep:
     def _kernel_attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sliding: bool, softcap: float | None
     ) -> torch.Tensor:
-        """The single-slice decodes' outputs [1, heads, rows, d]: the kernel, where it applies (fp32 on CPU,
-        no soft cap), else one SDPA call each."""
+        """The decodes' outputs [1, heads, rows, d]: the kernel, where it applies (an fp32 pool on CPU, no
+        soft cap), else one SDPA call each over its slots."""
         rows, (starts, ends, offsets) = self.kernel_rows, self.ranges[sliding]
         if softcap is not None or keys.dtype != torch.float32 or keys.device.type != "cpu":
-            parts = []
-            for i, row in enumerate(rows.tolist()):
-                lo, hi = int(offsets[i]), int(offsets[i + 1])
-                slots = [
-                    np.arange(a, b) for a, b in zip(starts[lo:hi].tolist(), ends[lo:hi].tolist(), strict=True)
-                ]
-                parts.append(
-                    _Span(row, row + 1, 0, self._put(np.concatenate(slots))).attend(
-                        q, keys, values, False, softcap
-                    )
+            bounds, offsets = list(zip(starts.tolist(), ends.tolist(), strict=True)), offsets.tolist()
+            parts = [
+                _Span(row, row + 1, 0, self._where(bounds[offsets[i] : offsets[i + 1]], 0)).attend(
+                    q, keys, values, False, softcap
                 )
+                for i, row in enumerate(rows.tolist())
+            ]
             return torch.cat(parts, dim=2)
         queries = q[0].index_select(1, rows)  # [heads, rows, d]
         out = torch.empty_like(queries)
