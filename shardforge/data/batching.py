@@ -50,6 +50,15 @@ class Batch:
         rows = {"targets": self.targets, "position_ids": self.position_ids, "doc_ids": self.doc_ids}
         return rows | self.extras
 
+    def sequence_ids(self) -> torch.Tensor:
+        """Each position's document [rows, width], numbered over the micro-batch in row-major order (one
+        per row when rows are not packed); a pad position has a neighbouring number (it is never a target)."""
+        rows, width = self.targets.shape
+        if self.doc_ids is None:
+            return torch.arange(rows, device=self.targets.device)[:, None].expand(rows, width)
+        count = self.doc_ids.max(dim=1).values + 1
+        return (torch.cumsum(count, 0) - count)[:, None] + self.doc_ids.clamp(min=0)
+
     @classmethod
     def from_fields(cls, input_ids: torch.Tensor | None, fields: dict[str, torch.Tensor | None]) -> Batch:
         """A micro-batch (or a pipeline chunk of one) rebuilt from `fields()`; its counts are not carried (-1:
@@ -96,6 +105,43 @@ def collate(
     lengths = [[len(doc) for doc, _ in row] for row in documents]
     layout = doc_layout(lengths, width) if use_per_document(lengths, width) else None
     return Batch(ids, targets, positions, docs, num_tokens, num_targets, layout)
+
+
+def collate_groups(
+    groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_id: int, multiple: int = 1
+) -> Batch:
+    """A micro-batch of one row per group of completions of one prompt: the prompt's tokens but its last
+    once (the trunk), then each completion as a document led by the prompt's last token, which predicts
+    its first token; targets are the completions' tokens. Positions continue from the trunk in every
+    document, and the per-document layout (models/common/attention.py) attends each document after the
+    trunk: the same log-probs and gradients as one row per completion, with the prompt computed once. The
+    layout is required (a model that attends by `doc_ids` alone would not see the trunk)."""
+    docs = [[(prompt[-1], *completion) for completion in completions] for prompt, completions in groups]
+    trunks = [len(prompt) - 1 for prompt, _ in groups]
+    width = max(t + sum(map(len, row)) for t, row in zip(trunks, docs, strict=True))
+    width = -(-width // multiple) * multiple
+    n = len(groups)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    targets = torch.full((n, width), IGNORE, dtype=torch.long)
+    positions = torch.zeros((n, width), dtype=torch.long)
+    doc_ids = torch.full((n, width), -1, dtype=torch.long)
+    num_tokens = num_targets = 0
+    for r, ((prompt, _), trunk, row) in enumerate(zip(groups, trunks, docs, strict=True)):
+        ids[r, :trunk] = torch.tensor(prompt[:-1], dtype=torch.long)
+        positions[r, :trunk] = torch.arange(trunk)
+        doc_ids[r, :trunk] = 0  # the trunk counts as the first document's (it has no targets)
+        col = trunk
+        for d, doc in enumerate(row):
+            tokens = torch.tensor(doc, dtype=torch.long)
+            ids[r, col : col + len(doc)] = tokens
+            targets[r, col : col + len(doc) - 1] = tokens[1:]
+            positions[r, col : col + len(doc)] = torch.arange(trunk, trunk + len(doc))
+            doc_ids[r, col : col + len(doc)] = d
+            col += len(doc)
+            num_targets += len(doc) - 1
+        num_tokens += col
+    layout = doc_layout([[len(doc) for doc in row] for row in docs], width, trunks)
+    return Batch(ids, targets, positions, doc_ids, num_tokens, num_targets, layout)
 
 
 def row_tags(examples: Sequence[Example], rows: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -52,6 +52,8 @@ class Traits:
     score_head: int = 0  # outputs of a score head the model has instead of the LM head (0: the LM head)
     rollouts: bool = False  # its rows are sampled by the job itself (no data set is encoded)
     critic: str | None = None  # a separate critic model trained beside the policy (a folder)
+    # its rollouts train one group per row, the completions packed (its loss reads sequences, not rows)
+    packed_groups: bool = False
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def at_targets(values: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
 
 class GRPOObjective(ReferencedObjective):
     name = "grpo"
-    traits = Traits(reader="prompt", whole_sequences=True, rollouts=True)
+    traits = Traits(reader="prompt", whole_sequences=True, rollouts=True, packed_groups=True)
     metrics = ("loss", "kl", "clip_fraction", "ratio", "logprob_delta")
 
     def __init__(self, method: MethodSection | None = None) -> None:
@@ -140,42 +140,46 @@ class GRPOObjective(ReferencedObjective):
             logps = forward(net, batch.input_ids, self.scored_inputs(batch, self.logprob_head))
         batch.extras["ref_logps"] = at_targets(logps, mask)
 
-    def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:
-        """Each row's advantage from its sequence reward (`extras["scores"]`): group-relative, scaled as
-        method.rl.scale_rewards says (`batch`: by the global batch's deviation, `total` sums over ranks);
-        `keep` is 0 for the rows of groups whose rewards are all equal when filter_groups is on. Returns
-        the groups filtered on this rank."""
+    def assign_advantages(
+        self, micro: list[Batch], scores: list[torch.Tensor], total: Total
+    ) -> tuple[list[bool], dict[str, float]]:
+        """Each sequence's advantage from its reward (`scores`: per micro-batch, in its sequences' order):
+        group-relative, scaled as method.rl.scale_rewards says (`batch`: by the global batch's deviation,
+        `total` sums over ranks), placed at its target positions (`advantages`, `keep` [rows, width]: a
+        row may hold a whole group). `keep` is 0 for the sequences of groups whose rewards are all equal
+        when filter_groups is on. Returns each sequence's keep and the groups filtered on this rank."""
         rl, n = self.rl, self.rl.group_size
-        scores = torch.cat([b.extras["scores"].double().cpu() for b in micro])
-        batch_std = global_mean_std(scores, total)[1] if rl.scale_rewards == "batch" else None
-        grouped = scores.view(-1, n)
+        flat_scores = torch.cat([s.double().cpu() for s in scores])
+        batch_std = global_mean_std(flat_scores, total)[1] if rl.scale_rewards == "batch" else None
+        grouped = flat_scores.view(-1, n)
         advantages = group_advantages(grouped, rl.scale_rewards, batch_std).view(-1)
         flat = grouped.max(dim=1).values == grouped.min(dim=1).values
-        keep = (~flat).repeat_interleave(n) if rl.filter_groups else torch.ones(len(scores), dtype=torch.bool)
+        keep = (~flat if rl.filter_groups else torch.ones_like(flat)).repeat_interleave(n)
         at = 0
-        for b in micro:
-            rows = b.targets.shape[0]
-            b.extras["advantages"] = advantages[at : at + rows].float().to(b.targets.device)
-            b.extras["keep"] = keep[at : at + rows].float().to(b.targets.device)
-            at += rows
-        return {"groups_filtered": float(flat.sum()) if rl.filter_groups else 0.0}
+        for b, part in zip(micro, scores, strict=True):
+            mask, sequence = b.targets != IGNORE, b.sequence_ids()
+            count = len(part)
+            for key, values in (("advantages", advantages), ("keep", keep)):
+                per_sequence = values[at : at + count].float().to(mask.device)
+                b.extras[key] = per_sequence[sequence.clamp(max=count - 1)] * mask
+            at += count
+        return keep.tolist(), {"groups_filtered": float(flat.sum()) if rl.filter_groups else 0.0}
 
     def loss(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         mask = batch.targets != IGNORE
-        row_of_token = mask.nonzero()[:, 0]
-        keep = batch.extras["keep"][row_of_token]  # 0 for the tokens of filtered groups
+        keep = batch.extras["keep"][mask]  # 0 for the tokens of filtered groups
         ref = batch.extras.get("ref_logps")
         rl = self.rl
         logps = output.float()
         t = clipped_surrogate(
             logps,
             batch.extras["old_logps"][mask] if "old_logps" in batch.extras else logps.detach(),
-            batch.extras["advantages"][row_of_token],
+            batch.extras["advantages"][mask],
             rl.clip,
             rl.kl_beta,
             None if ref is None else ref[mask],
         )
-        total = self._totals(row_of_token, mask.shape[0], keep)
+        total = self._totals(batch, mask, keep)
         return {
             "loss": total(t.loss, True),
             "kl": total(t.kl.detach()),
@@ -185,16 +189,18 @@ class GRPOObjective(ReferencedObjective):
         }
 
     def _totals(
-        self, row_of_token: torch.Tensor, rows: int, weight: torch.Tensor | float = 1.0
+        self, batch: Batch, mask: torch.Tensor, weight: torch.Tensor | float = 1.0
     ) -> Callable[..., torch.Tensor]:
-        """Per-token values -> the sums the loop divides by the normalizer: aggregated as method.rl.loss says
-        for a loss, and for a logged statistic as a mean per token (dapo) or of each sequence's token mean
-        (the others), over the same normalizer."""
+        """Per-token values (at `mask`) -> the sums the loop divides by the normalizer: aggregated over each
+        token's sequence as method.rl.loss says for a loss, and for a logged statistic as a mean per token
+        (dapo) or of each sequence's token mean (the others), over the same normalizer."""
         rl = self.rl
+        sequence = batch.sequence_ids()[mask]
+        bound = mask.numel()  # at least the number of sequences, without reading it off the device
 
         def total(per_token: torch.Tensor, is_loss: bool = False) -> torch.Tensor:
             how = rl.loss if is_loss else "dapo" if rl.loss == "dapo" else "grpo"
-            return aggregate(per_token * weight, row_of_token, rows, how, rl.max_new_tokens)
+            return aggregate(per_token * weight, sequence, bound, how, rl.max_new_tokens)
 
         return total
 
@@ -245,7 +251,8 @@ class PPOObjective(GRPOObjective):
     def __init__(self, method: MethodSection | None = None) -> None:
         super().__init__(method)
         self.ppo = self.method.ppo
-        self.traits = replace(self.traits, critic=self.ppo.critic_folder)
+        # GAE runs along rows: one sequence per row
+        self.traits = replace(self.traits, critic=self.ppo.critic_folder, packed_groups=False)
 
     def bind(self, ctx: BindContext) -> str | None:
         folder, model = critic_folder(self.method), ctx.model
@@ -271,30 +278,31 @@ class PPOObjective(GRPOObjective):
         self._score_reference(model, batch, mask, forward)
         return batch
 
-    def assign_advantages(self, micro: list[Batch], total: Total) -> dict[str, float]:
-        """GAE over each row's completion tokens, then whitening with the global batch's mean and
-        deviation; returns this rank's sum of the KL penalty's k1 terms (the log divides by the tokens)."""
+    def assign_advantages(
+        self, micro: list[Batch], scores: list[torch.Tensor], total: Total
+    ) -> tuple[list[bool], dict[str, float]]:
+        """GAE over each row's completion tokens (one sequence per row; `scores` its reward, per micro-batch),
+        then whitening with the global batch's mean and deviation; returns every sequence kept and this
+        rank's sum of the KL penalty's k1 terms (the log divides by the tokens)."""
         ppo, kl_sum = self.ppo, 0.0
-        for b in micro:
+        for b, score in zip(micro, scores, strict=True):
             mask = b.targets != IGNORE
             kl = (b.extras["old_logps"] - b.extras["ref_logps"]) * mask if "ref_logps" in b.extras else None
             rewards = -self.rl.kl_beta * kl if kl is not None else torch.zeros(mask.shape, device=mask.device)
             last = mask.shape[1] - 1 - mask.flip(1).float().argmax(dim=1)  # each row's last target column
-            rewards[torch.arange(mask.shape[0], device=mask.device), last] += b.extras["scores"].float()
+            rewards[torch.arange(mask.shape[0], device=mask.device), last] += score.float().to(mask.device)
             advantages, returns = gae(rewards, b.extras["old_values"], mask, ppo.gamma, ppo.lam)
             b.extras["advantages"], b.extras["returns"] = advantages, returns
-            b.extras["keep"] = torch.ones(mask.shape[0], device=mask.device)
             kl_sum += float(kl.sum()) if kl is not None else 0.0
         flat = torch.cat([b.extras["advantages"][b.targets != IGNORE].cpu() for b in micro])
         mean, std = global_mean_std(flat, total)
         for b in micro:  # whitened, as TRL's PPO does (over its batch; here the global batch)
             b.extras["advantages"] = (b.extras["advantages"] - mean) / (std + 1e-8) * (b.targets != IGNORE)
-        return {"kl_penalty_sum": kl_sum}
+        return [True] * sum(len(s) for s in scores), {"kl_penalty_sum": kl_sum}
 
     def loss(self, output: Any, batch: Batch) -> dict[str, torch.Tensor]:
         logps, values = output
         mask = batch.targets != IGNORE
-        row_of_token = mask.nonzero()[:, 0]
         rl, ppo = self.rl, self.ppo
         policy = clipped_surrogate(
             logps.float(), batch.extras["old_logps"][mask], batch.extras["advantages"][mask], rl.clip
@@ -302,7 +310,7 @@ class PPOObjective(GRPOObjective):
         value_loss, value_clipped = clipped_value_loss(
             values.float(), batch.extras["old_values"][mask], batch.extras["returns"][mask], ppo.value_clip
         )
-        total = self._totals(row_of_token, mask.shape[0])
+        total = self._totals(batch, mask)
         ref = batch.extras.get("ref_logps")
         kl = (logps.detach().float() - ref[mask]) if ref is not None else torch.zeros_like(policy.loss)
         policy_sum, value_sum = total(policy.loss, True), total(value_loss, True)

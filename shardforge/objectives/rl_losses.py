@@ -72,22 +72,23 @@ def clipped_surrogate(
 
 
 def aggregate(
-    per_token: torch.Tensor, row_of_token: torch.Tensor, rows: int, how: str, max_new_tokens: int
+    per_token: torch.Tensor, sequence_of_token: torch.Tensor, sequences: int, how: str, max_new_tokens: int
 ) -> torch.Tensor:
     """The sum the loop divides by its normalizer (AGGREGATION_NORMALIZER[how]): per-token values of
-    completion tokens [tokens], each token's row index, and the number of rows."""
+    completion tokens [tokens], each token's sequence index, and a bound on the sequences' number (one
+    with no tokens adds nothing)."""
     if how == "dapo":
         return per_token.sum()
-    per_row = torch.zeros(rows, dtype=per_token.dtype, device=per_token.device).index_add(
-        0, row_of_token, per_token
+    per_sequence = torch.zeros(sequences, dtype=per_token.dtype, device=per_token.device).index_add(
+        0, sequence_of_token, per_token
     )
     if how == "dr_grpo":
-        return per_row.sum() / max_new_tokens
+        return per_sequence.sum() / max_new_tokens
     if how == "grpo":
-        lengths = torch.zeros(rows, dtype=per_token.dtype, device=per_token.device).index_add(
-            0, row_of_token, torch.ones_like(per_token)
+        lengths = torch.zeros(sequences, dtype=per_token.dtype, device=per_token.device).index_add(
+            0, sequence_of_token, torch.ones_like(per_token)
         )
-        return (per_row / lengths.clamp(min=1)).sum()
+        return (per_sequence / lengths.clamp(min=1)).sum()
     raise ValueError(f"loss={how!r}; expected grpo, dapo or dr_grpo")
 
 

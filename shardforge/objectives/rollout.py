@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardforge.config.schema import DataSection, RLSection
 from shardforge.data.batch_source import GlobalBatch
-from shardforge.data.batching import Batch, GlobalOrder, collate, split_global_batch
+from shardforge.data.batching import IGNORE, Batch, GlobalOrder, collate, collate_groups, split_global_batch
 from shardforge.data.examples import Example
 from shardforge.data.formats import Reading
 from shardforge.data.loader import read_dataset
@@ -74,6 +74,15 @@ def load_prompts(data: DataSection, tokenizer: Any, room: int, how: Reading) -> 
             f"method.rl.max_new_tokens); raise data.max_length or lower max_new_tokens"
         )
     return prompts, too_long
+
+
+def rollout_packing(packed_groups: bool, model: Any, dims: ParallelDims) -> str:
+    """How a micro-batch's rollouts become rows: `shared` (one group per row, its prompt once), `packed`
+    (one group per row, each sequence whole: a pipeline's chunks attend by masks, not by the layout) or
+    `rows` (one sequence per row: the objective reads rows, or the model cannot keep documents apart)."""
+    if not (packed_groups and model.packs):
+        return "rows"
+    return "shared" if model.shares_prefixes and dims.pp == 1 else "packed"
 
 
 def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
@@ -128,6 +137,7 @@ class RolloutSource:
         self.order = GlobalOrder(len(prompts), seed)
         self.groups: float = len(prompts)  # groups in an epoch
         self.device = engine.device
+        self.packing = rollout_packing(objective.traits.packed_groups, engine.model, dims)
         self.cached: GlobalBatch | None = None
         self.repeats = 0  # how many more times the cached rollout trains (epochs_per_rollout)
 
@@ -160,12 +170,16 @@ class RolloutSource:
             began = time.perf_counter()
             rows, stats = self._score(prompts, completions)
             micro = self._micro_batches(rows, [len(part) for part in mine])
-            stats.update(self.engine.from_last_stage(self.objective.assign_advantages(micro, self._sum)))
+            rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+            scores = list(rewards.split([len(part) * self.rl.group_size for part in mine]))  # per micro-batch
+            keep, advantage_stats = self.objective.assign_advantages(micro, scores, self._sum)
+            stats.update(self.engine.from_last_stage(advantage_stats))
             scoring_s = time.perf_counter() - began
         batch = GlobalBatch(
             micro, {}, {"samples": self.order.position}, self.order.position / len(self.prompts)
         )
-        batch.counts, batch.stats = self._reduce(rows, micro, stats, (rollout_s, scoring_s, sync_s))
+        computed = sum(b.num_tokens for b in micro)  # a prompt shared by its group counts once
+        batch.counts, batch.stats = self._reduce(rows, keep, computed, stats, (rollout_s, scoring_s, sync_s))
         self.cached, self.repeats = batch, self.rl.epochs_per_rollout - 1
         return batch
 
@@ -196,23 +210,35 @@ class RolloutSource:
         return rows, stats
 
     def _micro_batches(self, rows: list[dict], prompts_per_micro: list[int]) -> list[Batch]:
+        """Each micro-batch's rows: where the objective and the model allow, one group per row with the
+        prompt computed once and its completions after it (`collate_groups`), or without the pipeline's
+        masks (which cannot share a prefix) the group's sequences packed whole; else one sequence per row."""
         n, out, at = self.rl.group_size, [], 0
         examples = [row["example"] for row in rows]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for count in prompts_per_micro:
-            idx = list(range(at, at + count * n))
+            groups = [list(range(at + g * n, at + (g + 1) * n)) for g in range(count)]
+            if self.packing == "shared":
+                batch = collate_groups([self._group(rows, group) for group in groups], pad, self.multiple)
+            else:
+                layout = groups if self.packing == "packed" else [[i] for group in groups for i in group]
+                batch = collate(examples, layout, pad, self.multiple)
+            # the sampler's log-probs, sequence after sequence: the batch's targets in row-major order
+            sampled = [logp for i in range(at, at + count * n) for logp in rows[i]["sampled"]]
             at += count * n
-            batch = collate(examples, [[i] for i in idx], pad, self.multiple)
-            batch.extras["scores"] = torch.tensor([rows[i]["reward"] for i in idx], dtype=torch.float32)
-            sampled = torch.zeros(batch.targets.shape)
-            for r, i in enumerate(idx):  # target position t predicts token t + 1
-                start = len(rows[i]["example"].input_ids) - rows[i]["length"] - 1
-                sampled[r, start : start + rows[i]["length"]] = torch.tensor(rows[i]["sampled"])
-            batch.extras["sampled_logps"] = sampled
+            batch.extras["sampled_logps"] = torch.zeros(batch.targets.shape)
+            batch.extras["sampled_logps"][batch.targets != IGNORE] = torch.tensor(sampled)
             batch = batch.to(self.device)
             with self.autocast(), loss_context(self.dims):
                 out.append(self.objective.score_rollout(self.engine.model, batch, self._forward))
         return out
+
+    @staticmethod
+    def _group(rows: list[dict], group: list[int]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+        """A group's prompt and its completions' tokens."""
+        ids = rows[group[0]]["example"].input_ids
+        prompt = tuple(ids[: len(ids) - rows[group[0]]["length"]])
+        return prompt, [tuple(rows[i]["example"].input_ids[len(prompt) :]) for i in group]
 
     def _forward(self, net: nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any]) -> Any:
         """A whole forward of the policy (the engine's model) or the reference, whatever the layout."""
@@ -223,15 +249,19 @@ class RolloutSource:
         return dp_sum(value.to(self.device, torch.float64), self.dims, self.mesh, op).cpu()
 
     def _reduce(
-        self, rows: list[dict], micro: list[Batch], stats: dict[str, float], times: tuple[float, float, float]
+        self,
+        rows: list[dict],
+        keep: list[bool],
+        tokens: int,
+        stats: dict[str, float],
+        times: tuple[float, float, float],
     ) -> tuple[dict[str, int], dict[str, float]]:
-        """The global batch's counts (the loop's normalizers: the kept rows only) and the logged statistics,
-        summed (or maxed) over the data-parallel ranks."""
-        keep = torch.cat([b.extras["keep"].cpu() for b in micro]).bool().tolist()
+        """The global batch's counts (the loop's normalizers: the kept sequences only) and the logged
+        statistics, summed (or maxed) over the data-parallel ranks."""
         kept = [r for r, k in zip(rows, keep, strict=True) if k]
         lengths = [len(r["example"].input_ids) for r in rows]
         local = {
-            "tokens": sum(lengths),
+            "tokens": tokens,
             "targets": sum(r["length"] for r in kept),
             "sequences": len(kept),
             "groups": len(kept) // self.rl.group_size,

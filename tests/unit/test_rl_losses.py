@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from shardforge.config.schema import MethodSection, RLSection
-from shardforge.data.batching import IGNORE, Batch
+from shardforge.data.batching import IGNORE, Batch, collate, collate_groups
+from shardforge.data.examples import Example
+from shardforge.models import build_preset
 from shardforge.objectives.rl import GRPOObjective, PPOObjective
 from shardforge.objectives.rl_losses import (
     aggregate,
@@ -101,8 +103,9 @@ def _hand_batch() -> tuple[Batch, list[list[int]]]:
     torch.manual_seed(1)
     batch.extras["old_logps"] = -torch.rand(4, width)
     batch.extras["ref_logps"] = -torch.rand(4, width)
-    batch.extras["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    batch.extras["keep"] = torch.tensor([1.0, 1.0, 0.0, 0.0])  # the second group filtered out
+    scored = (targets != IGNORE).float()  # per target position, as assign_advantages places them
+    batch.extras["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * scored
+    batch.extras["keep"] = torch.tensor([1.0, 1.0, 0.0, 0.0])[:, None] * scored  # the second group filtered
     batch.extras["sampled_logps"] = -torch.rand(4, width)
     return batch, positions
 
@@ -120,7 +123,7 @@ def test_the_objectives_loss_is_the_formula_on_a_hand_made_batch(how):
         row = []
         for col in cols:
             old, ref = float(batch.extras["old_logps"][r, col]), float(batch.extras["ref_logps"][r, col])
-            adv = float(batch.extras["advantages"][r])
+            adv = float(batch.extras["advantages"][r, col])
             loss, _, _ = _reference_token_loss(float(logps[at]), old, adv, 0.2, 0.28, 0.1, ref)
             row.append(loss)
             at += 1
@@ -181,13 +184,14 @@ def test_ppo_advantages_are_gae_over_kl_penalised_rewards_then_whitened():
     objective = PPOObjective(MethodSection(stage="ppo", rl=rl, ppo={"gamma": 0.95, "lam": 0.9}))
     batch, positions = _hand_batch()
     batch.extras["old_values"] = torch.randn(batch.targets.shape)
-    batch.extras["scores"] = torch.tensor([1.0, 0.0, 0.5, 2.0])
-    objective.assign_advantages([batch], lambda t: t)  # one rank: the sum over ranks is the value itself
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0])
+    keep, _ = objective.assign_advantages([batch], [scores], lambda t: t)  # one rank: the sum is the value
+    assert keep == [True] * 4
     raw = []
     for r, cols in enumerate(positions):
         old, ref = batch.extras["old_logps"][r, cols].tolist(), batch.extras["ref_logps"][r, cols].tolist()
         rewards = [-0.05 * (o - f) for o, f in zip(old, ref, strict=True)]
-        rewards[-1] += float(batch.extras["scores"][r])
+        rewards[-1] += float(scores[r])
         raw.append(_reference_gae(rewards, batch.extras["old_values"][r, cols].tolist(), 0.95, 0.9))
     flat = [a for row in raw for a in row]
     mean, std = statistics.mean(flat), statistics.stdev(flat)
@@ -200,7 +204,6 @@ def test_the_ppo_loss_is_the_surrogate_plus_the_weighted_value_loss():
     rl = RLSection(group_size=2, loss="dapo", clip=(0.2, 0.2), max_new_tokens=6)
     objective = PPOObjective(MethodSection(stage="ppo", rl=rl, ppo={"vf_coef": 0.3, "value_clip": 0.1}))
     batch, positions = _hand_batch()
-    batch.extras["keep"] = torch.ones(4)
     torch.manual_seed(4)
     for key in ("advantages", "returns", "old_values"):
         batch.extras[key] = torch.randn(batch.targets.shape)
@@ -241,3 +244,52 @@ def _context(model):
     from shardforge.objectives.base import BindContext
 
     return BindContext(model, None, None, False, lambda t: t, lambda m: m)
+
+
+@pytest.mark.parametrize(
+    "how, filter_groups, preset",
+    [("grpo", False, "tiny-llama"), ("dapo", True, "tiny-llama"), ("dr_grpo", False, "tiny-llama")]
+    + [("grpo", True, "tiny-mistral"), ("dapo", False, "tiny-qwen3-moe")],  # a sliding window; experts
+)
+def test_a_group_in_one_row_trains_as_its_completions_one_per_row(how, filter_groups, preset):
+    """The rollout source puts each group in one row: its sequences packed whole, or its prompt once with
+    the completions after it (`collate_groups`: a shared prefix, attended through the per-document
+    layout). The advantages, the filtered groups' keep, the loss sums and the gradients equal those of one
+    completion per row (fp32), for prompts of one token (no trunk) and longer, sequences longer than the
+    sliding window (32), dense and mixture-of-experts layers."""
+    rl = RLSection(group_size=3, loss=how, clip=(0.2, 0.28), max_new_tokens=6, filter_groups=filter_groups)
+    objective = GRPOObjective(MethodSection(stage="grpo", rl=rl))
+    gen = torch.Generator().manual_seed(7)
+    examples, groups = [], []
+    for prompt_length, lengths in ((4, (2, 5, 3)), (1, (6, 1, 4)), (30, (9, 3, 12))):
+        prompt = tuple(torch.randint(3, 200, (prompt_length,), generator=gen).tolist())
+        completions = [tuple(torch.randint(3, 200, (n,), generator=gen).tolist()) for n in lengths]
+        groups.append((prompt, completions))
+        for c in completions:
+            examples.append(Example((*prompt, *c), (False,) * prompt_length + (True,) * len(c), "rollout"))
+    scores = [torch.tensor([1.0, 0.0, 0.5, 2.0, 2.0, 2.0, -1.0, 0.0, 3.0], dtype=torch.float64)]  # 2nd flat
+    batches = {
+        "rows": collate(examples, [[i] for i in range(9)], pad_id=0),
+        "packed": collate(examples, [[0, 1, 2], [3, 4, 5], [6, 7, 8]], pad_id=0),
+        "shared": collate_groups(groups, pad_id=0),
+    }
+    # the prompt once, but its last token leading each completion
+    assert batches["shared"].num_tokens == sum(len(p) - 1 + sum(1 + len(x) for x in c) for p, c in groups)
+    results = {}
+    for name, batch in batches.items():
+        model = build_preset(preset, vocab_size=200, seed=3)
+        keep, _ = objective.assign_advantages([batch], scores, lambda t: t)
+        batch.extras["sampled_logps"] = torch.zeros(batch.targets.shape)
+        sums = objective.loss(model(batch.input_ids, **objective.model_inputs(batch)), batch)
+        sums["loss"].backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results[name] = (keep, {k: float(v) for k, v in sums.items()}, grads)
+    keep_rows, sums_rows, grads_rows = results["rows"]
+    assert keep_rows == [True] * 3 + [not filter_groups] * 3 + [True] * 3
+    assert any(bool(g.abs().max() > 1e-4) for g in grads_rows.values())  # the comparison means something
+    for name in ("packed", "shared"):
+        keep, sums, grads = results[name]
+        assert keep == keep_rows
+        assert sums == pytest.approx(sums_rows, rel=1e-5, abs=1e-6), name
+        for param, grad in grads_rows.items():
+            torch.testing.assert_close(grads[param], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {param}")

@@ -41,20 +41,30 @@ class DocLayout:
         )
 
 
-def doc_layout(doc_lengths: list[list[int]], seq: int) -> DocLayout:
-    """Layout of rows made of consecutive documents with the given lengths (each row padded to `seq`)."""
-    lengths = [n for row in doc_lengths for n in row]
-    num_docs, max_len = len(lengths), max(lengths)
+def doc_layout(doc_lengths: list[list[int]], seq: int, trunks: list[int] | None = None) -> DocLayout:
+    """Layout of rows made of consecutive documents with the given lengths (each row padded to `seq`).
+
+    `trunks`: each row starts with a prefix of that many tokens that all its documents share (a group's
+    prompt, kept once): each document is then attended as [trunk, document], whose causal mask lets the
+    trunk see only itself and the document see the trunk and its own earlier tokens, and the trunk's
+    outputs are taken from the row's first document. Exact: every document's scores are those it would
+    have after its own copy of the prefix."""
+    trunks = trunks or [0] * len(doc_lengths)
+    num_docs = sum(map(len, doc_lengths))
+    max_len = max(t + n for t, row in zip(trunks, doc_lengths, strict=True) for n in row)
     pad_token, pad_out = len(doc_lengths) * seq, num_docs * max_len
     gather = torch.full((num_docs, max_len), pad_token, dtype=torch.long)
     scatter = torch.full((len(doc_lengths) * seq,), pad_out, dtype=torch.long)
     doc = 0
-    for r, row in enumerate(doc_lengths):
-        start = r * seq
+    for r, (trunk, row) in enumerate(zip(trunks, doc_lengths, strict=True)):
+        shared = torch.arange(r * seq, r * seq + trunk)
+        scatter[shared] = doc * max_len + torch.arange(trunk)  # the first document's copy of the trunk
+        start = r * seq + trunk
         for n in row:
             positions = torch.arange(start, start + n)
-            gather[doc, :n] = positions
-            scatter[positions] = doc * max_len + torch.arange(n)
+            gather[doc, :trunk] = shared
+            gather[doc, trunk : trunk + n] = positions
+            scatter[positions] = doc * max_len + torch.arange(trunk, trunk + n)
             start += n
             doc += 1
     return DocLayout(gather.flatten(), scatter, num_docs, max_len)

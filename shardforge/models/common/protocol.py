@@ -26,6 +26,8 @@ class CausalModel(nn.Module, metaclass=ABCMeta):
     critic: nn.Module | None  # or PPO's separate critic model, a submodule
     untied_copy: bool = False  # a pipeline stage holds its own copy of the tied embedding as its head
     sequence_split: Any = None  # context parallel's split of the rows' sequence (parallel/context_parallel)
+    packs: bool = True  # attends within each document of a packed row (doc_ids / doc_layout)
+    shares_prefixes: bool = True  # attends by doc_layout, whose documents may share a row's prefix
 
     @abstractmethod
     def forward(

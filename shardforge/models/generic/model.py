@@ -56,6 +56,7 @@ class HFCausalLM(CausalModel):
     copy of a tied embedding."""
 
     native_names = False  # transformers' module names, read as ours through canonical_name
+    shares_prefixes = False  # transformers' masks come from position ids, which a shared prefix breaks
 
     def __init__(self, cfg: GenericConfig, mlp: Any = None, pretrained: Any = None) -> None:
         """`pretrained`: a folder transformers loads the weights from (its own loading: the weight conversions
