@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from shardforge.objectives.rl_losses import (
     gae,
     group_advantages,
 )
+from shardforge.objectives.rollout import rollout_packing
 
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [2.0, -1.0, 0.0, 3.0]]
 
@@ -248,8 +250,13 @@ def _context(model):
 
 @pytest.mark.parametrize(
     "how, filter_groups, preset",
-    [("grpo", False, "tiny-llama"), ("dapo", True, "tiny-llama"), ("dr_grpo", False, "tiny-llama")]
-    + [("grpo", True, "tiny-mistral"), ("dapo", False, "tiny-qwen3-moe")],  # a sliding window; experts
+    [
+        ("grpo", False, "tiny-llama"),
+        ("dapo", True, "tiny-llama"),
+        ("dr_grpo", False, "tiny-llama"),
+        ("grpo", True, "tiny-mistral"),  # a sliding window
+        ("dapo", False, "tiny-qwen3-moe"),  # experts
+    ],
 )
 def test_a_group_in_one_row_trains_as_its_completions_one_per_row(how, filter_groups, preset):
     """The rollout source puts each group in one row: its sequences packed whole, or its prompt once with
@@ -293,3 +300,19 @@ def test_a_group_in_one_row_trains_as_its_completions_one_per_row(how, filter_gr
         assert sums == pytest.approx(sums_rows, rel=1e-5, abs=1e-6), name
         for param, grad in grads_rows.items():
             torch.testing.assert_close(grads[param], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {param}")
+
+
+def test_how_rollouts_become_rows():
+    """GRPO: the prompt once per group on our decoder, sequences packed whole under a pipeline (its chunks
+    attend by masks) or on a transformers family that packs by positions, one per row on one that cannot
+    pack; PPO always one per row (GAE runs along rows)."""
+    grpo, ppo = GRPOObjective(), PPOObjective(MethodSection(stage="ppo"))
+    native = build_preset("tiny-llama", vocab_size=200, seed=0)
+    generic = SimpleNamespace(packs=True, shares_prefixes=False)
+    one, piped = SimpleNamespace(pp=1), SimpleNamespace(pp=2)
+    assert rollout_packing(grpo.traits.packed_groups, native, one) == "shared"
+    assert rollout_packing(grpo.traits.packed_groups, native, piped) == "packed"
+    assert rollout_packing(grpo.traits.packed_groups, generic, one) == "packed"
+    unpacked = SimpleNamespace(packs=False, shares_prefixes=False)
+    assert rollout_packing(grpo.traits.packed_groups, unpacked, one) == "rows"
+    assert rollout_packing(ppo.traits.packed_groups, native, one) == "rows"
