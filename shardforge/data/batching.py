@@ -80,11 +80,7 @@ def collate(
     documents = [[_document(examples, i) for i in row] for row in rows]
     width = max(sum(len(doc) for doc, _ in row) for row in documents)
     width = -(-width // multiple) * multiple
-    n = len(rows)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    targets = torch.full((n, width), IGNORE, dtype=torch.long)
-    positions = torch.zeros((n, width), dtype=torch.long)
-    docs = torch.full((n, width), -1, dtype=torch.long)
+    ids, targets, positions, docs = _empty_rows(len(rows), width, pad_id)
     num_tokens = num_targets = 0
     multi_doc = any(len(row) > 1 for row in rows)
     for r, row in enumerate(documents):
@@ -107,6 +103,17 @@ def collate(
     return Batch(ids, targets, positions, docs, num_tokens, num_targets, layout)
 
 
+def _empty_rows(n: int, width: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+    """Token ids (padding), targets (none), positions (0) and document ids (-1: padding) of n rows."""
+    shape = (n, width)
+    return (
+        torch.full(shape, pad_id, dtype=torch.long),
+        torch.full(shape, IGNORE, dtype=torch.long),
+        torch.zeros(shape, dtype=torch.long),
+        torch.full(shape, -1, dtype=torch.long),
+    )
+
+
 def collate_groups(
     groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]], pad_id: int, multiple: int = 1
 ) -> Batch:
@@ -120,11 +127,7 @@ def collate_groups(
     trunks = [len(prompt) - 1 for prompt, _ in groups]
     width = max(t + sum(map(len, row)) for t, row in zip(trunks, docs, strict=True))
     width = -(-width // multiple) * multiple
-    n = len(groups)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)
-    targets = torch.full((n, width), IGNORE, dtype=torch.long)
-    positions = torch.zeros((n, width), dtype=torch.long)
-    doc_ids = torch.full((n, width), -1, dtype=torch.long)
+    ids, targets, positions, doc_ids = _empty_rows(len(groups), width, pad_id)
     num_tokens = num_targets = 0
     for r, ((prompt, _), trunk, row) in enumerate(zip(groups, trunks, docs, strict=True)):
         ids[r, :trunk] = torch.tensor(prompt[:-1], dtype=torch.long)
