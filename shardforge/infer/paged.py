@@ -30,9 +30,9 @@ def zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     """A zero pool. On the CPU from calloc (numpy's zeros), whose large blocks are fresh pages the kernel
     zeroes when first touched: a pool of gigabytes costs nothing until its blocks are used, where torch's
     zeros would write every byte before the first step (1 s for SmolLM2's default pool here)."""
-    if like.device.type != "cpu":
-        return like.new_zeros(shape)
     count = math.prod(shape) * like.element_size()
+    if like.device.type != "cpu" or count == 0:
+        return like.new_zeros(shape)
     return torch.from_numpy(np.zeros(count, dtype=np.uint8)).view(like.dtype).view(shape)
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardforge.config.schema import DataSection, RLSection
+from shardforge.config.schema import DataSection, MoESection, RLSection
 from shardforge.data.batch_source import GlobalBatch
 from shardforge.data.batching import IGNORE, Batch, GlobalOrder, collate, collate_groups, split_global_batch
 from shardforge.data.examples import Example
@@ -37,6 +37,7 @@ from shardforge.data.loader import read_dataset
 from shardforge.data.templates import render, resolve_template, tokenize
 from shardforge.errors import DataError
 from shardforge.log import get_logger
+from shardforge.models.moe import moe_layers
 from shardforge.objectives.base import Sampler, SourceContext
 from shardforge.objectives.rewards import Completions, Reward, build_rewards
 from shardforge.parallel.data_parallel import kept_unsharded
@@ -76,13 +77,17 @@ def load_prompts(data: DataSection, tokenizer: Any, room: int, how: Reading) -> 
     return prompts, too_long
 
 
-def rollout_packing(packed_groups: bool, model: Any, dims: ParallelDims) -> str:
+def rollout_packing(packed_groups: bool, model: Any, dims: ParallelDims, moe: MoESection) -> str:
     """How a micro-batch's rollouts become rows: `shared` (one group per row, its prompt once), `packed`
     (one group per row, each sequence whole: a pipeline's chunks attend by masks, not by the layout) or
-    `rows` (one sequence per row: the objective reads rows, or the model cannot keep documents apart)."""
-    if not (packed_groups and model.packs):
+    `rows` (one sequence per row: the objective reads rows, or the model cannot keep documents apart). A
+    mixture of experts balances its loads over the tokens a forward runs: its prompts are not shared (packed
+    whole, its balancing sees what one sequence per row shows it), and under a capacity, which drops
+    choices by the forward's token count, it keeps one sequence per row."""
+    sparse = bool(moe_layers(model))
+    if not (packed_groups and model.packs) or (sparse and moe.capacity_factor is not None):
         return "rows"
-    return "shared" if model.shares_prefixes and dims.pp == 1 else "packed"
+    return "shared" if model.shares_prefixes and dims.pp == 1 and not sparse else "packed"
 
 
 def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
@@ -102,6 +107,7 @@ def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
         prompts=prompts, rl=cfg.method.rl, rewards=rewards, tokenizer=ctx.tokenizer, sampler=ctx.sampler,
         objective=objective, engine=ctx.engine, dims=ctx.dims, mesh=ctx.mesh, autocast=ctx.autocast,
         seed=cfg.train.seed, split=ctx.split.astuple(), multiple=ctx.multiple,
+        packing=rollout_packing(objective.traits.packed_groups, ctx.engine.model, ctx.dims, cfg.method.moe),
     )  # fmt: skip
 
 
@@ -127,6 +133,7 @@ class RolloutSource:
         seed: int,
         split: tuple[int, int, int, int],
         multiple: int,
+        packing: str,
     ) -> None:
         self.prompts, self.rl, self.rewards, self.tokenizer = prompts, rl, rewards, tokenizer
         self.sampler, self.objective, self.engine = sampler, objective, engine
@@ -137,7 +144,7 @@ class RolloutSource:
         self.order = GlobalOrder(len(prompts), seed)
         self.groups: float = len(prompts)  # groups in an epoch
         self.device = engine.device
-        self.packing = rollout_packing(objective.traits.packed_groups, engine.model, dims)
+        self.packing = packing
         self.cached: GlobalBatch | None = None
         self.repeats = 0  # how many more times the cached rollout trains (epochs_per_rollout)
 

@@ -13,10 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardforge.config.schema import MethodSection, RLSection
+from shardforge.config.schema import MethodSection, MoESection, RLSection
 from shardforge.data.batching import IGNORE, Batch, collate, collate_groups
 from shardforge.data.examples import Example
 from shardforge.models import build_preset
+from shardforge.models.moe import Balance, moe_layers
 from shardforge.objectives.rl import GRPOObjective, PPOObjective
 from shardforge.objectives.rl_losses import (
     aggregate,
@@ -263,7 +264,8 @@ def test_a_group_in_one_row_trains_as_its_completions_one_per_row(how, filter_gr
     the completions after it (`collate_groups`: a shared prefix, attended through the per-document
     layout). The advantages, the filtered groups' keep, the loss sums and the gradients equal those of one
     completion per row (fp32), for prompts of one token (no trunk) and longer, sequences longer than the
-    sliding window (32), dense and mixture-of-experts layers."""
+    sliding window (32), dense and mixture-of-experts layers (the layout alone: with its balancing, an MoE
+    model's rollouts are packed whole, `rollout_packing`)."""
     rl = RLSection(group_size=3, loss=how, clip=(0.2, 0.28), max_new_tokens=6, filter_groups=filter_groups)
     objective = GRPOObjective(MethodSection(stage="grpo", rl=rl))
     gen = torch.Generator().manual_seed(7)
@@ -303,16 +305,56 @@ def test_a_group_in_one_row_trains_as_its_completions_one_per_row(how, filter_gr
 
 
 def test_how_rollouts_become_rows():
-    """GRPO: the prompt once per group on our decoder, sequences packed whole under a pipeline (its chunks
-    attend by masks) or on a transformers family that packs by positions, one per row on one that cannot
-    pack; PPO always one per row (GAE runs along rows)."""
+    """GRPO: the prompt once per group on our dense decoder, sequences packed whole under a pipeline (its
+    chunks attend by masks), on a transformers family that packs by positions and on a mixture of experts
+    (its balancing counts the tokens a forward runs), one per row on a family that cannot pack and on experts
+    with a capacity (it drops choices by the forward's token count); PPO always one per row (GAE runs along
+    rows)."""
     grpo, ppo = GRPOObjective(), PPOObjective(MethodSection(stage="ppo"))
     native = build_preset("tiny-llama", vocab_size=200, seed=0)
-    generic = SimpleNamespace(packs=True, shares_prefixes=False)
+    experts = build_preset("tiny-qwen3-moe", vocab_size=200, seed=0)
+    generic = SimpleNamespace(packs=True, shares_prefixes=False, modules=list)
+    unpacked = SimpleNamespace(packs=False, shares_prefixes=False, modules=list)
     one, piped = SimpleNamespace(pp=1), SimpleNamespace(pp=2)
-    assert rollout_packing(grpo.traits.packed_groups, native, one) == "shared"
-    assert rollout_packing(grpo.traits.packed_groups, native, piped) == "packed"
-    assert rollout_packing(grpo.traits.packed_groups, generic, one) == "packed"
-    unpacked = SimpleNamespace(packs=False, shares_prefixes=False)
-    assert rollout_packing(grpo.traits.packed_groups, unpacked, one) == "rows"
-    assert rollout_packing(ppo.traits.packed_groups, native, one) == "rows"
+    dropless, capped = MoESection(), MoESection(capacity_factor=1.25)
+    packed_groups = grpo.traits.packed_groups
+    assert rollout_packing(packed_groups, native, one, dropless) == "shared"
+    assert rollout_packing(packed_groups, native, one, capped) == "shared"  # no experts: no capacity
+    assert rollout_packing(packed_groups, native, piped, dropless) == "packed"
+    assert rollout_packing(packed_groups, generic, one, dropless) == "packed"
+    assert rollout_packing(packed_groups, unpacked, one, dropless) == "rows"
+    assert rollout_packing(packed_groups, experts, one, dropless) == "packed"
+    assert rollout_packing(packed_groups, experts, one, capped) == "rows"
+    assert rollout_packing(ppo.traits.packed_groups, native, one, dropless) == "rows"
+
+
+def test_an_moe_groups_sequences_packed_whole_balance_as_one_per_row():
+    """With its balancing loss on (the MoE presets' default), an expert model's group packed whole in one
+    row (what `rollout_packing` picks for it) gives the gradients of one sequence per row: the loss counts
+    the same tokens. A shared prompt would count its tokens once (hence not chosen for experts)."""
+    rl = RLSection(group_size=4, loss="grpo", max_new_tokens=16)
+    objective = GRPOObjective(MethodSection(stage="grpo", rl=rl))
+    gen = torch.Generator().manual_seed(5)
+    examples = []
+    for prompt_length, lengths in ((30, (3, 4, 2, 5)), (20, (2, 6, 1, 3))):
+        prompt = torch.randint(3, 200, (prompt_length,), generator=gen).tolist()
+        for n in lengths:
+            ids = (*prompt, *torch.randint(3, 200, (n,), generator=gen).tolist())
+            examples.append(Example(ids, (False,) * prompt_length + (True,) * n, "rollout"))
+    scores = [torch.tensor([1.0, 0.0, 3.0, 2.0, 2.0, 1.0, 0.0, 5.0], dtype=torch.float64)]
+    grads = []
+    for layout in ([[i] for i in range(8)], [[0, 1, 2, 3], [4, 5, 6, 7]]):
+        model = build_preset("tiny-qwen3-moe", vocab_size=200, seed=3).train()
+        layers = moe_layers(model)
+        batch = collate(examples, layout, pad_id=0)
+        for layer in layers:
+            layer.balance = Balance(layers=len(layers), aux_loss_coef=0.001)
+            layer.loss_weight = 1.0 / batch.num_tokens  # as the loop weighs it: per token of the batch
+        objective.assign_advantages([batch], scores, lambda t: t)
+        batch.extras["sampled_logps"] = torch.zeros(batch.targets.shape)
+        objective.loss(model(batch.input_ids, **objective.model_inputs(batch)), batch)["loss"].backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    rows, packed = grads
+    assert any("gate" in name for name in rows)  # the router is trained (by the balancing loss too)
+    for name, grad in rows.items():
+        torch.testing.assert_close(packed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
