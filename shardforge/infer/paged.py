@@ -26,16 +26,6 @@ from shardforge.models.common.attention import AttentionContext, sdpa
 from shardforge.models.common.config import DecoderConfig
 
 
-def zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A zero pool. On the CPU from calloc (numpy's zeros), whose large blocks are fresh pages the kernel
-    zeroes when first touched: a pool of gigabytes costs nothing until its blocks are used, where torch's
-    zeros would write every byte before the first step (1 s for SmolLM2's default pool here)."""
-    count = math.prod(shape) * like.element_size()
-    if like.device.type != "cpu" or count == 0:
-        return like.new_zeros(shape)
-    return torch.from_numpy(np.zeros(count, dtype=np.uint8)).view(like.dtype).view(shape)
-
-
 class PagedKV:
     """Per layer, keys and values of every slot: [1, kv_heads, num_blocks * block_size, head_dim] (block b
     holds slots b * block_size onwards), made on first write (the local head count under TP, the stream's
@@ -52,7 +42,8 @@ class PagedKV:
         if layer not in self.keys:
             shape = (1, like.shape[1], self.num_blocks * self.block_size, like.shape[3])
             # zeros, not garbage: a batched decode multiplies the masked slots' values by 0 (NaN * 0 is NaN)
-            self.keys[layer], self.values[layer] = zeros(shape, like), zeros(shape, like)
+            self.keys[layer] = like.new_zeros(shape)
+            self.values[layer] = like.new_zeros(shape)
         return self.keys[layer], self.values[layer]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

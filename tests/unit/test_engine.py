@@ -425,23 +425,3 @@ def test_stop_strings_count_from_min_tokens_on(tmp_path):
         ends = [at for at in range(len(text)) if text.startswith(stop, at) and at + len(stop) >= min_tokens]
         expected = (text[: ends[0]], "stop") if ends else (text, "length")
         assert (done.text, done.finish_reason) == expected, min_tokens
-
-
-def test_a_large_pool_costs_no_memory_until_its_blocks_are_written():
-    """The CPU pool is calloc'ed (paged.zeros): 2 GiB of keys and values for one layer raise the process's
-    resident memory by far less than that, read as zeros, and a written block costs its pages only."""
-
-    def resident() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
-    kv = paged.PagedKV(num_blocks=1 << 14, block_size=16, kernel=None)  # 16 Ki blocks x 16 slots
-    like = torch.zeros(1, 8, 1, 128)  # 8 kv heads of 128 dims: 1 GiB per tensor
-    before = resident()
-    keys, values = kv.layer(0, like)
-    assert keys.shape == (1, 8, 1 << 18, 128) and keys.nbytes + values.nbytes == 2 << 30
-    assert resident() - before < 64 << 20
-    keys[:, :, 16:32] = 1.0  # one block written
-    assert float(keys[:, :, :16].abs().sum()) == 0.0 and float(keys[:, :, 16:32].mean()) == 1.0
-    assert float(values[:, :, -16:].abs().sum()) == 0.0
-    assert resident() - before < 64 << 20
