@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -77,7 +77,11 @@ def load_prompts(data: DataSection, tokenizer: Any, room: int, how: Reading) -> 
     return prompts, too_long
 
 
-def rollout_packing(packed_groups: bool, model: Any, dims: ParallelDims, moe: MoESection) -> str:
+# How a micro-batch's rollouts become rows (`rollout_packing`).
+Packing = Literal["shared", "packed", "rows"]
+
+
+def rollout_packing(packed_groups: bool, model: Any, dims: ParallelDims, moe: MoESection) -> Packing:
     """How a micro-batch's rollouts become rows: `shared` (one group per row, its prompt once), `packed`
     (one group per row, each sequence whole: a pipeline's chunks attend by masks, not by the layout) or
     `rows` (one sequence per row: the objective reads rows, or the model cannot keep documents apart). A
@@ -133,7 +137,7 @@ class RolloutSource:
         seed: int,
         split: tuple[int, int, int, int],
         multiple: int,
-        packing: str,
+        packing: Packing,
     ) -> None:
         self.prompts, self.rl, self.rewards, self.tokenizer = prompts, rl, rewards, tokenizer
         self.sampler, self.objective, self.engine = sampler, objective, engine
