@@ -102,12 +102,14 @@ def test_scattered_blocks_keep_greedy_tokens(tmp_path, monkeypatch):
     assert max(most) >= 4
 
 
+@pytest.mark.parametrize("prefill", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 4, 16), (8, 1, 128), (71, 1, 80)])  # falcon-7b
-def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads, d):
+def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads, d, prefill):
     """The CPU decode-attention kernel against the SDPA calls it replaces, on one step of decodes (lengths 1
     to 200, some ending mid-block) whose keys are one run of blocks or split over runs (the n completions
     of a prompt: its shared blocks, then their own), two decodes sharing blocks, and a prefill chunk among
-    them, on full-attention and sliding-window layers."""
+    them or not (a step of decodes alone is attended in place, in the queries' layout), on full-attention
+    and sliding-window layers."""
     kernel = decode_kernel()
     assert kernel is not None, "the kernel must build here (a compiler is part of the test machine)"
     generator = torch.Generator().manual_seed(0)
@@ -122,10 +124,12 @@ def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads, d):
     chunks.append(paged.Chunk([*chunks[-1].blocks[:2], at, at + 1], 29, 1))  # shares the last one's prefix
     lengths.append(30)
     at += 2
-    chunks.append(paged.Chunk(list(range(at, at + 3)), 0, 20))  # a prefill chunk among them
-    tokens = len(lengths) + 20
-    q = torch.randn(1, heads, tokens, d, generator=generator)
-    k, v = (torch.randn(1, kv_heads, tokens, d, generator=generator) for _ in range(2))
+    if prefill:
+        chunks.append(paged.Chunk(list(range(at, at + 3)), 0, 20))  # a prefill chunk among them
+    tokens = len(lengths) + 20 * prefill
+    # as the model makes them: projections [1, tokens, heads, d] seen heads first
+    q = torch.randn(1, tokens, heads, d, generator=generator).transpose(1, 2)
+    k, v = (torch.randn(1, tokens, kv_heads, d, generator=generator).transpose(1, 2) for _ in range(2))
     outs = []
     for fast in (kernel, None):
         kv = paged.PagedKV(at + 4, size, fast)
