@@ -17,6 +17,8 @@ most share the template's default system prompt): the SmolLM2-135M job of issue 
 Every request arrives at time 0 (an offline burst, as with RL rollouts or an evaluation set); all decode
 greedily with no eos, each to its own number of new tokens. Reported per variant: output tokens/s, time to
 first token and time per output token (p50 / p99), and whether its tokens equal transformers' one at a time.
+With --rounds N, vLLM's and shardforge's offline variants alternate N times and each round's ratio is printed
+(this machine's speed drifts by 20% and more over minutes: one pair of runs says little).
 
     python benchmarks/inference.py --size 5m --requests 64
     python benchmarks/inference.py --size 50m --requests 64 --http 16
@@ -30,6 +32,7 @@ import argparse
 import itertools
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -241,15 +244,21 @@ def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
     from shardforge.infer.packed import pack_linears
     from shardforge.infer.sampling import SamplingParams
 
+    def greedy(new: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+
     loaded = load_for_inference(folder, dtype=PLACE["dtype"], device=PLACE["device"])
     packed = pack_linears(loaded.model)
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_running=max_running), loaded.defaults)
+    config = EngineConfig(max_running=max_running)
+    warm = Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)  # as vLLM's side warms up
+    warm.generate([p for p, _ in requests[:2]], [greedy(n) for _, n in requests[:2]])
+    engine = Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)  # no prefix cached
     start = time.perf_counter()
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     outputs: dict[str, list[int]] = {}
     for i, (prompt, new) in enumerate(requests):
-        engine.add(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+        engine.add(str(i), prompt, greedy(new))
         outputs[str(i)] = []
     while engine.has_work():
         updates = engine.step()
@@ -276,6 +285,7 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in spec["new"]]
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    llm.reset_prefix_cache()  # the warm-up's prompts are not cached for the timed run
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -429,6 +439,13 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run vLLM's and shardforge's offline variants this many times, alternating (the machine's "
+        "speed drifts by 20%% over minutes): report each round's ratio and the median",
+    )
     parser.add_argument("--out", default=None, help="write the JSON results here")
     args = parser.parse_args()
     PLACE.update(device=args.device, dtype=args.dtype)
@@ -449,8 +466,11 @@ def main() -> None:
             requests = make_requests(args.requests, vocab, 0, args.prompt_lengths, args.new_tokens)
         print(f"{len(requests)} requests, {sum(n for _, n in requests)} new tokens in all", flush=True)
         vllm = args.vllm if vllm_usable(args.vllm) else None
-        variants = [lambda: run_vllm_offline(vllm, folder, requests)] if vllm else []  # before ours loads
-        variants.append(lambda: run_shardforge(folder, requests, args.max_running))
+        variants = []
+        for _ in range(args.rounds):
+            if vllm:  # before ours loads
+                variants.append(lambda: run_vllm_offline(vllm, folder, requests))
+            variants.append(lambda: run_shardforge(folder, requests, args.max_running))
         if "one" not in args.skip:
             variants.append(lambda: run_hf_one_at_a_time(folder, requests))
         if "padded" not in args.skip:
@@ -498,9 +518,23 @@ def main() -> None:
         )
     if best_hf:
         print(f"\nshardforge engine / best transformers variant: {ours / best_hf:.2f}x output tokens/s")
+    ratios = _offline_ratios(runs)
+    if ratios:
+        print(
+            f"\nshardforge engine / vLLM offline, output tokens/s, round by round: "
+            f"{', '.join(f'{r:.2f}x' for r in ratios)}; median {statistics.median(ratios):.2f}x"
+        )
     if args.out:  # the figures, not the tokens
         rows = [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
-        Path(args.out).write_text(json.dumps({"args": vars(args), "runs": rows}, indent=1))
+        figures = {"args": vars(args), "runs": rows, "offline_ratios_vs_vllm": ratios}
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+
+
+def _offline_ratios(runs: list[dict]) -> list[float]:
+    """Ours over vLLM's offline tokens/s, each round's pair (they ran one after the other)."""
+    theirs = [r["output_tokens_per_s"] for r in runs if r["variant"].startswith("vLLM CPU, offline")]
+    ours = [r["output_tokens_per_s"] for r in runs if r["variant"].startswith("shardforge engine")]
+    return [a / b for a, b in zip(ours, theirs, strict=False)]
 
 
 def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
