@@ -221,10 +221,12 @@ class EngineRunner:
         if sink is None:
             return
         sink.timing.reason = reason
-        with contextlib.suppress(RuntimeError):  # its event loop has closed (the server stopped)
-            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, None)
-        if self.on_finish is not None:
-            self.on_finish(sink.timing)
+        try:
+            if self.on_finish is not None:  # counted before its client hears of the end: /metrics agrees
+                self.on_finish(sink.timing)
+        finally:
+            with contextlib.suppress(RuntimeError):  # its event loop has closed (the server stopped)
+                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, None)
 
     def _dispatch(self, updates: list[Update], now: float) -> None:
         processed = self.output.process(updates)
