@@ -108,8 +108,8 @@ def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads, d, pre
     """The CPU decode-attention kernel against the SDPA calls it replaces, on one step of decodes (lengths 1
     to 200, some ending mid-block) whose keys are one run of blocks or split over runs (the n completions
     of a prompt: its shared blocks, then their own), two decodes sharing blocks, and a prefill chunk among
-    them or not (a step of decodes alone is attended in place, in the queries' layout), on full-attention
-    and sliding-window layers."""
+    them or not (a step of decodes alone), with queries in the model's layout, on full-attention and
+    sliding-window layers."""
     kernel = decode_kernel()
     assert kernel is not None, "the kernel must build here (a compiler is part of the test machine)"
     generator = torch.Generator().manual_seed(0)
