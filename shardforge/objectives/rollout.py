@@ -94,6 +94,17 @@ def rollout_packing(packed_groups: bool, model: Any, dims: ParallelDims, moe: Mo
     return "shared" if model.shares_prefixes and dims.pp == 1 and not sparse else "packed"
 
 
+def attention_pairs(lengths: list[int], completions: list[int], group_size: int, packing: Packing) -> int:
+    """Query-key pairs the training forward attends over sequences of these lengths (their completions'
+    lengths given, groups of `group_size` in order): each sequence's n(n+1)/2, except that with the prompt
+    `shared` a group's trunk (its prompt but the last token) is attended once, not once per sequence."""
+    pairs = sum(n * (n + 1) // 2 for n in lengths)
+    if packing == "shared":
+        trunks = [lengths[i] - completions[i] - 1 for i in range(0, len(lengths), group_size)]
+        pairs -= (group_size - 1) * sum(t * (t + 1) // 2 for t in trunks)
+    return pairs
+
+
 def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
     """An RL stage's batch source: its prompts (with how many did not leave room for max_new_tokens) and
     its rewards."""
@@ -271,12 +282,13 @@ class RolloutSource:
         statistics, summed (or maxed) over the data-parallel ranks."""
         kept = [r for r, k in zip(rows, keep, strict=True) if k]
         lengths = [len(r["example"].input_ids) for r in rows]
+        pairs = attention_pairs(lengths, [r["length"] for r in rows], self.rl.group_size, self.packing)
         local = {
             "tokens": tokens,
             "targets": sum(r["length"] for r in kept),
             "sequences": len(kept),
             "groups": len(kept) // self.rl.group_size,
-            "attention_pairs": sum(n * (n + 1) // 2 for n in lengths),
+            "attention_pairs": pairs,
             "rows": len(rows),
             "reward_sum": sum(r["reward"] for r in rows),
             "reward_sq": sum(r["reward"] ** 2 for r in rows),

@@ -26,7 +26,7 @@ from shardforge.objectives.rl_losses import (
     gae,
     group_advantages,
 )
-from shardforge.objectives.rollout import rollout_packing
+from shardforge.objectives.rollout import attention_pairs, rollout_packing
 
 REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [2.0, -1.0, 0.0, 3.0]]
 
@@ -358,3 +358,30 @@ def test_an_moe_groups_sequences_packed_whole_balance_as_one_per_row():
     assert any("gate" in name for name in rows)  # the router is trained (by the balancing loss too)
     for name, grad in rows.items():
         torch.testing.assert_close(packed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("packing", ["shared", "packed", "rows"])
+def test_the_attention_pairs_counted_for_mfu_are_those_the_layout_computes(packing):
+    """Each real token attends its position + 1 keys (positions continue from a shared trunk and restart
+    per packed sequence): counted over the collated micro-batch, they equal `attention_pairs`."""
+    generator = torch.Generator().manual_seed(0)
+    groups, lengths, completions = [], [], []
+    for _ in range(3):  # 3 groups of 4, prompts of 1-9 tokens, completions of 0-6
+        prompt = torch.randint(1, 50, (int(torch.randint(1, 10, (1,), generator=generator)),)).tolist()
+        outs = [torch.randint(1, 50, (int(torch.randint(0, 7, (1,), generator=generator)),)).tolist()
+                for _ in range(4)]  # fmt: skip
+        groups.append((prompt, outs))
+        lengths += [len(prompt) + len(o) for o in outs]
+        completions += [len(o) for o in outs]
+    if packing == "shared":
+        batch = collate_groups(groups, pad_id=0, multiple=8)
+    else:
+        examples = [Example(tuple(p + o), (True,) * len(p + o), "t") for p, outs in groups for o in outs]
+        layout = [list(range(g * 4, g * 4 + 4)) for g in range(3)] if packing == "packed" else None
+        batch = collate(examples, layout or [[i] for i in range(12)], pad_id=0, multiple=8)
+    if batch.doc_ids is None:  # one sequence per row: its first tokens are real
+        real = torch.arange(batch.targets.shape[1])[None] < torch.tensor(lengths)[:, None]
+    else:
+        real = batch.doc_ids >= 0
+    computed = int(((batch.position_ids + 1) * real).sum())
+    assert computed == attention_pairs(lengths, completions, 4, packing)
