@@ -467,10 +467,10 @@ def main() -> None:
         print(f"{len(requests)} requests, {sum(n for _, n in requests)} new tokens in all", flush=True)
         vllm = args.vllm if vllm_usable(args.vllm) else None
         variants = []
-        for _ in range(args.rounds):
+        for n in range(args.rounds):  # each run tagged with its round, to pair them
             if vllm:  # before ours loads
-                variants.append(lambda: run_vllm_offline(vllm, folder, requests))
-            variants.append(lambda: run_shardforge(folder, requests, args.max_running))
+                variants.append(lambda n=n: {**run_vllm_offline(vllm, folder, requests), "round": n})
+            variants.append(lambda n=n: {**run_shardforge(folder, requests, args.max_running), "round": n})
         if "one" not in args.skip:
             variants.append(lambda: run_hf_one_at_a_time(folder, requests))
         if "padded" not in args.skip:
@@ -531,10 +531,13 @@ def main() -> None:
 
 
 def _offline_ratios(runs: list[dict]) -> list[float]:
-    """Ours over vLLM's offline tokens/s, each round's pair (they ran one after the other)."""
-    theirs = [r["output_tokens_per_s"] for r in runs if r["variant"].startswith("vLLM CPU, offline")]
-    ours = [r["output_tokens_per_s"] for r in runs if r["variant"].startswith("shardforge engine")]
-    return [a / b for a, b in zip(ours, theirs, strict=False)]
+    """Ours over vLLM's offline tokens/s in each round where both ran (one after the other)."""
+
+    def by_round(prefix: str) -> dict[int, float]:
+        return {r["round"]: r["output_tokens_per_s"] for r in runs if r["variant"].startswith(prefix)}
+
+    theirs, ours = by_round("vLLM CPU, offline"), by_round("shardforge engine")
+    return [ours[n] / theirs[n] for n in sorted(ours.keys() & theirs.keys())]
 
 
 def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
