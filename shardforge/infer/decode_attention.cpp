@@ -4,13 +4,143 @@
 // starts[i]..ends[i]-1 for i in offsets[r]..offsets[r+1]-1 (one slice when its blocks form one run; the n
 // completions of a prompt read the shared prompt's run, then their own). One task per (decode, key/value
 // head), over torch's intra-op threads: the G queries' scores in one pass over the keys, the softmax, then
-// one pass over the values. Compiled on first use for the machine it runs on (infer/decode_kernel.py); one
-// SDPA call per sequence is the fallback and the reference.
+// one pass over the values. The keys and values stream from memory once per step (a 64-request burst's
+// pool is larger than the cache), so the kernel is as fast as it keeps that stream going: with AVX-512 (and
+// a head_dim of 16, 32, 64 or 128) the scores of sixteen keys come from one tree of adds instead of sixteen
+// horizontal sums, the exponentials are computed sixteen at a time, and the values are prefetched while the
+// scores are made (measured here, 64 decodes of 300 keys, SmolLM2-135M's heads, 30 layers: 53 -> 38 ms,
+// against 31 ms to merely read the keys and values; on the 64-request chat job, steps alternating between
+// the kernels, 1.56 -> 1.02 s). Compiled on first use for the machine it runs on (infer/decode_kernel.py);
+// one SDPA call per sequence is the fallback and the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+// exp(x) for x <= 0 by range reduction (x = n ln2 + r) and a degree-6 polynomial on r: plain arithmetic, so
+// the compiler vectorizes the softmax loop (libm's expf is one call per score); relative error ~2e-7.
+static inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// exp_nonpositive on 16 lanes.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+}
+
+// Sixteen vectors -> one whose lane j is the sum of vector j's lanes (a transposing tree of adds).
+static inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// One (decode, key/value head) task with head_dim = 16 C: scores sixteen keys at a time, the softmax, then
+// the values; `keys` holds the task's key (and value) rows in order (their slot offsets in the pool).
+template <int C>
+static void task16(const float* const* qs, int64_t G, const float* kp, const float* vp, const int64_t* rows,
+                   int64_t n, float sc, float* scores, float* const* outs) {
+  const int64_t blocks = (n + 15) / 16;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 q[C];
+    for (int c = 0; c < C; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(qs[g] + 16 * c), _mm512_set1_ps(sc));
+    float* sg = scores + g * blocks * 16;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        const int64_t key = std::min<int64_t>(blk * 16 + j, n - 1);
+        const float* k = kp + rows[key];
+        if (g == 0)  // the values' rows on their way to the cache while the scores are made
+          for (int c = 0; c < C; ++c)
+            _mm_prefetch(reinterpret_cast<const char*>(vp + rows[key] + 16 * c), _MM_HINT_T1);
+        __m512 s = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+        for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(k + 16 * c), s);
+        acc[j] = s;
+      }
+      const __m512 s = sum16(acc);
+      _mm512_storeu_ps(sg + blk * 16, s);
+      const int64_t valid = std::min<int64_t>(16, n - blk * 16);
+      mx = _mm512_mask_max_ps(mx, (__mmask16)((1u << valid) - 1), mx, s);
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const int64_t valid = std::min<int64_t>(16, n - blk * 16);
+      const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << valid) - 1),
+                                           exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + blk * 16), m)));
+      _mm512_storeu_ps(sg + blk * 16, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const float inv = 1.f / _mm512_reduce_add_ps(total);
+    for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
+  }
+  const int64_t stride = blocks * 16;
+  for (int64_t g = 0; g < G; g += 4) {  // four query heads' accumulators at a time: 4 C registers
+    const int64_t gs = std::min<int64_t>(4, G - g);
+    __m512 acc[4][C];
+    for (int h = 0; h < 4; ++h)
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const float* v = vp + rows[j];
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int h = 0; h < gs; ++h) {
+        const __m512 p = _mm512_set1_ps(scores[(g + h) * stride + j]);
+        for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
+      }
+    }
+    for (int h = 0; h < gs; ++h)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(outs[g + h] + 16 * c, acc[h][c]);
+  }
+}
+#endif
 
 void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                       const at::Tensor& starts, const at::Tensor& ends, const at::Tensor& offsets,
@@ -32,6 +162,38 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const float sc = static_cast<float>(scale);
+#if defined(__AVX512F__)
+  if (D == 16 || D == 32 || D == 64 || D == 128) {
+    at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<int64_t> rows;
+      std::vector<const float*> qs(G);
+      std::vector<float*> outs(G);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t r = task / KV, kv = task % KV;
+        rows.clear();
+        for (int64_t i = off[r]; i < off[r + 1]; ++i)
+          for (int64_t slot = a[i]; slot < b[i]; ++slot) rows.push_back(slot * D);
+        const int64_t n = static_cast<int64_t>(rows.size());
+        scores.resize(G * ((n + 15) / 16) * 16);
+        for (int64_t g = 0; g < G; ++g) {
+          qs[g] = qp + (kv * G + g) * qs0 + r * qs1;
+          outs[g] = op + (kv * G + g) * os0 + r * os1;
+        }
+        const float* kb = kp + kv * S * D;
+        const float* vb = vp + kv * S * D;
+        switch (D / 16) {
+          case 1: task16<1>(qs.data(), G, kb, vb, rows.data(), n, sc, scores.data(), outs.data()); break;
+          case 2: task16<2>(qs.data(), G, kb, vb, rows.data(), n, sc, scores.data(), outs.data()); break;
+          case 4: task16<4>(qs.data(), G, kb, vb, rows.data(), n, sc, scores.data(), outs.data()); break;
+          case 8: task16<8>(qs.data(), G, kb, vb, rows.data(), n, sc, scores.data(), outs.data()); break;
+          default: TORCH_CHECK(false, "head_dim ", D);
+        }
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, R * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc(G * D), mx(G), sum(G);
@@ -61,7 +223,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
         float* sg = scores.data() + g * n;
         const float m = mx[g];
 #pragma omp simd reduction(+ : t)
-        for (int64_t j = 0; j < n; ++j) { sg[j] = expf(sg[j] - m); t += sg[j]; }
+        for (int64_t j = 0; j < n; ++j) { sg[j] = exp_nonpositive(sg[j] - m); t += sg[j]; }
         sum[g] = t;
       }
       std::fill(acc.begin(), acc.end(), 0.f);

@@ -5,7 +5,10 @@ no step re-lays it out. Measured here on SmolLM2-135M's shapes at a decode step'
 an RL job's weights change every step, so its rollouts pack for the rollout and put the linears back
 (`packed_while`: 0.25 s for SmolLM2-135M, against a 5-8 s rollout that runs 1.4x faster packed). A
 tensor-parallel model keeps its linears (their DTensor weights carry the sharding plan), and so does a
-model running under autocast (the packed weights would not follow its casts)."""
+model running under autocast (the packed weights would not follow its casts). Linears of one input that a
+module declares fusable (models/common/protocol.py: `FusedProjections`: attention's q, k and v, the MLP's gate
+and up) are packed as one, as vLLM does: one matmul instead of three or two (measured here on SmolLM2-135M's
+shapes: q, k and v 74 -> 44 us at 1 row, 392 -> 345 us at 64)."""
 
 from __future__ import annotations
 
@@ -16,15 +19,25 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardforge.models.common.protocol import FusedProjections
+
+Undo = tuple[nn.Module, str, nn.Module | None]  # (parent, attribute, what it held before packing)
+
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W in oneDNN's blocked layout (an opaque mkldnn tensor, not a parameter)."""
+    """y = x W^T + b with W in oneDNN's blocked layout (an opaque mkldnn tensor, not a parameter); given
+    several linears of one input, W and b are theirs stacked (`PackedLinears` splits the output again)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, *linears: nn.Linear) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.bias = linear.bias.detach() if linear.bias is not None else None
+        self.in_features = linears[0].in_features
+        self.out_features = sum(linear.out_features for linear in linears)
+        weights = [linear.weight.detach() for linear in linears]
+        weight = torch.cat(weights) if weights[1:] else weights[0]  # one linear: no copy before the reorder
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.bias = None
+        if any(linear.bias is not None for linear in linears):
+            self.bias = torch.cat([_bias(linear) for linear in linears])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -33,6 +46,28 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed for oneDNN"
+
+
+class PackedLinears(PackedLinear):
+    """Several linears of one input as one packed matmul; returns each one's output (views of one tensor)."""
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        super().__init__(*linears)
+        self.sizes = [linear.out_features for linear in linears]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return super().forward(x).split(self.sizes, -1)
+
+
+def _bias(linear: nn.Linear) -> torch.Tensor:
+    if linear.bias is not None:
+        return linear.bias.detach()
+    return linear.weight.new_zeros(linear.out_features)
+
+
+def _plain(module: nn.Module | None) -> bool:
+    """A linear this file may pack: plain nn.Linear, not a LoRA wrapper, not a tensor-parallel shard."""
+    return type(module) is nn.Linear and not isinstance(module.weight, DTensor)
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -46,28 +81,42 @@ def can_pack(model: nn.Module) -> bool:
     )
 
 
-def pack_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """Replace every plain CPU nn.Linear of a frozen model by a PackedLinear; returns what was replaced
-    (parent, attribute, the linear)."""
+def pack_linears(model: nn.Module) -> list[Undo]:
+    """Replace every plain CPU nn.Linear of a frozen model by a PackedLinear (those a module declares fusable
+    by one PackedLinears in its slot, their attributes None); returns what to set back to undo it."""
     if not can_pack(model) or torch.is_autocast_enabled("cpu"):
         return []
+    undo: list[Undo] = []
+    for module in list(model.modules()):
+        if not isinstance(module, FusedProjections):
+            continue
+        for slot, names in module.FUSED.items():
+            if getattr(module, slot) is not None:  # packed already
+                continue
+            linears = [module.get_submodule(name) for name in names]
+            if all(_plain(linear) for linear in linears):
+                undo.append((module, slot, None))
+                undo += [(module, name, linear) for name, linear in zip(names, linears, strict=True)]
+                setattr(module, slot, PackedLinears(*linears))
+                for name in names:
+                    setattr(module, name, None)
     swaps = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and not isinstance(child.weight, DTensor)
+        if _plain(child)
     ]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
-    return swaps
+    return undo + swaps
 
 
 @contextlib.contextmanager
 def packed_while(model: nn.Module) -> Iterator[None]:
     """The model's linears packed inside the block, and the trained ones back after it."""
-    swaps = pack_linears(model)
+    undo = pack_linears(model)
     try:
         yield
     finally:
-        for parent, name, child in swaps:
-            setattr(parent, name, child)
+        for parent, name, before in reversed(undo):
+            setattr(parent, name, before)

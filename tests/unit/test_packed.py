@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardforge.infer.engine import Engine, EngineConfig
-from shardforge.infer.packed import PackedLinear, pack_linears
+from shardforge.infer.packed import PackedLinear, PackedLinears, pack_linears, packed_while
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models import load_model
 from tests.unit.test_generate import FAMILIES, _hf_generate, _hf_model, _prompts
@@ -27,15 +27,53 @@ def test_a_packed_linear_is_the_same_map(dtype, tol, bias):
         assert (got - want).abs().max() <= tol * want.abs().max(), shape
 
 
+@pytest.mark.parametrize("bias", [(False, False), (True, False), (True, True)], ids=["none", "some", "all"])
+def test_fused_linears_are_each_ones_map(bias):
+    """q, k and v (or gate and up) packed as one: each output is its own linear's, biases or not."""
+    torch.manual_seed(0)
+    linears = [nn.Linear(96, n, bias=bias[i % 2]) for i, n in enumerate((64, 32, 32))]
+    fused = PackedLinears(*linears)
+    x = torch.randn(2, 5, 96)
+    outs = fused(x)
+    assert [o.shape for o in outs] == [(2, 5, 64), (2, 5, 32), (2, 5, 32)]
+    for linear, out in zip(linears, outs, strict=True):
+        assert torch.allclose(out, linear(x), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_engine_generates_transformers_tokens_packed(tmp_path, family):
-    """Every family the engine serves: packed, its greedy tokens are still transformers' own."""
+    """Every family the engine serves: packed (q/k/v and gate/up fused where the module declares them), its
+    greedy tokens are still transformers' own."""
     hf, folder = _hf_model(tmp_path, family)
     model = load_model(folder)
-    linears = sum(type(m) is nn.Linear for m in model.modules())
-    assert len(pack_linears(model)) == linears > 0
+    assert pack_linears(model)
     assert not any(type(m) is nn.Linear for m in model.modules())
+    if model.native_names:
+        for block in model.blocks():
+            assert isinstance(block.attn.qkv, PackedLinears) and block.attn.q_proj is None
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     packed = [c[0].tokens for c in Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)]
     assert packed == _hf_generate(hf, prompts, 12)
+
+
+def test_packed_while_gives_the_trained_model_back(tmp_path):
+    """An RL rollout packs the policy and puts it back: the same modules, parameters and outputs after."""
+    _, folder = _hf_model(tmp_path, "qwen2")  # q/k/v biases, a tied head
+    model = load_model(folder)
+    before = {name: (p, p.clone()) for name, p in model.named_parameters()}
+    modules = dict(model.named_modules())
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with torch.no_grad():
+        want = model(ids)
+        with packed_while(model):
+            packed = model(ids)
+            assert model.layers[0].attn.q_proj is None
+        got = model(ids)
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert all(modules[name] is m for name, m in model.named_modules())
+    params = dict(model.named_parameters())
+    assert params.keys() == before.keys()
+    assert all(params[n] is p and torch.equal(p, copy) for n, (p, copy) in before.items())
+    assert torch.equal(got, want)
+    assert torch.allclose(packed, want, atol=1e-5, rtol=1e-4)

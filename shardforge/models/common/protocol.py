@@ -15,6 +15,14 @@ from torch import nn
 from shardforge.models.head import Head, HeadOutput
 
 
+class FusedProjections:
+    """A module whose linears of one input inference may run as one matmul (infer/packed.py): `FUSED` maps a
+    slot (an attribute, None until inference sets it) to the linears it replaces, in output order; while the
+    slot is set, the forward calls it for their outputs, and the linears' attributes are None."""
+
+    FUSED: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+
 class CausalModel(nn.Module, metaclass=ABCMeta):
     # Its parameter names are the Llama family's own; False: another spelling (the generic backend's
     # transformers names) that freeze, LoRA and NF4 read through `canonical_name`.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from shardforge.models.common.attention import (
     sdpa,
 )
 from shardforge.models.common.config import DecoderConfig
-from shardforge.models.common.protocol import StagedModel
+from shardforge.models.common.protocol import FusedProjections, StagedModel
 from shardforge.models.head import Head, HeadInput, HeadOutput, apply_head, target_logprobs
 from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
 from shardforge.models.moe import SparseMoE
@@ -37,7 +38,9 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, FusedProjections):
+    FUSED: ClassVar[dict[str, tuple[str, ...]]] = {"qkv": ("q_proj", "k_proj", "v_proj")}
+
     def __init__(self, cfg: DecoderConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer  # its slot in a KV cache
@@ -46,6 +49,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv: nn.Module | None = None  # inference: q, k and v in one matmul (FusedProjections)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
@@ -54,9 +58,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of the head count keeps this correct when TP shards the projections by heads.
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -70,15 +73,19 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class MLP(nn.Module):
+class MLP(nn.Module, FusedProjections):
+    FUSED: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up": ("gate_proj", "up_proj")}
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up: nn.Module | None = None  # inference: both in one matmul (FusedProjections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 MLPFactory = Callable[[DecoderConfig, int], nn.Module]  # (config, layer index) -> the block's MLP
