@@ -41,7 +41,6 @@ static inline float exp_nonpositive(float x) {
   return out;
 }
 
-
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -82,7 +81,8 @@ static inline __m512 sum16(const __m512* v) {
 }
 
 // One (decode, key/value head) task with head_dim = 16 C: scores sixteen keys at a time, the softmax, then
-// the values; `keys` holds the task's key (and value) rows in order (their slot offsets in the pool).
+// the values: `rows[j]` is where the task's j-th key (and value) starts in its head's part of the pool,
+// `qs[g]` and `outs[g]` the g-th query head's query and output.
 template <int C>
 static void task16(const float* const* qs, int64_t G, const float* kp, const float* vp, const int64_t* rows,
                    int64_t n, float sc, float* scores, float* const* outs) {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ def _bias(linear: nn.Linear) -> torch.Tensor:
     return linear.weight.new_zeros(linear.out_features)
 
 
-def _plain(module: nn.Module | None) -> bool:
+def _plain(module: nn.Module | None) -> TypeGuard[nn.Linear]:
     """A linear this file may pack: plain nn.Linear, not a LoRA wrapper, not a tensor-parallel shard."""
     return type(module) is nn.Linear and not isinstance(module.weight, DTensor)
 
@@ -93,14 +94,15 @@ def pack_linears(model: nn.Module) -> list[Undo]:
         for slot, names in module.FUSED.items():
             if getattr(module, slot) is not None:  # packed already
                 continue
-            linears = [module.get_submodule(name) for name in names]
-            if all(_plain(linear) for linear in linears):
+            members = [module.get_submodule(name) for name in names]
+            linears = [linear for linear in members if _plain(linear)]
+            if len(linears) == len(members):
                 undo.append((module, slot, None))
                 undo += [(module, name, linear) for name, linear in zip(names, linears, strict=True)]
                 setattr(module, slot, PackedLinears(*linears))
                 for name in names:
                     setattr(module, name, None)
-    swaps = [
+    swaps: list[tuple[nn.Module, str, nn.Linear]] = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
