@@ -20,18 +20,20 @@
 #include <cstring>
 #include <vector>
 
-// exp(x) for x <= 0 by range reduction (x = n ln2 + r) and a degree-6 polynomial on r: plain arithmetic, so
-// the compiler vectorizes the softmax loop (libm's expf is one call per score); relative error ~2e-7.
+// exp(x) for x <= 0 (a softmax's shifted scores) by range reduction, x = n ln2 + r, and Cephes' degree-6
+// polynomial on r: plain arithmetic, so the softmax loop vectorizes (libm's expf is one call per score);
+// relative error ~2e-7. The AVX-512 path computes the same, sixteen lanes at a time (exp16).
+constexpr float kExpFloor = -87.0f;  // exp of anything lower is below float's normal range
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 static inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = std::max(x, kExpFloor);
+  const float n = std::nearbyint(x * kLog2e);
+  const float r = x - n * kLn2Hi - n * kLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = p * r * r + r + 1.0f;
   int32_t bits;
   std::memcpy(&bits, &p, 4);
@@ -46,17 +48,13 @@ static inline float exp_nonpositive(float x) {
 
 // exp_nonpositive on 16 lanes.
 static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
@@ -78,6 +76,11 @@ static inline __m512 sum16(const __m512* v) {
     w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// The lanes of block `blk` of sixteen keys that hold one of the n keys (the last block may be partial).
+static inline __mmask16 held(int64_t n, int64_t blk) {
+  return static_cast<__mmask16>((1u << std::min<int64_t>(16, n - blk * 16)) - 1);
 }
 
 // One (decode, key/value head) task with head_dim = 16 C: scores sixteen keys at a time, the softmax, then
@@ -106,15 +109,13 @@ static void task16(const float* const* qs, int64_t G, const float* kp, const flo
       }
       const __m512 s = sum16(acc);
       _mm512_storeu_ps(sg + blk * 16, s);
-      const int64_t valid = std::min<int64_t>(16, n - blk * 16);
-      mx = _mm512_mask_max_ps(mx, (__mmask16)((1u << valid) - 1), mx, s);
+      mx = _mm512_mask_max_ps(mx, held(n, blk), mx, s);
     }
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 total = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t valid = std::min<int64_t>(16, n - blk * 16);
-      const __m512 e = _mm512_maskz_mov_ps((__mmask16)((1u << valid) - 1),
-                                           exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + blk * 16), m)));
+      const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(sg + blk * 16), m);
+      const __m512 e = _mm512_maskz_mov_ps(held(n, blk), exp16(x));
       _mm512_storeu_ps(sg + blk * 16, e);
       total = _mm512_add_ps(total, e);
     }
