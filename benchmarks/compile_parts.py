@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from shardforge.models.common.attention import AttentionContext
+from shardforge.models.common.elementwise import apply_rope
 from shardforge.models.io import load_model
-from shardforge.models.llama.rope import apply_rope, rope_cos_sin
+from shardforge.models.llama.rope import rope_cos_sin
 
 
 def _step(fn: Callable, inputs: list[torch.Tensor]) -> None:

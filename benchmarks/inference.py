@@ -238,17 +238,18 @@ def run_hf_continuous(folder: Path, requests: list) -> dict:
 
 
 def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
-    """The engine as `generate` and `serve` build it: loaded for inference, weights prepacked on CPU."""
+    """The engine as `generate` and `serve` build it: loaded for inference, laid out for it on CPU (weights
+    prepacked, element-wise work on the fused kernels: infer/packed.py's `inference_layout`)."""
     from shardforge.infer.engine import Engine, EngineConfig
     from shardforge.infer.load import load_for_inference
-    from shardforge.infer.packed import pack_linears
+    from shardforge.infer.packed import inference_layout
     from shardforge.infer.sampling import SamplingParams
 
     def greedy(new: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
 
     loaded = load_for_inference(folder, dtype=PLACE["dtype"], device=PLACE["device"])
-    packed = pack_linears(loaded.model)
+    packed = inference_layout(loaded.model)
     config = EngineConfig(max_running=max_running)
     warm = Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)  # as vLLM's side warms up
     warm.generate([p for p, _ in requests[:2]], [greedy(n) for _, n in requests[:2]])

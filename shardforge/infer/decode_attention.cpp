@@ -10,56 +10,15 @@
 // horizontal sums, the exponentials are computed sixteen at a time, and the values are prefetched while the
 // scores are made (measured here, 64 decodes of 300 keys, SmolLM2-135M's heads, 30 layers: 53 -> 38 ms,
 // against 31 ms to merely read the keys and values; on the 64-request chat job, steps alternating between
-// the kernels, 1.56 -> 1.02 s). Compiled on first use for the machine it runs on (infer/decode_kernel.py);
+// the kernels, 1.56 -> 1.02 s). Compiled on first use for the machine it runs on (infer/cpu_kernels.py);
 // one SDPA call per sequence is the fallback and the reference.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
-// exp(x) for x <= 0 (a softmax's shifted scores) by range reduction, x = n ln2 + r, and Cephes' degree-6
-// polynomial on r: plain arithmetic, so the softmax loop vectorizes (libm's expf is one call per score);
-// relative error ~2e-7. The AVX-512 path computes the same, sixteen lanes at a time (exp16).
-constexpr float kExpFloor = -87.0f;  // exp of anything lower is below float's normal range
-constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-static inline float exp_nonpositive(float x) {
-  x = std::max(x, kExpFloor);
-  const float n = std::nearbyint(x * kLog2e);
-  const float r = x - n * kLn2Hi - n * kLn2Lo;
-  float p = kExpPoly[0];
-  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
-  p = p * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
+#include "cpu_math.h"
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-// exp_nonpositive on 16 lanes.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(kExpFloor));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
-}
-
 // Sixteen vectors -> one whose lane j is the sum of vector j's lanes (a transposing tree of adds).
 static inline __m512 sum16(const __m512* v) {
   __m512 t[8], u[4], w[2];
@@ -224,7 +183,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
         float* sg = scores.data() + g * n;
         const float m = mx[g];
 #pragma omp simd reduction(+ : t)
-        for (int64_t j = 0; j < n; ++j) { sg[j] = exp_nonpositive(sg[j] - m); t += sg[j]; }
+        for (int64_t j = 0; j < n; ++j) { sg[j] = fast_exp(sg[j] - m); t += sg[j]; }
         sum[g] = t;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -248,5 +207,3 @@ void decode_attention(const at::Tensor& q, const at::Tensor& keys, const at::Ten
     }
   });
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_attention", &decode_attention); }

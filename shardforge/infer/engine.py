@@ -20,10 +20,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from shardforge.errors import ShardforgeError
 from shardforge.infer.blocks import BlockManager
-from shardforge.infer.decode_kernel import decode_kernel
+from shardforge.infer.cpu_kernels import cpu_kernels
 from shardforge.infer.executor import Executor, LocalRunner, StepInput
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.paged import Chunk, PagedKV
@@ -62,7 +63,7 @@ class EngineConfig:
     max_step_tokens: int = 512  # prefill chunks and decodes together, per step
     max_running: int = 64
     prefix_cache: bool = True
-    decode_kernel: bool = True  # CPU fp32: one call a layer for the decodes (infer/decode_kernel.py)
+    decode_kernel: bool = True  # CPU fp32: one call a layer for the decodes (infer/cpu_kernels.py)
 
 
 @dataclass(frozen=True)
@@ -351,7 +352,15 @@ def kv_blocks(model: CausalModel, config: EngineConfig) -> int:
 
 
 def paged_pool(model: CausalModel, config: EngineConfig) -> PagedKV:
-    """A rank's pool of `kv_blocks` blocks, with the CPU decode kernel where it applies (fp32 on CPU)."""
+    """A rank's pool of `kv_blocks` blocks, with the CPU decode kernel where it applies (fp32 on CPU). Its
+    memory is zeroed here, not in the first step, as vLLM reserves its cache when the engine starts (under
+    tensor parallel, where each rank holds some of the heads, each layer's is made on first use)."""
     param = next(model.parameters())
     fast = config.decode_kernel and param.device.type == "cpu" and param.dtype == torch.float32
-    return PagedKV(kv_blocks(model, config), config.block_size, decode_kernel() if fast else None)
+    num_blocks = kv_blocks(model, config)
+    arena = None
+    if not isinstance(param, DTensor):
+        cfg = model.config
+        per_layer = 2 * num_blocks * config.block_size * cfg.num_kv_heads * cfg.head_dim
+        arena = torch.zeros(per_layer * len(model.blocks()), dtype=param.dtype, device=param.device)
+    return PagedKV(num_blocks, config.block_size, cpu_kernels() if fast else None, arena)

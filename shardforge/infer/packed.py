@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from shardforge.infer.fused_ops import fuse_elementwise
 from shardforge.models.common.protocol import FusedProjections
 
-Undo = tuple[nn.Module, str, nn.Module | None]  # (parent, attribute, what it held before packing)
+Undo = tuple[nn.Module, str, Any]  # (module, attribute, what it held before)
 
 
 class PackedLinear(nn.Module):
@@ -113,10 +114,16 @@ def pack_linears(model: nn.Module) -> list[Undo]:
     return undo + swaps
 
 
+def inference_layout(model: nn.Module) -> list[Undo]:
+    """What a frozen model is laid out as once for inference on the CPU: its linears packed, its element-wise
+    work on the fused kernels (infer/fused_ops.py); returns what to set back to undo it."""
+    return pack_linears(model) + fuse_elementwise(model)
+
+
 @contextlib.contextmanager
 def packed_while(model: nn.Module) -> Iterator[None]:
-    """The model's linears packed inside the block, and the trained ones back after it."""
-    undo = pack_linears(model)
+    """The model laid out for inference inside the block (`inference_layout`), as trained after it."""
+    undo = inference_layout(model)
     try:
         yield
     finally:

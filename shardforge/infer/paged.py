@@ -30,21 +30,34 @@ class PagedKV:
     """Per layer, keys and values of every slot: [1, kv_heads, num_blocks * block_size, head_dim] (block b
     holds slots b * block_size onwards), made on first write (the local head count under TP, the stream's
     dtype). Heads first, so that a run of consecutive blocks is a slice SDPA reads in place (measured here:
-    2x faster attention than gathering every sequence's blocks into a padded batch)."""
+    2x faster attention than gathering every sequence's blocks into a padded batch). Zeros, not garbage: a
+    batched decode multiplies the masked slots' values by 0 (NaN * 0 is NaN)."""
 
-    def __init__(self, num_blocks: int, block_size: int, kernel: Any = None) -> None:
-        """`kernel`: the CPU decode-attention kernel (infer/decode_kernel.py) for fp32 pools, or None."""
+    def __init__(
+        self, num_blocks: int, block_size: int, kernel: Any = None, arena: torch.Tensor | None = None
+    ) -> None:
+        """`kernel`: the CPU decode-attention kernel (infer/cpu_kernels.py) for fp32 pools, or None.
+        `arena`: zeroed memory made with the pool, that layers carve their keys and values from as they come
+        (so that the first step does not pay for it: zero-filling a 1 GiB pool took 2 s, 10% of a 64-request
+        job here); a layer that does not fit in what is left gets memory of its own."""
         self.num_blocks, self.block_size, self.kernel = num_blocks, block_size, kernel
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.arena, self.carved = arena, 0
 
     def layer(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if layer not in self.keys:
             shape = (1, like.shape[1], self.num_blocks * self.block_size, like.shape[3])
-            # zeros, not garbage: a batched decode multiplies the masked slots' values by 0 (NaN * 0 is NaN)
-            self.keys[layer] = like.new_zeros(shape)
-            self.values[layer] = like.new_zeros(shape)
+            self.keys[layer], self.values[layer] = self._zeros(shape, like), self._zeros(shape, like)
         return self.keys[layer], self.values[layer]
+
+    def _zeros(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        arena, n = self.arena, math.prod(shape)
+        fits = arena is not None and arena.dtype == like.dtype and arena.device == like.device
+        if not fits or self.carved + n > arena.numel():
+            return like.new_zeros(shape)
+        self.carved += n
+        return arena[self.carved - n : self.carved].view(shape)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy blocks (source, destination) in every layer this pool holds."""

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from shardforge.errors import ConfigError
 from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.load import Loaded, load_for_inference
-from shardforge.infer.packed import pack_linears
+from shardforge.infer.packed import inference_layout
 from shardforge.parallel.distributed import (
     init_distributed,
     local_rank_from_env,
@@ -33,7 +33,8 @@ def inference_engine(
 ) -> Iterator[tuple[Loaded, Engine] | None]:
     """Yields (what was loaded, its engine) where the engine is driven: the only process, or rank 0 of a
     tensor-parallel launch. The other ranks follow rank 0's steps inside this call and then get None.
-    `prepack`: lay the frozen weights out for the CPU's GEMM library once (infer/packed.py)."""
+    `prepack`: lay the frozen weights out for the CPU's GEMM library once, and its element-wise work on the
+    fused kernels (infer/packed.py: `inference_layout`)."""
     if tp > 1 and world_size_from_env() != tp:
         raise ConfigError(f"--tp {tp} runs on {tp} processes, but {world_size_from_env()} were started")
     place = pick_device(device, local_rank_from_env()) if tp > 1 else torch.device(device)
@@ -42,7 +43,7 @@ def inference_engine(
         loaded = load_for_inference(source, adapter, dtype, str(place))
         if tp == 1:
             if prepack:
-                pack_linears(loaded.model)
+                inference_layout(loaded.model)
             yield loaded, Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)
             return
         from shardforge.infer.tp import shard_for_inference, tp_executor

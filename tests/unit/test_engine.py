@@ -21,8 +21,8 @@ from transformers import (
 
 from shardforge.infer import paged
 from shardforge.infer.blocks import BlockManager
-from shardforge.infer.decode_kernel import decode_kernel
-from shardforge.infer.engine import Engine, EngineConfig, RequestError
+from shardforge.infer.cpu_kernels import cpu_kernels
+from shardforge.infer.engine import Engine, EngineConfig, RequestError, paged_pool
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.sampling import (
     GenerationDefaults,
@@ -110,7 +110,7 @@ def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads, d, pre
     of a prompt: its shared blocks, then their own), two decodes sharing blocks, and a prefill chunk among
     them or not (a step of decodes alone), with queries in the model's layout, on full-attention and
     sliding-window layers."""
-    kernel = decode_kernel()
+    kernel = cpu_kernels()
     assert kernel is not None, "the kernel must build here (a compiler is part of the test machine)"
     generator = torch.Generator().manual_seed(0)
     lengths, size = [1, 5, 16, 17, 63, 200, 129, 40, 90], 8
@@ -143,6 +143,26 @@ def test_decode_kernel_equals_one_sdpa_call_per_sequence(heads, kv_heads, d, pre
         outs.append([step.attend(0, q, k, v, sliding) for sliding in (False, True)])
     for ours, loop in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(ours, loop, rtol=1e-5, atol=1e-5)
+
+
+def test_the_pool_is_zeroed_when_the_engine_is_built(tmp_path):
+    """Its memory is reserved and zeroed with the engine (as vLLM reserves its cache), not in the first
+    step; the layers carve their keys and values from it; one that does not fit gets memory of its own."""
+    _, folder = _hf_model(tmp_path, "llama")
+    model = load_model(folder)
+    cfg = model.config
+    kv = paged_pool(model, EngineConfig(block_size=4, num_blocks=10))
+    assert kv.arena is not None and not kv.arena.any()
+    assert kv.arena.numel() == 2 * 10 * 4 * cfg.num_kv_heads * cfg.head_dim * cfg.num_layers
+    like = torch.empty(1, cfg.num_kv_heads, 3, cfg.head_dim)
+    storage = kv.arena.untyped_storage().data_ptr()
+    for layer in range(cfg.num_layers):
+        for pool in kv.layer(layer, like):
+            assert pool.shape == (1, cfg.num_kv_heads, 40, cfg.head_dim)
+            assert pool.untyped_storage().data_ptr() == storage
+    assert kv.carved == kv.arena.numel()
+    own = kv.layer(cfg.num_layers, like)[0]  # more layers than the model said: memory of its own
+    assert own.untyped_storage().data_ptr() != storage and not own.any()
 
 
 def test_blocks_come_in_runs_reserved_softly():

@@ -1,5 +1,5 @@
-"""Inference weights prepacked for oneDNN (infer/packed.py): the same linear map, and the engine's greedy
-tokens unchanged."""
+"""Inference weights prepacked for oneDNN and the element-wise work on the fused CPU kernels
+(infer/packed.py: `inference_layout`): the same linear map, and the engine's greedy tokens unchanged."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from shardforge.infer.engine import Engine, EngineConfig
-from shardforge.infer.packed import PackedLinear, PackedLinears, pack_linears, packed_while
+from shardforge.infer.fused_ops import FusedCpuOps
+from shardforge.infer.packed import PackedLinear, PackedLinears, inference_layout, packed_while
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models import load_model
+from shardforge.models.common.elementwise import EAGER, UsesElementwise
 from tests.unit.test_generate import FAMILIES, _hf_generate, _hf_model, _prompts
 
 
@@ -42,15 +44,17 @@ def test_fused_linears_are_each_ones_map(bias):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_engine_generates_transformers_tokens_packed(tmp_path, family):
-    """Every family the engine serves: packed (q/k/v and gate/up fused where the module declares them), its
-    greedy tokens are still transformers' own."""
+    """Every family the engine serves: laid out for inference (q/k/v and gate/up fused where the module
+    declares them, norms, rotary and SiLU * up on the fused kernels), its greedy tokens are still
+    transformers' own."""
     hf, folder = _hf_model(tmp_path, family)
     model = load_model(folder)
-    assert pack_linears(model)
+    assert inference_layout(model)
     assert not any(type(m) is nn.Linear for m in model.modules())
     if model.native_names:
         for block in model.blocks():
             assert isinstance(block.attn.qkv, PackedLinears) and block.attn.q_proj is None
+            assert isinstance(block.attn.ops, FusedCpuOps) and isinstance(block.input_norm.ops, FusedCpuOps)
     prompts = _prompts()
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     packed = [c[0].tokens for c in Engine(model, config=EngineConfig(block_size=4)).generate(prompts, params)]
@@ -69,7 +73,9 @@ def test_packed_while_gives_the_trained_model_back(tmp_path):
         with packed_while(model):
             packed = model(ids)
             assert model.layers[0].attn.q_proj is None
+            assert isinstance(model.layers[0].mlp.ops, FusedCpuOps)
         got = model(ids)
+    assert all(m.ops is EAGER for m in model.modules() if isinstance(m, UsesElementwise))
     assert dict(model.named_modules()).keys() == modules.keys()
     assert all(modules[name] is m for name, m in model.named_modules())
     params = dict(model.named_parameters())

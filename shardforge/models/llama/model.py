@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardforge.models.common.attention import (
@@ -20,25 +19,24 @@ from shardforge.models.common.attention import (
     sdpa,
 )
 from shardforge.models.common.config import DecoderConfig
+from shardforge.models.common.elementwise import UsesElementwise
 from shardforge.models.common.protocol import FusedProjections, StagedModel
 from shardforge.models.head import Head, HeadInput, HeadOutput, apply_head, target_logprobs
-from shardforge.models.llama.rope import apply_rope, inv_frequencies, rope_cos_sin
+from shardforge.models.llama.rope import inv_frequencies, rope_cos_sin
 from shardforge.models.moe import SparseMoE
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(nn.Module, UsesElementwise):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
-class Attention(nn.Module, FusedProjections):
+class Attention(nn.Module, FusedProjections, UsesElementwise):
     FUSED: ClassVar[dict[str, tuple[str, ...]]] = {"qkv": ("q_proj", "k_proj", "v_proj")}
 
     def __init__(self, cfg: DecoderConfig, layer: int) -> None:
@@ -63,7 +61,7 @@ class Attention(nn.Module, FusedProjections):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.ops.rope(q, k, cos, sin)
         if ctx.cache is not None:
             out = ctx.cache.attend(self.layer, q, k, v, sliding)
         elif ctx.layout is not None:
@@ -73,7 +71,7 @@ class Attention(nn.Module, FusedProjections):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class MLP(nn.Module, FusedProjections):
+class MLP(nn.Module, FusedProjections, UsesElementwise):
     FUSED: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up": ("gate_proj", "up_proj")}
 
     def __init__(self, cfg: DecoderConfig) -> None:
@@ -85,7 +83,7 @@ class MLP(nn.Module, FusedProjections):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(gate, up))
 
 
 MLPFactory = Callable[[DecoderConfig, int], nn.Module]  # (config, layer index) -> the block's MLP

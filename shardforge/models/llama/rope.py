@@ -39,9 +39,3 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torc
     freqs = position_ids[..., None].float() * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
