@@ -14,7 +14,13 @@ from torch import nn
 
 from shardforge.adapters.lora import LoRALinear
 from shardforge.config.schema import LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
+from shardforge.errors import ConfigError
 from shardforge.models.common.protocol import CausalModel
+
+# transformers' nn.Linear subclasses whose forward is nn.Linear's map, x W^T + b, written out (peft wraps any
+# nn.Linear; a subclass that returns something else, as the routers of Llama 4 and PhiMoE do, is left alone).
+# tests/unit/test_lora.py checks each against F.linear.
+AFFINE_LINEARS = frozenset({"FalconLinear"})
 
 
 def apply_finetuning(model: nn.Module, method: MethodSection, seed: int, adapter: str | None = None) -> None:
@@ -52,10 +58,31 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
         in_block = model.canonical_name(name).startswith("layers.")
         # `all` on the generic backend: every linear of the blocks (PEFT's all-linear; e.g. Phi-3's qkv_proj)
         chosen = leaf in targets or (every and generic)
-        if not in_block or not chosen or type(module) is not nn.Linear:
+        if not in_block or not chosen or not adaptable(module):
             continue
         lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)
         lora.reset_adapter(name, seed)
         setattr(model.get_submodule(parent_name), leaf, lora)
         wrapped.append(name)
+    if not wrapped:
+        held = sorted(
+            {
+                name.rpartition(".")[2]
+                for name, module in model.named_modules()
+                if model.canonical_name(name).startswith("layers.") and adaptable(module)
+            }
+        )
+        asked = "all" if every else ", ".join(targets)
+        raise ConfigError(
+            f"method.lora.targets ({asked}) match no linear of the {model.config.family} layers this process "
+            f"holds; their linears are: {', '.join(held) or 'none'}"
+        )
     return wrapped
+
+
+def adaptable(module: nn.Module) -> bool:
+    """A linear LoRA can wrap: an nn.Linear computing x W^T + b (its own class, or a subclass that only
+    writes that map out again: AFFINE_LINEARS), not an adapted one already."""
+    if not isinstance(module, nn.Linear) or isinstance(module, LoRALinear):
+        return False
+    return type(module).forward is nn.Linear.forward or type(module).__name__ in AFFINE_LINEARS

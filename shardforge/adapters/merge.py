@@ -11,16 +11,21 @@ from torch import nn
 from shardforge.adapters.apply import add_lora
 from shardforge.adapters.lora import LoRALinear
 from shardforge.adapters.peft_format import load_adapter, read_adapter
-from shardforge.config.schema import LoraSection
+from shardforge.config.schema import LINEAR_TARGETS, LoraSection
 
 
 def merge_adapter(model: nn.Module, folder: Path) -> None:
     """The PEFT adapter in `folder` applied to `model` and merged into its weights, in place."""
     config, _ = read_adapter(folder, model.config.family)
+    targets: list[str] | str = sorted(set(config.get("target_modules") or []))
+    if not model.native_names and not set(targets) <= set(LINEAR_TARGETS):
+        # the generic backend's `all` (every linear of the blocks, e.g. Falcon's query_key_value): what its
+        # runs write; load_adapter names any of them the adapter lacks
+        targets = "all"
     section = LoraSection(
         rank=config["r"],
         alpha=config["lora_alpha"],
-        targets=sorted(set(config.get("target_modules") or [])),
+        targets=targets,
         dora=bool(config.get("use_dora", False)),
         rslora=bool(config.get("use_rslora", False)),
     )

@@ -126,7 +126,11 @@ class Engine:
             eos_token_ids=(tokenizer.eos_token_id,) if getattr(tokenizer, "eos_token_id", None) else ()
         )
         num_blocks = kv_blocks(model, config)
-        self.executor = executor or Executor(LocalRunner(model, paged_pool(model, config)))
+        if executor is None:
+            runner = LocalRunner(model, paged_pool(model, config))
+            runner.check()
+            executor = Executor(runner)
+        self.executor = executor
         self.output = OutputProcessor(tokenizer)
         self.detokenize = True  # text inline after each step (a server's runner turns it off: its own thread)
         self.blocks = BlockManager(num_blocks, config.block_size)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from shardforge.errors import ModelError
 from shardforge.infer.paged import Chunk, PagedKV, PagedStep
 from shardforge.models.common.protocol import CausalModel
 
@@ -46,12 +47,30 @@ class LocalRunner:
     def __init__(self, model: CausalModel, kv: PagedKV) -> None:
         self.model, self.kv = model, kv
         self.device = next(model.parameters()).device
+        self.layers = len(model.blocks())
 
     def run(self, step: StepInput) -> torch.Tensor:
-        paged = PagedStep(self.kv, step.chunks, self.device)
+        return self._forward(self.kv, step)
+
+    @torch.no_grad()
+    def check(self) -> None:
+        """One token through a scratch pool of one slot, before the engine takes requests: a family whose
+        layers do not all attend through the paged cache is refused here, by name."""
+        self._forward(PagedKV(1, 1), StepInput([0], [Chunk([0], 0, 1)], [0]))
+
+    def _forward(self, kv: PagedKV, step: StepInput) -> torch.Tensor:
+        paged = PagedStep(kv, step.chunks, self.device)
         mask = sampled_positions(len(step.ids), step.last, self.device)
         ids = torch.tensor(step.ids, device=self.device)[None]
         logits = self.model(ids, paged.positions, output_mask=mask, cache=paged)
+        if len(paged.attended) != self.layers:
+            missing = self.layers - len(paged.attended)
+            raise ModelError(
+                f"{self.model.config.family}: {missing} of its {self.layers} layers do not attend through "
+                "the inference engine's paged KV cache (transformers' code for this family does not call its "
+                "attention interface with the step's cache), so its tokens would be wrong: the engine "
+                "(generate, chat, serve, RL rollouts) does not serve it; training does"
+            )
         return whole_vocabulary(logits, self.model.config.vocab_size).float()
 
 

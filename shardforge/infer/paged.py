@@ -193,6 +193,7 @@ class PagedStep:
 
     def __init__(self, kv: PagedKV, chunks: list[Chunk], device: torch.device) -> None:
         self.kv, self.device = kv, device
+        self.attended: set[int] = set()  # the layers that attended through this step (executor.py checks)
         bs = kv.block_size
         copies = [pair for c in chunks for pair in zip(c.copy_from, c.blocks, strict=False)]
         if copies:
@@ -275,6 +276,7 @@ class PagedStep:
     ) -> torch.Tensor:
         """q [1, heads, T, d], k and v [1, kv_heads, T, d] for the step's tokens -> the attention output
         [1, heads, T, d]; `softcap`: the family soft-caps its scores (the generic backend's Gemma 2)."""
+        self.attended.add(layer)
         keys, values = self.kv.layer(layer, k)
         keys[0, :, self.slots] = k[0]
         values[0, :, self.slots] = v[0]

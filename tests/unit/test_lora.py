@@ -220,3 +220,45 @@ def test_native_models_choose_only_the_named_projections_for_lora_all_and_nf4(pr
     wrapped = add_lora(model, LoraSection(targets="all"), seed=0)
     assert wrapped and all(name.rpartition(".")[2] in LINEAR_TARGETS for name in wrapped)
     assert not any(name.endswith("shared_expert_gate") for name in wrapped)
+
+
+def test_the_linear_subclasses_lora_wraps_compute_a_plain_linear_map():
+    """AFFINE_LINEARS names transformers' nn.Linear subclasses LoRA wraps (its layer computes F.linear): each
+    must really be that map, and a subclass whose forward is its own (a router) is not wrapped."""
+    import importlib
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from shardforge.adapters.apply import AFFINE_LINEARS, adaptable
+
+    where = {"FalconLinear": "transformers.models.falcon.modeling_falcon"}
+    assert set(where) == AFFINE_LINEARS  # a name added there needs its check here
+    x = torch.randn(3, 5, 16)
+    for name, module in where.items():
+        cls = getattr(importlib.import_module(module), name)
+        for bias in (False, True):
+            layer = cls(16, 8, bias=bias)
+            if bias:
+                torch.nn.init.normal_(layer.bias)
+            assert adaptable(layer)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+    class Router(nn.Linear):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+            return super().forward(x).topk(2)
+
+    assert not adaptable(Router(16, 8)) and adaptable(nn.Linear(16, 8))
+    assert not adaptable(LoRALinear(nn.Linear(16, 8), 2, 4.0, 0.0, False, False))
+
+
+def test_targets_that_match_no_linear_are_refused_with_the_layers_linears():
+    """qwen3-moe's sparse layers have no gate/up/down_proj linears (its experts are 3-D weights): naming only
+    those used to train nothing and end in torch's 'empty parameter list'."""
+    from shardforge.models import build_preset
+
+    model = build_preset("tiny-qwen3-moe", vocab_size=50)
+    with pytest.raises(
+        ConfigError, match=r"match no linear.*their linears are: k_proj, o_proj, q_proj, v_proj$"
+    ):
+        add_lora(model, LoraSection(targets=["gate_proj", "up_proj", "down_proj"]), seed=0)
