@@ -105,11 +105,12 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
 def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
-    from shardforge.checkpoint.export import export_checkpoint
+    from shardforge.checkpoint.export import export
     from shardforge.log import log_to_console
 
     log_to_console(console)  # a damaged checkpoint skipped is a warning
-    checkpoint, out, what = export_checkpoint(Path(args.source), Path(args.to), args.merge)
+    base = Path(args.base) if args.base else None
+    checkpoint, out, what = export(Path(args.source), Path(args.to), args.merge, base)
     console.print(f"exported {checkpoint} to {out}: {what}, with the tokenizer")
     return 0
 
@@ -429,11 +430,16 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a training checkpoint (any layout) as a Hugging Face folder, in one process"
     )
     p_export.add_argument(
-        "source", help="a checkpoint folder, or a run folder (its newest complete checkpoint)"
+        "source",
+        help="a checkpoint folder, a run folder (its newest complete checkpoint, else its final/), or a PEFT "
+        "adapter folder",
     )
     p_export.add_argument("--to", required=True, help="the folder to write")
     p_export.add_argument(
         "--merge", action="store_true", help="LoRA: merge the adapters into the base (a plain HF folder)"
+    )
+    p_export.add_argument(
+        "--base", default=None, help="a PEFT adapter's base folder (default: its base_model_name_or_path)"
     )
     p_export.set_defaults(func=_cmd_export)
     p_convert = sub.add_parser("convert", help="a LLaMA-Factory training YAML as a shardforge config")

@@ -1,8 +1,12 @@
 """Any training checkpoint (any layout, any world size) -> a Hugging Face folder (or, for LoRA, a PEFT adapter
-folder, or with `merge` the adapters merged into the base), in one process."""
+folder, or with `merge` the adapters merged into the base), in one process. A run without checkpoints
+(`checkpoint.every` unset) exports what it handed back (its final/), and a PEFT adapter folder merges onto its
+base."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +15,14 @@ from torch import nn
 
 from shardforge.adapters.apply import apply_finetuning
 from shardforge.adapters.lora import is_adapter_key
+from shardforge.adapters.merge import merge_adapter
 from shardforge.adapters.peft_format import merged_state, save_adapter
-from shardforge.checkpoint.store import resolve_checkpoint
+from shardforge.checkpoint.store import find_latest, resolve_checkpoint
 from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state
 from shardforge.config import Config, load_config
-from shardforge.models import save_model
+from shardforge.config.schema import ModelSection
+from shardforge.errors import CheckpointError
+from shardforge.models import load_model, save_model
 from shardforge.models.build import build_model, load_tokenizer
 from shardforge.models.head import attach_critic
 from shardforge.objectives import score_labels
@@ -76,3 +83,46 @@ def export_checkpoint(path: Path, to: Path, merge: bool = False) -> tuple[Path, 
     load_model_weights(folder, model)
     weights = strip_vocab_padding(model.state_dict(), vocab)
     return folder, to, write_model_folder(model, weights, config, tokenizer, to, merge)
+
+
+def export(path: Path, to: Path, merge: bool = False, base: Path | None = None) -> tuple[Path, Path, str]:
+    """`shardforge export`: a checkpoint, a run folder (its newest complete checkpoint, else what it handed
+    back in final/) or a PEFT adapter folder; returns (what was read, the folder written, what it holds)."""
+    if (path / "adapter_config.json").is_file():
+        return path, to, export_adapter(path, to, merge, base)
+    final = path / "final"
+    if final.is_dir() and find_latest(path / "checkpoints", quiet=True) is None:
+        why = f"no checkpoints in {path} (checkpoint.every is unset)"
+        if (final / "adapter_config.json").is_file():
+            what = export_adapter(final, to, merge, base)
+            return final, to, f"{why}; its final/ is a PEFT adapter: {what}"
+        if (final / "config.json").is_file():
+            shutil.copytree(final, to, dirs_exist_ok=True)
+            return final, to, f"{why}; its final/ is an HF model folder already: copied as it is"
+    if base is not None:
+        raise CheckpointError(f"--base goes with a PEFT adapter folder; {path} is not one")
+    return export_checkpoint(path, to, merge)
+
+
+def export_adapter(adapter: Path, to: Path, merge: bool, base: Path | None = None) -> str:
+    """A PEFT LoRA folder: with `merge`, folded into its base (`base`, else the adapter's
+    base_model_name_or_path) and written as an HF folder in the base's dtype; without, copied as it is."""
+    if not merge:
+        shutil.copytree(adapter, to, dirs_exist_ok=True)
+        return "LoRA adapter (PEFT format), copied as it is (--merge folds it into its base)"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    named = config.get("base_model_name_or_path")
+    base = base or (Path(named) if named else None)
+    if base is None or not (base / "config.json").is_file():
+        raise CheckpointError(
+            f"{adapter}: its base_model_name_or_path {named!r} is not a local model folder; give the base "
+            f"folder with --base"
+        )
+    model = load_model(base)
+    merge_adapter(model, adapter)
+    own = (adapter / "tokenizer_config.json").is_file() or (adapter / "tokenizer.json").is_file()
+    tokenizer = load_tokenizer(ModelSection(path=str(base), tokenizer=str(adapter if own else base)))
+    saved = json.loads((base / "config.json").read_text())
+    dtype = getattr(torch, str(saved.get("dtype") or saved.get("torch_dtype") or "float32"), torch.float32)
+    save_model(model, to, tokenizer=tokenizer, dtype=dtype)
+    return f"merged onto {base}: model (HF format, adapters merged)"

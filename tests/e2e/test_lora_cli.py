@@ -79,3 +79,33 @@ def test_the_lora_and_qlora_examples_run_over_the_demo_model(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert (out / "final" / "adapter_model.safetensors").is_file()
         assert json.loads((out / "final" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
+def test_export_merges_a_run_without_checkpoints_and_a_peft_folder(tmp_path):
+    """The README's LoRA run has no `checkpoint.every`: `export RUN --merge` and `export RUN/final --merge`
+    (a plain PEFT folder) fold its final/ adapter into the base, with peft's base + adapter logits."""
+    from peft import PeftModel
+
+    model = tiny_model_folder(tmp_path / "base", 1024, seed=4, num_layers=2, num_kv_heads=2, family="llama")
+    cfg = _lora_cfg(tmp_path, "quick", model, steps=2)
+    cfg["checkpoint"].pop("every")
+    cfg["train"]["lr"] = 3e-2
+    assert _cli("train", str(_config(tmp_path / "quick", cfg))).returncode == 0
+    run = tmp_path / "quick" / "run"
+    assert not list((run / "checkpoints").glob("step-*"))
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(model["path"]).eval()
+    with torch.no_grad():
+        plain = base(ids).logits
+        want = PeftModel.from_pretrained(base, run / "final").eval()(ids).logits
+        assert (want - plain).abs().max().item() > 1e-3  # the adapters did train
+        for source, to in ((run, "from_run"), (run / "final", "from_adapter")):
+            done = _cli("export", str(source), "--to", str(tmp_path / to), "--merge")
+            assert done.returncode == 0 and "adapters merged" in done.stdout, done.stdout + done.stderr
+            assert ("checkpoint.every is unset" in done.stdout) == (source == run)
+            merged = AutoModelForCausalLM.from_pretrained(tmp_path / to).eval()
+            assert (merged(ids).logits - want).abs().max().item() < 1e-4
+    copied = _cli("export", str(run), "--to", str(tmp_path / "adapter"))
+    assert copied.returncode == 0 and (tmp_path / "adapter" / "adapter_config.json").is_file()
+    refused = _cli("export", str(tmp_path / "base"), "--to", str(tmp_path / "x"))
+    assert refused.returncode != 0 and "not a usable checkpoint" in refused.stdout + refused.stderr
