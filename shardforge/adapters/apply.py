@@ -52,6 +52,8 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     generic = not model.native_names  # the generic backend: transformers' module names
     every = section.targets == "all"
     targets = LINEAR_TARGETS if every else tuple(section.targets)
+    if not generic and model.config.num_experts:
+        targets = _without_mlp_names(targets, every, model.config.family)
     wrapped = []
     for name, module in list(model.named_modules()):
         parent_name, _, leaf = name.rpartition(".")
@@ -78,6 +80,25 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
             f"holds; their linears are: {', '.join(held) or 'none'}"
         )
     return wrapped
+
+
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _without_mlp_names(targets: tuple[str, ...], every: bool, family: str) -> tuple[str, ...]:
+    """On a mixture of experts, peft (0.21, with transformers 5) reads gate_proj, up_proj and down_proj in an
+    adapter's target_modules as the fused experts of the sparse layers, whatever layer or module they name:
+    an adapter on the dense layers' or the shared expert's projections would not load as trained (it adds
+    fresh expert adapters and drops these). So `all` adapts the attention projections there, and naming the
+    MLP's is refused."""
+    named = [t for t in targets if t in MLP_NAMES]
+    if named and not every:
+        raise ConfigError(
+            f"method.lora.targets: {', '.join(named)} on a mixture of experts ({family}): peft reads these "
+            "names as the fused experts, so the adapter would not load in peft as trained; adapt q_proj, "
+            "k_proj, v_proj, o_proj (what targets: all adapts on this family)"
+        )
+    return tuple(t for t in targets if t not in MLP_NAMES)
 
 
 def adaptable(module: nn.Module) -> bool:

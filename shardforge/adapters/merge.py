@@ -16,8 +16,9 @@ from shardforge.config.schema import LINEAR_TARGETS, LoraSection
 
 def merge_adapter(model: nn.Module, folder: Path) -> None:
     """The PEFT adapter in `folder` applied to `model` and merged into its weights, in place."""
-    config, _ = read_adapter(folder, model.config.family)
-    targets: list[str] | str = sorted(set(config.get("target_modules") or []))
+    config, tensors = read_adapter(folder, model.config.family)
+    # the adapted modules' names from its tensors (target_modules may be a regex of full names)
+    targets: list[str] | str = sorted({key.rpartition(".")[0].rpartition(".")[2] for key in tensors})
     if not model.native_names and not set(targets) <= set(LINEAR_TARGETS):
         # the generic backend's `all` (every linear of the blocks, e.g. Falcon's query_key_value): what its
         # runs write; load_adapter names any of them the adapter lacks

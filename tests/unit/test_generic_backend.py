@@ -209,6 +209,17 @@ def test_a_family_whose_attention_bypasses_the_paged_cache_is_refused_by_the_eng
         Engine(model, config=EngineConfig(block_size=4, num_blocks=16))
 
 
+def test_lora_targets_that_match_no_linear_are_refused_with_the_layers_linears(tmp_path):
+    """Phi-3 fuses gate and up into gate_up_proj; GPT-2's layers are Conv1D, not linears (training nothing
+    ended in torch's 'optimizer got an empty parameter list')."""
+    phi3 = load_model(hf_folder(tmp_path, "phi3"))
+    with pytest.raises(ConfigError, match=r"\(gate_proj\) match no linear of the hf:phi3 layers.*"
+                       r"their linears are: down_proj, gate_up_proj, o_proj, qkv_proj$"):  # fmt: skip
+        add_lora(phi3, LoraSection(targets=["gate_proj"]), seed=0)
+    with pytest.raises(ConfigError, match=r"\(all\) match no linear of the hf:gpt2 layers.*are: none$"):
+        add_lora(load_model(hf_folder(tmp_path, "gpt2")), LoraSection(targets="all"), seed=0)
+
+
 @pytest.mark.parametrize("model_type", ["gemma2", "falcon"])
 def test_a_lora_run_on_the_generic_backend_hands_back_a_peft_adapter(tmp_path, model_type):
     from peft import PeftModel

@@ -26,7 +26,13 @@ SHAPES = {
     "llama": dict(num_attention_heads=6, num_key_value_heads=3, head_dim=8),
     "qwen2": dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),  # q/k/v biases
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),  # q/k norms
-}
+    # mixtures of experts with a dense layer (and Qwen2-MoE's shared expert): `all` is the attention there
+    "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]),
+    "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+}  # fmt: skip
+WRAPPED = {"qwen3_moe": 2 * 4, "qwen2_moe": 2 * 4}  # per family, if not 2 layers x 7 linears
 VARIANTS = {"lora": {}, "dora": {"dora": True}, "rslora": {"rslora": True, "alpha": 4.0}}
 
 
@@ -98,7 +104,7 @@ def test_peft_loads_our_adapter_with_every_key_and_the_same_logits(tmp_path, fam
     ours = load_model(folder).eval()
     section = LoraSection(rank=4, **VARIANTS[variant])
     wrapped = add_lora(ours, section, seed=0)
-    assert len(wrapped) == 2 * 7  # every linear of attention and MLP in both layers
+    assert len(wrapped) == WRAPPED.get(family, 2 * 7)  # every linear of attention and MLP in both layers
     _trained_adapters(ours)
     state = ours.state_dict()
     adapters = {k: v for k, v in state.items() if ".lora_" in k}
@@ -252,13 +258,11 @@ def test_the_linear_subclasses_lora_wraps_compute_a_plain_linear_map():
     assert not adaptable(LoRALinear(nn.Linear(16, 8), 2, 4.0, 0.0, False, False))
 
 
-def test_targets_that_match_no_linear_are_refused_with_the_layers_linears():
-    """qwen3-moe's sparse layers have no gate/up/down_proj linears (its experts are 3-D weights): naming only
-    those used to train nothing and end in torch's 'empty parameter list'."""
+def test_the_mlp_of_a_mixture_of_experts_is_refused_by_name():
+    """peft reads gate_proj, up_proj and down_proj as a MoE's fused experts: naming them is refused (their
+    adapters on dense layers or a shared expert would not load in peft as trained)."""
     from shardforge.models import build_preset
 
-    model = build_preset("tiny-qwen3-moe", vocab_size=50)
-    with pytest.raises(
-        ConfigError, match=r"match no linear.*their linears are: k_proj, o_proj, q_proj, v_proj$"
-    ):
-        add_lora(model, LoraSection(targets=["gate_proj", "up_proj", "down_proj"]), seed=0)
+    model = build_preset("tiny-qwen2-moe", vocab_size=50)
+    with pytest.raises(ConfigError, match=r"gate_proj, up_proj on a mixture of experts \(qwen2_moe\): peft"):
+        add_lora(model, LoraSection(targets=["q_proj", "gate_proj", "up_proj"]), seed=0)
