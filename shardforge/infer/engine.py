@@ -357,13 +357,14 @@ def kv_blocks(model: CausalModel, config: EngineConfig) -> int:
 
 def paged_pool(model: CausalModel, config: EngineConfig) -> PagedKV:
     """A rank's pool of `kv_blocks` blocks, with the CPU decode kernel where it applies (fp32 on CPU). Its
-    memory is zeroed here, not in the first step, as vLLM reserves its cache when the engine starts (under
-    tensor parallel, where each rank holds some of the heads, each layer's is made on first use)."""
+    memory is zeroed here, not in the first step, as vLLM reserves its cache when the engine starts (each
+    layer's is made on first use where its size or dtype is not known here: under tensor parallel, where each
+    rank holds some of the heads, and under autocast, which sets the stream's dtype)."""
     param = next(model.parameters())
     fast = config.decode_kernel and param.device.type == "cpu" and param.dtype == torch.float32
     num_blocks = kv_blocks(model, config)
     arena = None
-    if not isinstance(param, DTensor):
+    if not isinstance(param, DTensor) and not torch.is_autocast_enabled(param.device.type):
         cfg = model.config
         per_layer = 2 * num_blocks * config.block_size * cfg.num_kv_heads * cfg.head_dim
         arena = torch.zeros(per_layer * len(model.blocks()), dtype=param.dtype, device=param.device)

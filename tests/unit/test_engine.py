@@ -163,6 +163,8 @@ def test_the_pool_is_zeroed_when_the_engine_is_built(tmp_path):
     assert kv.carved == kv.arena.numel()
     own = kv.layer(cfg.num_layers, like)[0]  # more layers than the model said: memory of its own
     assert own.untyped_storage().data_ptr() != storage and not own.any()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # an RL rollout's: the stream's dtype is not known yet
+        assert paged_pool(model, EngineConfig(block_size=4, num_blocks=10)).arena is None
 
 
 def test_blocks_come_in_runs_reserved_softly():
