@@ -50,7 +50,8 @@ std::vector<at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && cos.stride(3) == 1 && sin.strides() == cos.strides());
   const int64_t B = q.size(0), S = q.size(2), D = q.size(3), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && k.size(0) == B && k.size(2) == S && k.size(3) == D);
-  TORCH_CHECK(cos.size(2) == S && cos.size(3) == D && (cos.size(0) == B || cos.size(0) == 1));
+  TORCH_CHECK(cos.size(1) == 1 && cos.size(2) == S && cos.size(3) == D);
+  TORCH_CHECK(cos.size(0) == B || cos.size(0) == 1);
   const int64_t cb = cos.size(0) == 1 ? 0 : cos.stride(0), cs = cos.stride(2);
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardforge.infer.fused_ops import fuse_elementwise
+from shardforge.infer.fused_ops import FROM_CLASS, fuse_elementwise
 from shardforge.models.common.protocol import FusedProjections
 
 Undo = tuple[nn.Module, str, Any]  # (module, attribute, what it held before)
@@ -127,5 +127,13 @@ def packed_while(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for parent, name, before in reversed(undo):
+        restore(undo)
+
+
+def restore(undo: list[Undo]) -> None:
+    """Set back what `inference_layout` (or `pack_linears`) changed, in reverse order."""
+    for parent, name, before in reversed(undo):
+        if before is FROM_CLASS:
+            delattr(parent, name)
+        else:
             setattr(parent, name, before)
