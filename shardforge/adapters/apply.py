@@ -54,26 +54,23 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     targets = LINEAR_TARGETS if every else tuple(section.targets)
     if not generic and model.config.num_experts:
         targets = _without_mlp_names(targets, every, model.config.family)
+    linears = [  # the blocks' linears LoRA can wrap
+        (name, module)
+        for name, module in model.named_modules()
+        if model.canonical_name(name).startswith("layers.") and adaptable(module)
+    ]
     wrapped = []
-    for name, module in list(model.named_modules()):
+    for name, module in linears:
         parent_name, _, leaf = name.rpartition(".")
-        in_block = model.canonical_name(name).startswith("layers.")
         # `all` on the generic backend: every linear of the blocks (PEFT's all-linear; e.g. Phi-3's qkv_proj)
-        chosen = leaf in targets or (every and generic)
-        if not in_block or not chosen or not adaptable(module):
+        if leaf not in targets and not (every and generic):
             continue
         lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)
         lora.reset_adapter(name, seed)
         setattr(model.get_submodule(parent_name), leaf, lora)
         wrapped.append(name)
     if not wrapped:
-        held = sorted(
-            {
-                name.rpartition(".")[2]
-                for name, module in model.named_modules()
-                if model.canonical_name(name).startswith("layers.") and adaptable(module)
-            }
-        )
+        held = sorted({name.rpartition(".")[2] for name, _ in linears})
         asked = "all" if every else ", ".join(targets)
         raise ConfigError(
             f"method.lora.targets ({asked}) match no linear of the {model.config.family} layers this process "

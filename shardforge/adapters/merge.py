@@ -10,15 +10,15 @@ from torch import nn
 
 from shardforge.adapters.apply import add_lora
 from shardforge.adapters.lora import LoRALinear
-from shardforge.adapters.peft_format import load_adapter, read_adapter
+from shardforge.adapters.peft_format import adapted_leaves, load_adapter, read_adapter
 from shardforge.config.schema import LINEAR_TARGETS, LoraSection
 
 
 def merge_adapter(model: nn.Module, folder: Path) -> None:
     """The PEFT adapter in `folder` applied to `model` and merged into its weights, in place."""
     config, tensors = read_adapter(folder, model.config.family)
-    # the adapted modules' names from its tensors (target_modules may be a regex of full names)
-    targets: list[str] | str = sorted({key.rpartition(".")[0].rpartition(".")[2] for key in tensors})
+    # the adapted modules' names from its tensors (another tool's target_modules may be a regex)
+    targets: list[str] | str = adapted_leaves(tensors)
     if not model.native_names and not set(targets) <= set(LINEAR_TARGETS):
         # the generic backend's `all` (every linear of the blocks, e.g. Falcon's query_key_value): what its
         # runs write; load_adapter names any of them the adapter lacks

@@ -9,6 +9,7 @@ task_type CAUSAL_LM, r, lora_alpha, target_modules, use_dora, use_rslora and the
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,12 @@ def _split(key: str) -> tuple[str, str]:
     """`layers.0.attn.q_proj.lora_A` -> (`layers.0.attn.q_proj`, `lora_A`)."""
     module, _, name = key.rpartition(".")
     return module, name
+
+
+def adapted_leaves(keys: Iterable[str]) -> list[str]:
+    """The short names of the modules adapter tensors (our names) belong to: `layers.0.attn.q_proj.lora_A`
+    -> `q_proj` (PEFT's target_modules)."""
+    return sorted({_split(key)[0].rpartition(".")[2] for key in keys})
 
 
 def peft_key(family: str, key: str) -> str:
@@ -62,7 +69,7 @@ def save_adapter(
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {peft_key(family, k): v.detach().float().contiguous().cpu() for k, v in adapters.items()}
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
-    targets = sorted({_split(k)[0].rpartition(".")[2] for k in adapters})
+    targets = adapted_leaves(adapters)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -46,7 +46,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 std::vector<at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                              const at::Tensor& sin) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && cos.dim() == 4 && sin.sizes() == cos.sizes());
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat);
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && cos.stride(3) == 1 && sin.strides() == cos.strides());
   const int64_t B = q.size(0), S = q.size(2), D = q.size(3), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && k.size(0) == B && k.size(2) == S && k.size(3) == D);
@@ -83,7 +84,8 @@ std::vector<at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at:
 
 // silu(gate) * up = gate / (1 + exp(-gate)) * up; gate and up of one shape (views of one gate_up output).
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat);
+  TORCH_CHECK(gate.sizes() == up.sizes());
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat);
   const int64_t I = gate.size(-1);
   const at::Tensor g = gate.reshape({-1, I}), u = up.reshape({-1, I});  // views of a gate_up split
   TORCH_CHECK(g.stride(1) == 1 && u.stride(1) == 1);
