@@ -105,7 +105,8 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
       for (; i + 16 <= I; i += 16) {  // the compiler leaves fast_exp's loop scalar: 16 lanes by hand
         const __m512 x = _mm512_loadu_ps(gr + i);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(ur + i)));
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(ur + i)));
       }
 #endif
       for (; i < I; ++i) o[i] = gr[i] / (1.f + fast_exp(-gr[i])) * ur[i];
