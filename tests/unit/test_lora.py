@@ -26,13 +26,15 @@ SHAPES = {
     "llama": dict(num_attention_heads=6, num_key_value_heads=3, head_dim=8),
     "qwen2": dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),  # q/k/v biases
     "qwen3": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),  # q/k norms
+    "mistral": dict(num_attention_heads=6, num_key_value_heads=2, sliding_window=8),
+    "mixtral": dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     # mixtures of experts with a dense layer (and Qwen2-MoE's shared expert): `all` is the attention there
     "qwen3_moe": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0]),
     "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
 }  # fmt: skip
-WRAPPED = {"qwen3_moe": 2 * 4, "qwen2_moe": 2 * 4}  # per family, if not 2 layers x 7 linears
+WRAPPED = {"qwen3_moe": 8, "qwen2_moe": 8, "mixtral": 8}  # 2 layers x 4 (attention); others 2 x 7
 VARIANTS = {"lora": {}, "dora": {"dora": True}, "rslora": {"rslora": True, "alpha": 4.0}}
 
 
