@@ -15,6 +15,7 @@ or, for a server, on a thread of its own (`detokenize=False`: the engine hands o
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,9 +26,10 @@ from torch.distributed.tensor import DTensor
 from shardforge.errors import ShardforgeError
 from shardforge.infer.blocks import BlockManager
 from shardforge.infer.cpu_kernels import cpu_kernels
-from shardforge.infer.executor import Executor, LocalRunner, StepInput
+from shardforge.infer.executor import Executor, LocalRunner, ModelRunner, StepInput, attends_paged
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.paged import Chunk, PagedKV
+from shardforge.infer.recompute import RecomputeRunner
 from shardforge.infer.sampling import (
     GenerationDefaults,
     Sampler,
@@ -39,6 +41,8 @@ from shardforge.infer.sampling import (
 )
 from shardforge.infer.scheduler import Scheduler, Sequence
 from shardforge.models.common.protocol import CausalModel
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ShardforgeError):
@@ -127,9 +131,7 @@ class Engine:
         )
         num_blocks = kv_blocks(model, config)
         if executor is None:
-            runner = LocalRunner(model, paged_pool(model, config))
-            runner.check()
-            executor = Executor(runner)
+            executor = Executor(local_runner(model, config))
         self.executor = executor
         self.output = OutputProcessor(tokenizer)
         self.detokenize = True  # text inline after each step (a server's runner turns it off: its own thread)
@@ -369,3 +371,16 @@ def paged_pool(model: CausalModel, config: EngineConfig) -> PagedKV:
         per_layer = 2 * num_blocks * config.block_size * cfg.num_kv_heads * cfg.head_dim
         arena = torch.zeros(per_layer * len(model.blocks()), dtype=param.dtype, device=param.device)
     return PagedKV(num_blocks, config.block_size, cpu_kernels() if fast else None, arena)
+
+
+def local_runner(model: CausalModel, config: EngineConfig) -> ModelRunner:
+    """The model's forward on this rank: over a paged pool where every layer attends through it, else on the
+    recompute runner (right, slower), said once in the log."""
+    if attends_paged(model):
+        return LocalRunner(model, paged_pool(model, config))
+    log.warning(
+        "%s: its attention does not go through the engine's paged KV cache (transformers' code for this "
+        "family attends without it); the engine recomputes each sequence whole every step: right, slower",
+        model.config.family,
+    )
+    return RecomputeRunner(model, kv_blocks(model, config), config.block_size)

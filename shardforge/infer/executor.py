@@ -50,28 +50,30 @@ class LocalRunner:
         self.layers = len(model.blocks())
 
     def run(self, step: StepInput) -> torch.Tensor:
-        return self._forward(self.kv, step)
-
-    @torch.no_grad()
-    def check(self) -> None:
-        """One token through a scratch pool of one slot, before the engine takes requests: a family whose
-        layers do not all attend through the paged cache is refused here, by name."""
-        self._forward(PagedKV(1, 1), StepInput([0], [Chunk([0], 0, 1)], [0]))
-
-    def _forward(self, kv: PagedKV, step: StepInput) -> torch.Tensor:
-        paged = PagedStep(kv, step.chunks, self.device)
+        paged = PagedStep(self.kv, step.chunks, self.device)
         mask = sampled_positions(len(step.ids), step.last, self.device)
         ids = torch.tensor(step.ids, device=self.device)[None]
         logits = self.model(ids, paged.positions, output_mask=mask, cache=paged)
         if len(paged.attended) != self.layers:
             missing = self.layers - len(paged.attended)
             raise ModelError(
-                f"{self.model.config.family}: {missing} of its {self.layers} layers do not attend through "
-                "the inference engine's paged KV cache (transformers' code for this family does not call its "
-                "attention interface with the step's cache), so its tokens would be wrong: the engine "
-                "(generate, chat, serve, RL rollouts) does not serve it; training does"
+                f"{self.model.config.family}: {missing} of its {self.layers} layers did not attend through "
+                "the inference engine's paged KV cache in this step, so its tokens would be wrong (a family "
+                "that never does runs on the recompute runner: engine.py's local_runner)"
             )
         return whole_vocabulary(logits, self.model.config.vocab_size).float()
+
+
+@torch.no_grad()
+def attends_paged(model: CausalModel) -> bool:
+    """Whether every layer of `model` attends through the paged cache: one token through a scratch pool of
+    one slot, before the engine takes requests (engine.py serves a family that does not on the recompute
+    runner, infer/recompute.py)."""
+    device = next(model.parameters()).device
+    paged = PagedStep(PagedKV(1, 1), [Chunk([0], 0, 1)], device)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    model(ids, paged.positions, output_mask=sampled_positions(1, [0], device), cache=paged)
+    return len(paged.attended) == len(model.blocks())
 
 
 _STOP = None

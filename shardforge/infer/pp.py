@@ -17,10 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardforge.infer.engine import Completion, Engine, EngineConfig, paged_pool
+from shardforge.infer.engine import Completion, Engine, EngineConfig, local_runner, paged_pool
 from shardforge.infer.executor import (
     Executor,
-    LocalRunner,
     StepInput,
     sampled_positions,
     whole_vocabulary,
@@ -70,8 +69,8 @@ def generate_in_place(
 ) -> list[list[Completion]]:
     """Completions of `prompts` from a training engine's model as it is laid out, on every rank of its
     rollout group (the leader generates; the others run its steps)."""
-    kv = paged_pool(model, config)
-    runner = StageRunner(model, kv, engine) if engine.is_pipeline else LocalRunner(model, kv)
+    runner = StageRunner(model, paged_pool(model, config), engine) if engine.is_pipeline else None
+    runner = runner or local_runner(model, config)
     executor = Executor(runner, engine.rollout_group())
     if not executor.leads:
         executor.follow()

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardforge.config.schema import ParallelSection
-from shardforge.infer.engine import EngineConfig, paged_pool
-from shardforge.infer.executor import Executor, LocalRunner
+from shardforge.infer.engine import EngineConfig, local_runner
+from shardforge.infer.executor import Executor
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -28,5 +28,4 @@ def shard_for_inference(model: nn.Module, tp: int) -> None:
 
 def tp_executor(model: nn.Module, config: EngineConfig) -> Executor:
     """The sharded model's forward on every rank of the job, led by rank 0."""
-    kv = paged_pool(model, config)
-    return Executor(LocalRunner(model, kv), dist.group.WORLD)
+    return Executor(local_runner(model, config), dist.group.WORLD)

@@ -18,6 +18,9 @@ from shardforge.config import load_config
 from shardforge.config.schema import LoraSection
 from shardforge.errors import ConfigError, ModelError
 from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.executor import LocalRunner, StepInput
+from shardforge.infer.paged import Chunk, PagedKV
+from shardforge.infer.recompute import RecomputeRunner
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models.build import check_model_source
 from shardforge.models.generic.model import HFCausalLM
@@ -200,13 +203,33 @@ def test_lora_on_the_generic_backend_loads_in_peft(tmp_path, model_type, per_lay
 
 
 @pytest.mark.parametrize("model_type", ["falcon", "stablelm"])
-def test_a_family_whose_attention_bypasses_the_paged_cache_is_refused_by_the_engine(tmp_path, model_type):
+def test_a_family_whose_attention_bypasses_the_paged_cache_decodes_on_the_recompute_runner(
+    tmp_path, model_type
+):
     """Falcon's attention does not call transformers' attention interface, StableLM's layers do not pass the
     step's cache on to it: the engine attended over each step's tokens alone and gave wrong tokens with no
-    error. Now it is refused when the engine is built, and a step that bypasses the cache is an error."""
-    model = load_model(hf_folder(tmp_path, model_type))
-    with pytest.raises(ModelError, match=rf"hf:{model_type}: 2 of its 2 layers do not attend through the"):
-        Engine(model, config=EngineConfig(block_size=4, num_blocks=16))
+    error. Now the engine finds it out when it is built and recomputes each sequence whole: greedy tokens
+    equal transformers' generate, with prefill chunks, prompts of different lengths and n = 2 completions
+    sharing their prompt's blocks (copy-on-write of the last one); a step that bypasses the paged cache on
+    the paged runner is an error, never wrong tokens."""
+    folder = hf_folder(tmp_path, model_type)
+    model = load_model(folder)
+    engine = Engine(model, config=EngineConfig(block_size=4, num_blocks=64, max_step_tokens=16))
+    assert isinstance(engine.executor.runner, RecomputeRunner)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompts = [
+        torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 9)
+    ]
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2))
+    for prompt, done in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None
+            )
+        assert [c.tokens for c in done] == [out[0, len(prompt) :].tolist()] * 2
+    paged = LocalRunner(model, PagedKV(16, 4))
+    with pytest.raises(ModelError, match=rf"hf:{model_type}: 2 of its 2 layers did not attend through the"):
+        paged.run(StepInput([5, 6], [Chunk([0], 0, 2)], [1]))
 
 
 def test_lora_targets_that_match_no_linear_are_refused_with_the_layers_linears(tmp_path):
