@@ -13,6 +13,7 @@ from pathlib import Path
 from torch import nn
 
 from shardforge.adapters.lora import LoRALinear
+from shardforge.adapters.peft_names import reread_by_peft
 from shardforge.config.schema import LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
 from shardforge.errors import ConfigError
 from shardforge.models.common.protocol import CausalModel
@@ -52,8 +53,9 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     generic = not model.native_names  # the generic backend: transformers' module names
     every = section.targets == "all"
     targets = LINEAR_TARGETS if every else tuple(section.targets)
-    if not generic and model.config.num_experts:
-        targets = _without_mlp_names(targets, every, model.config.family)
+    reread = reread_by_peft(model.config.family.removeprefix("hf:"))
+    if reread:
+        targets = _without_reread(targets, every, model.config.family, reread)
     linears = [  # the blocks' linears LoRA can wrap
         (name, module)
         for name, module in model.named_modules()
@@ -63,7 +65,7 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     for name, module in linears:
         parent_name, _, leaf = name.rpartition(".")
         # `all` on the generic backend: every linear of the blocks (PEFT's all-linear; e.g. Phi-3's qkv_proj)
-        if leaf not in targets and not (every and generic):
+        if leaf not in targets and not (every and generic and leaf not in reread):
             continue
         lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)
         lora.reset_adapter(name, seed)
@@ -79,23 +81,17 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     return wrapped
 
 
-MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
-
-
-def _without_mlp_names(targets: tuple[str, ...], every: bool, family: str) -> tuple[str, ...]:
-    """On a mixture of experts, peft (0.21, with transformers 5) reads gate_proj, up_proj and down_proj in an
-    adapter's target_modules as the fused experts of the sparse layers, whatever layer or module they name:
-    an adapter on the dense layers' or the shared expert's projections would not load as trained (it adds
-    fresh expert adapters and drops these). So `all` adapts the attention projections there, and naming the
-    MLP's is refused."""
-    named = [t for t in targets if t in MLP_NAMES]
+def _without_reread(targets: tuple[str, ...], every: bool, family: str, reread: tuple[str, ...]) -> tuple[str, ...]:
+    """On the mixtures of experts peft reads some linear names of as the fused experts (peft_names.py),
+    `all` adapts the other linears (attention's), and naming those is refused."""
+    named = [t for t in targets if t in reread]
     if named and not every:
         raise ConfigError(
             f"method.lora.targets: {', '.join(named)} on a mixture of experts ({family}): peft reads these "
-            "names as the fused experts, so the adapter would not load in peft as trained; adapt q_proj, "
-            "k_proj, v_proj, o_proj (what targets: all adapts on this family)"
+            "names as the fused experts (or the router) of every sparse layer, so the adapter would not load "
+            "in peft as trained; adapt the attention's linears (what targets: all adapts on this family)"
         )
-    return tuple(t for t in targets if t not in MLP_NAMES)
+    return tuple(t for t in targets if t not in reread)
 
 
 def adaptable(module: nn.Module) -> bool:

@@ -34,7 +34,8 @@ SHAPES = {
     "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
 }  # fmt: skip
-WRAPPED = {"qwen3_moe": 8, "qwen2_moe": 8, "mixtral": 8}  # 2 layers x 4 (attention); others 2 x 7
+WRAPPED = {"qwen3_moe": 8, "mixtral": 8}  # 2 layers x 4 (attention: peft_names.py); others 2 x 7 (Qwen2-MoE: its
+# shared expert and the dense layer's MLP)
 VARIANTS = {"lora": {}, "dora": {"dora": True}, "rslora": {"rslora": True, "alpha": 4.0}}
 
 
@@ -261,10 +262,27 @@ def test_the_linear_subclasses_lora_wraps_compute_a_plain_linear_map():
 
 
 def test_the_mlp_of_a_mixture_of_experts_is_refused_by_name():
-    """peft reads gate_proj, up_proj and down_proj as a MoE's fused experts: naming them is refused (their
-    adapters on dense layers or a shared expert would not load in peft as trained)."""
+    """peft reads gate_proj, up_proj and down_proj as Qwen3-MoE's fused experts: naming them is refused
+    (their adapters on dense layers would not load in peft as trained). Qwen2-MoE's peft leaves alone."""
     from shardforge.models import build_preset
 
-    model = build_preset("tiny-qwen2-moe", vocab_size=50)
-    with pytest.raises(ConfigError, match=r"gate_proj, up_proj on a mixture of experts \(qwen2_moe\): peft"):
+    model = build_preset("tiny-qwen3-moe", vocab_size=50)
+    with pytest.raises(ConfigError, match=r"gate_proj, up_proj on a mixture of experts \(qwen3_moe\): peft"):
         add_lora(model, LoraSection(targets=["q_proj", "gate_proj", "up_proj"]), seed=0)
+
+
+def test_the_names_peft_rereads_are_peft_s_own():
+    """adapters/peft_names.py copies peft's tables of the MoE families whose linear names it reads as fused
+    experts: the copy equals the installed peft's, over every causal-LM model_type transformers registers."""
+    from peft.utils.transformers_weight_conversion import (
+        _MODEL_TO_CONVERSION_PATTERN,
+        _MOE_TARGET_MODULE_MAPPING,
+    )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from shardforge.adapters.peft_names import REREAD, reread_by_peft
+
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        mapping = _MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type, ""), {})  # peft's lookup
+        assert set(reread_by_peft(model_type)) == set(mapping), model_type
+    assert set(REREAD) <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -1,0 +1,426 @@
+"""Every causal-LM model_type transformers registers, tiny and random, through each path shardforge offers:
+which family works for what, which is refused by name, and none gives wrong numbers.
+
+    python benchmarks/family_sweep.py                    # all of them; writes docs/families.md
+    python benchmarks/family_sweep.py --only gpt2 falcon # some (the table is not written)
+
+For each `model_type` in transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES a tiny config is made from the
+family's own defaults (`tiny_config`: the sizes shrunk by their names; the few families that need more say
+so in TINY), built random by transformers and saved as an HF folder. Then, each against transformers (or
+peft) on the same folder:
+
+- load: `shardforge.load_model` (the backend `auto` picks) gives transformers' logits (fp32, 1e-4).
+- packed: two documents in one row give the logits each gets alone (or packing is refused by name).
+- train: two SFT steps through the one trainer on the bundled data and tokenizer; `final/` reloaded by
+  transformers gives the trained model's logits (1e-4).
+- lora: LoRA over `targets: all`, adapters moved off zero, saved as a PEFT folder; peft's base + adapter
+  gives our logits (1e-4).
+- generate: the inference engine's greedy tokens (3 prompts, continuous batching, prefill chunks) equal
+  transformers' `generate`.
+
+Each path is "works", "refused: <shardforge's message>", "WRONG: <difference>" or "error: <exception>" (a
+defect: a traceback a user would see). Families run in worker processes (a crash or a hang costs one
+family, not the sweep), results append to a JSON-lines file so that a rerun continues."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 1024  # the bundled tokenizer's
+PATHS = ("load", "packed", "train", "lora", "generate")
+TOL = 1e-4
+
+# Sizes by the names families give them (the first name the config's __init__ takes is set)
+SIZES: list[tuple[tuple[str, ...], Any]] = [
+    (("vocab_size",), VOCAB),
+    (("hidden_size", "d_model", "n_embd", "n_embed", "dim"), 64),
+    (("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "decoder_ffn_dim"), 128),
+    (("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), 2),
+    (("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads"), 4),
+    (("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 2),
+    (("head_dim", "kv_channels"), 16),
+    (("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_seq_len"), 256),
+    (("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"), 4),
+    (("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token"), 2),
+    (("moe_intermediate_size", "expert_intermediate_size"), 32),
+    (("shared_expert_intermediate_size",), 32),
+    (("kv_lora_rank",), 16),
+    (("qk_rope_head_dim",), 8),
+    (("qk_nope_head_dim",), 8),
+    (("v_head_dim",), 16),
+    (("rotary_dim",), 8),
+    (("sliding_window",), 16),
+]
+# What some families need beyond the shrunk sizes (their configs validate combinations)
+TINY: dict[str, dict[str, Any]] = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
+    "reformer": {"is_decoder": True, "axial_pos_shape": [16, 16], "axial_pos_embds_dim": [32, 32]},
+    "zaya": {"num_experts_per_tok": 1},
+}
+TOKENS_AT = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
+
+
+def tiny_config(model_type: str) -> Any:
+    """The family's default config with its sizes shrunk (SIZES, TINY), sub-configs too."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    kwargs = {**_shrunk(default), **TINY.get(model_type, {})}
+    cfg = AutoConfig.for_model(model_type, **kwargs)
+    for name in getattr(cfg, "sub_configs", None) or {}:
+        sub = getattr(cfg, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            for key, value in _shrunk(sub).items():
+                try:
+                    setattr(sub, key, value)
+                except (AttributeError, TypeError, ValueError):
+                    pass
+    return cfg
+
+
+def _shrunk(default: Any) -> dict[str, Any]:
+    cls = type(default)
+    params = inspect.signature(cls.__init__).parameters
+    fields = getattr(default, "__dict__", {})
+    out: dict[str, Any] = {}
+    for names, value in SIZES:
+        for name in names:
+            if name in params or name in fields:
+                if name in ("num_key_value_heads", "sliding_window") and getattr(default, name, None) is None:
+                    break  # absent on purpose (multi-head attention, no window)
+                out[name] = value
+                break
+    if "qk_rope_head_dim" in out and "head_dim" in out:
+        out["head_dim"] = out["qk_rope_head_dim"]  # MLA: the rotary part is the "head_dim"
+    types = getattr(default, "layer_types", None)
+    if isinstance(types, (list, tuple)) and types and not isinstance(getattr(cls, "layer_types", None), property):
+        distinct = list(dict.fromkeys(types))
+        out["layer_types"] = (distinct + list(types))[:2]
+    for name in TOKENS_AT:
+        v = getattr(default, name, None)
+        if isinstance(v, int) and v >= VOCAB:
+            out[name] = {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
+        elif isinstance(v, list) and any(isinstance(x, int) and x >= VOCAB for x in v):
+            out[name] = [2]
+    return out
+
+
+def build_folder(model_type: str, root: Path) -> Path:
+    """The tiny random model saved by transformers (weights perturbed so that a missed bias shows)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_(torch.randn_like(p) * 0.02)
+    folder = root / "model"
+    model.save_pretrained(folder)
+    return folder
+
+
+# ---- the paths ---------------------------------------------------------------------------------------------
+def _ids() -> Any:
+    import torch
+
+    return torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def _reference(folder: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def _compare(got: Any, want: Any) -> str:
+    import torch
+
+    if got.shape != want.shape:
+        return f"WRONG: shape {tuple(got.shape)} vs transformers' {tuple(want.shape)}"
+    diff = (got.float() - want.float()).abs().max().item()
+    scale = max(1.0, want.float().abs().max().item())
+    ok = torch.isfinite(got).all().item() and diff <= TOL * scale
+    return "works" if ok else f"WRONG: max |diff| {diff:.2e} (logits up to {scale:.1f})"
+
+
+def path_load(folder: Path, work: Path) -> str:
+    import torch
+
+    from shardforge import load_model
+
+    ours = load_model(folder).eval()
+    with torch.no_grad():
+        return _compare(ours(_ids()), _reference(folder)(input_ids=_ids()).logits)
+
+
+def path_packed(folder: Path, work: Path) -> str:
+    import torch
+
+    from shardforge import load_model
+
+    ours = load_model(folder).eval()
+    first, second = torch.arange(3, 8), torch.arange(20, 31)
+    row = torch.cat([first, second])[None]
+    positions = torch.cat([torch.arange(5), torch.arange(11)])[None]
+    doc_ids = torch.cat([torch.zeros(5), torch.ones(11)]).long()[None]
+    reference = _reference(folder)
+    with torch.no_grad():
+        packed = ours(row, position_ids=positions, doc_ids=doc_ids)  # refused by name where it cannot
+        alone = torch.cat([reference(input_ids=d[None]).logits for d in (first, second)], dim=1)
+    return _compare(packed, alone)
+
+
+def _train(folder: Path, work: Path, finetuning: str) -> Any:
+    from shardforge import load_model
+    from shardforge.config import load_config
+    from shardforge.train.trainer import Trainer
+
+    packs = load_model(folder).packs
+    data = REPO / "examples" / "data" / "demo_alpaca.jsonl"
+    config = {
+        "output_dir": str(work / f"run-{finetuning}"),
+        "model": {"path": str(folder), "tokenizer": str(REPO / "examples" / "data" / "tokenizer")},
+        "data": {"train": [{"path": str(data), "format": "alpaca"}], "max_length": 64, "packing": packs,
+                 "cache_dir": str(work / "cache")},
+        "method": {"stage": "sft", "finetuning": finetuning},
+        "train": {"steps": 2, "micro_batch": 2, "lr": 1e-3, "warmup": 0, "log_every": 1, "seed": 0},
+        "log": {"tensorboard": False, "plot": False, "progress": False},
+    }  # fmt: skip
+    trainer = Trainer(load_config(None, base=config))
+    return trainer, trainer.train()
+
+
+def path_train(folder: Path, work: Path) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    trainer, result = _train(folder, work, "full")
+    with torch.no_grad():
+        live = trainer.model.eval()(_ids())
+        exported = AutoModelForCausalLM.from_pretrained(result.final_model).eval()(input_ids=_ids()).logits
+    return _compare(exported, live)
+
+
+def path_lora(folder: Path, work: Path) -> str:
+    import torch
+    from peft import PeftModel
+
+    from shardforge import load_model
+    from shardforge.adapters.apply import add_lora
+    from shardforge.adapters.peft_format import save_adapter
+    from shardforge.config.schema import LoraSection
+
+    ours = load_model(folder).eval()
+    section = LoraSection(rank=4)
+    add_lora(ours, section, seed=0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if ".lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    adapters = {k: v for k, v in ours.state_dict().items() if ".lora_" in k}
+    out = save_adapter(work / "adapter", ours.config.family, adapters, section, str(folder))
+    reference = PeftModel.from_pretrained(_reference(folder), out).eval()
+    with torch.no_grad():
+        return _compare(ours(_ids()), reference(input_ids=_ids()).logits)
+
+
+def path_generate(folder: Path, work: Path) -> str:
+    import torch
+
+    from shardforge import load_model
+    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.sampling import SamplingParams
+
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 9)]
+    engine = Engine(load_model(folder), config=EngineConfig(block_size=4, num_blocks=64, max_step_tokens=16))
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    reference = _reference(folder)
+    for prompt, done in zip(prompts, got, strict=True):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        want = out[0, len(prompt) :].tolist()
+        if done[0].tokens != want:
+            return f"WRONG: prompt of {len(prompt)}: {done[0].tokens} vs transformers' {want}"
+    return "works"
+
+
+RUNNERS = {"load": path_load, "packed": path_packed, "train": path_train, "lora": path_lora,
+           "generate": path_generate}  # fmt: skip
+
+
+def sweep_family(model_type: str, root: Path, paths: tuple[str, ...] = PATHS) -> dict[str, str]:
+    """Each path's outcome for one family (a fresh folder under `root`)."""
+    from shardforge.errors import ShardforgeError
+
+    work = root / model_type
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        folder = build_folder(model_type, work)
+    except Exception as e:  # transformers' own code: not a path of ours
+        return {"tiny": f"not built: {type(e).__name__}: {_short(e)}"}
+    outcome: dict[str, str] = {}
+    for path in paths:
+        try:
+            outcome[path] = RUNNERS[path](folder, work)
+        except ShardforgeError as e:
+            outcome[path] = f"refused: {_short(e)}"
+        except Exception as e:
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            outcome[path] = f"error: {type(e).__name__}: {_short(e)} ({Path(where.filename).name}:{where.lineno})"
+    return outcome
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+# ---- the driver --------------------------------------------------------------------------------------------
+def worker(families: list[str], out: Path, root: Path) -> None:
+    """Run families in this process, one JSON line each (after `started` lines, so a crash is attributed)."""
+    import logging
+    import warnings
+
+    import torch
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    limit = int(os.environ.get("SWEEP_TIMEOUT", "600"))
+
+    def hung(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"no result within {limit} s")
+
+    signal.signal(signal.SIGALRM, hung)
+    for model_type in families:
+        with out.open("a") as f:
+            f.write(json.dumps({"model_type": model_type, "started": True}) + "\n")
+        began = time.perf_counter()
+        signal.alarm(limit)
+        outcome = sweep_family(model_type, root)
+        signal.alarm(0)
+        row = {"model_type": model_type, "seconds": round(time.perf_counter() - began, 1), **outcome}
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{model_type:28s} {row['seconds']:6.1f}s  " + "  ".join(
+            f"{k}={v.split(':')[0]}" for k, v in outcome.items()), flush=True)  # fmt: skip
+
+
+def read_results(out: Path) -> dict[str, dict]:
+    """Finished rows by model_type; a family started and never finished crashed its worker."""
+    rows: dict[str, dict] = {}
+    if out.exists():
+        for line in out.read_text().splitlines():
+            row = json.loads(line)
+            if row.pop("started", False):
+                rows.setdefault(row["model_type"], {"model_type": row["model_type"], "tiny": "crashed the process"})
+            else:
+                rows[row["model_type"]] = row
+    return rows
+
+
+def all_families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def write_table(rows: dict[str, dict], doc: Path) -> None:
+    import transformers
+
+    counts = {p: sum(1 for r in rows.values() if r.get(p) == "works") for p in PATHS}
+    lines = [
+        "# Model families: what works on each path",
+        "",
+        f"Written by `python benchmarks/family_sweep.py` ({time.strftime('%Y-%m-%d')}, transformers "
+        f"{transformers.__version__}): every causal-LM model_type transformers registers ({len(rows)}), built "
+        "tiny and random from its own config, through each path, each checked against transformers (peft for "
+        "LoRA) on the same folder. See the script's docstring for what each column checks. `works`: equal "
+        "(fp32, 1e-4; generation token for token); `refused`: shardforge says why, by name; `WRONG` or "
+        "`error`: a defect. The CI runs a representative subset (tests/unit/test_family_sweep.py).",
+        "",
+        "Works: " + ", ".join(f"{p} {counts[p]}" for p in PATHS) + f" of {len(rows)}.",
+        "",
+        "| model_type | " + " | ".join(PATHS) + " |",
+        "|---|" + "---|" * len(PATHS),
+    ]
+    notes: list[str] = []
+    for model_type in sorted(rows):
+        row = rows[model_type]
+        if "tiny" in row:
+            lines.append(f"| {model_type} | " + " | ".join(["n/a"] * len(PATHS)) + " |")
+            notes.append(f"- {model_type}: the tiny model was {row['tiny']}")
+            continue
+        cells = []
+        for p in PATHS:
+            value = row.get(p, "not run")
+            kind = value.split(":")[0]
+            cells.append(kind)
+            if kind != "works":
+                notes.append(f"- {model_type}, {p}: {value}")
+        lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
+    lines += ["", "## Why, where not `works`", "", *notes, ""]
+    doc.write_text("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="these model_types (default: all)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=600, help="seconds per family")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results_family_sweep.jsonl")
+    parser.add_argument("--doc", type=Path, default=REPO / "docs" / "families.md")
+    parser.add_argument("--worker", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--fresh", action="store_true", help="forget earlier results")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="family-sweep-"))
+    if args.worker is not None:
+        worker(args.worker, args.out, root)
+        return
+    if args.fresh and args.out.exists():
+        args.out.unlink()
+    families = args.only or all_families()
+    while True:
+        todo = [f for f in families if f not in read_results(args.out)]
+        if not todo:
+            break
+        chunks = [todo[i :: args.workers] for i in range(args.workers)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SWEEP_TIMEOUT": str(args.timeout)}
+        procs = [
+            subprocess.Popen([sys.executable, __file__, "--out", str(args.out), "--worker", *chunk], env=env)
+            for chunk in chunks
+            if chunk
+        ]
+        for proc in procs:
+            try:
+                proc.wait(timeout=2 * args.timeout * len(todo))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    rows = {k: v for k, v in read_results(args.out).items() if k in families}
+    if args.only is None:
+        write_table(rows, args.doc)
+        print(f"wrote {args.doc}")
+
+
+if __name__ == "__main__":
+    main()
