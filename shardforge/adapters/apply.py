@@ -17,6 +17,7 @@ from shardforge.adapters.peft_names import reread_by_peft
 from shardforge.config.schema import LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
 from shardforge.errors import ConfigError
 from shardforge.models.common.protocol import CausalModel
+from shardforge.models.generic.verified import refuse_measured
 
 # transformers' nn.Linear subclasses whose forward is nn.Linear's map, x W^T + b, written out (peft wraps any
 # nn.Linear; a subclass that returns something else, as the routers of Llama 4 and PhiMoE do, is left alone).
@@ -53,7 +54,9 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     generic = not model.native_names  # the generic backend: transformers' module names
     every = section.targets == "all"
     targets = LINEAR_TARGETS if every else tuple(section.targets)
-    reread = reread_by_peft(model.config.family.removeprefix("hf:"))
+    model_type = model.config.family.removeprefix("hf:")
+    refuse_measured(model_type, "lora")
+    reread = reread_by_peft(model_type)
     if reread:
         targets = _without_reread(targets, every, model.config.family, reread)
     linears = [  # the blocks' linears LoRA can wrap
@@ -81,7 +84,9 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     return wrapped
 
 
-def _without_reread(targets: tuple[str, ...], every: bool, family: str, reread: tuple[str, ...]) -> tuple[str, ...]:
+def _without_reread(
+    targets: tuple[str, ...], every: bool, family: str, reread: tuple[str, ...]
+) -> tuple[str, ...]:
     """On the mixtures of experts peft reads some linear names of as the fused experts (peft_names.py),
     `all` adapts the other linears (attention's), and naming those is refused."""
     named = [t for t in targets if t in reread]

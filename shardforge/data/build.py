@@ -25,7 +25,7 @@ from shardforge.data.stream import StreamSource, stream_shards
 from shardforge.errors import ConfigError
 from shardforge.log import get_logger
 from shardforge.models.build import model_source
-from shardforge.models.generic.model import packs_by_position
+from shardforge.models.generic.model import packs_per_document
 
 log = get_logger(__name__)
 
@@ -61,12 +61,12 @@ class Collation:
 
 def packing_for(cfg: Config, shape: Any) -> Config:
     """The config with packing off where the model cannot keep packed documents apart (a generic-backend
-    family without per-document attention), said once."""
-    if not (str(shape.family).startswith("hf:") and cfg.data.packing and not packs_by_position(shape.hf)):
+    family not verified to attend per document), said once."""
+    if not (str(shape.family).startswith("hf:") and cfg.data.packing and not packs_per_document(shape.hf)):
         return cfg
     log.info(
-        f"data.packing is off: the generic backend has no per-document attention for {shape.model_type}, "
-        f"so rows are padded (one example each)"
+        f"data.packing is off: the generic backend's per-document attention is not verified for "
+        f"{shape.model_type} (docs/families.md), so rows are padded (one example each)"
     )
     return cfg.model_copy(update={"data": cfg.data.model_copy(update={"packing": False})})
 

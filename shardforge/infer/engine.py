@@ -41,6 +41,7 @@ from shardforge.infer.sampling import (
 )
 from shardforge.infer.scheduler import Scheduler, Sequence
 from shardforge.models.common.protocol import CausalModel
+from shardforge.models.generic.verified import refuse_measured
 
 log = logging.getLogger(__name__)
 
@@ -374,13 +375,15 @@ def paged_pool(model: CausalModel, config: EngineConfig) -> PagedKV:
 
 
 def local_runner(model: CausalModel, config: EngineConfig) -> ModelRunner:
-    """The model's forward on this rank: over a paged pool where every layer attends through it, else on the
-    recompute runner (right, slower), said once in the log."""
-    if attends_paged(model):
+    """The model's forward on this rank: over a paged pool where every layer attends through it and the
+    family is known to decode right that way (`pages`: every native family; the generic backend's measured
+    ones), else on the recompute runner (right, slower), said once in the log."""
+    refuse_measured(model.config.family.removeprefix("hf:"), "generate")
+    if model.pages and attends_paged(model):
         return LocalRunner(model, paged_pool(model, config))
     log.warning(
-        "%s: its attention does not go through the engine's paged KV cache (transformers' code for this "
-        "family attends without it); the engine recomputes each sequence whole every step: right, slower",
+        "%s: its attention does not go through the engine's paged KV cache (or is not verified to decode "
+        "right over it: docs/families.md); the engine recomputes each sequence whole per step: right, slower",
         model.config.family,
     )
     return RecomputeRunner(model, kv_blocks(model, config), config.block_size)

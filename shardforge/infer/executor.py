@@ -54,12 +54,12 @@ class LocalRunner:
         mask = sampled_positions(len(step.ids), step.last, self.device)
         ids = torch.tensor(step.ids, device=self.device)[None]
         logits = self.model(ids, paged.positions, output_mask=mask, cache=paged)
-        if len(paged.attended) != self.layers:
-            missing = self.layers - len(paged.attended)
+        if not paged.through_every_layer(self.layers):
             raise ModelError(
-                f"{self.model.config.family}: {missing} of its {self.layers} layers did not attend through "
-                "the inference engine's paged KV cache in this step, so its tokens would be wrong (a family "
-                "that never does runs on the recompute runner: engine.py's local_runner)"
+                f"{self.model.config.family}: {len(paged.attended)} attention calls through the inference "
+                f"engine's paged KV cache in a step of its {self.layers} layers (one each is right), so its "
+                "tokens would be wrong (a family that does not attend through it runs on the recompute "
+                "runner: engine.py's local_runner)"
             )
         return whole_vocabulary(logits, self.model.config.vocab_size).float()
 
@@ -73,7 +73,7 @@ def attends_paged(model: CausalModel) -> bool:
     paged = PagedStep(PagedKV(1, 1), [Chunk([0], 0, 1)], device)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     model(ids, paged.positions, output_mask=sampled_positions(1, [0], device), cache=paged)
-    return len(paged.attended) == len(model.blocks())
+    return paged.through_every_layer(len(model.blocks()))
 
 
 _STOP = None

@@ -193,7 +193,7 @@ class PagedStep:
 
     def __init__(self, kv: PagedKV, chunks: list[Chunk], device: torch.device) -> None:
         self.kv, self.device = kv, device
-        self.attended: set[int] = set()  # the layers that attended through this step (executor.py checks)
+        self.attended: list[int] = []  # each layer's call through this step, in order (executor.py checks)
         bs = kv.block_size
         copies = [pair for c in chunks for pair in zip(c.copy_from, c.blocks, strict=False)]
         if copies:
@@ -265,6 +265,11 @@ class PagedStep:
                 s.sliding = s.full
         return AttentionContext(cache=self)
 
+    def through_every_layer(self, layers: int) -> bool:
+        """Whether each of the model's `layers` attended through this step exactly once (a family that
+        attends twice in a layer, as DiffLlama does, would overwrite its own keys in the pool)."""
+        return len(self.attended) == len(set(self.attended)) == layers
+
     def attend(
         self,
         layer: int,
@@ -276,7 +281,7 @@ class PagedStep:
     ) -> torch.Tensor:
         """q [1, heads, T, d], k and v [1, kv_heads, T, d] for the step's tokens -> the attention output
         [1, heads, T, d]; `softcap`: the family soft-caps its scores (the generic backend's Gemma 2)."""
-        self.attended.add(layer)
+        self.attended.append(layer)
         keys, values = self.kv.layer(layer, k)
         keys[0, :, self.slots] = k[0]
         values[0, :, self.slots] = v[0]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from shardforge.infer.engine import Completion, Engine, EngineConfig, local_runner, paged_pool
 from shardforge.infer.executor import (
     Executor,
+    ModelRunner,
     StepInput,
     sampled_positions,
     whole_vocabulary,
@@ -69,8 +70,11 @@ def generate_in_place(
 ) -> list[list[Completion]]:
     """Completions of `prompts` from a training engine's model as it is laid out, on every rank of its
     rollout group (the leader generates; the others run its steps)."""
-    runner = StageRunner(model, paged_pool(model, config), engine) if engine.is_pipeline else None
-    runner = runner or local_runner(model, config)
+    runner: ModelRunner = (
+        StageRunner(model, paged_pool(model, config), engine)
+        if engine.is_pipeline
+        else local_runner(model, config)
+    )
     executor = Executor(runner, engine.rollout_group())
     if not executor.leads:
         executor.follow()

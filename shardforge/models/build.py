@@ -8,13 +8,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
 from shardforge.config.schema import ModelSection
 from shardforge.dtypes import TORCH_DTYPES
 from shardforge.errors import ModelError
 from shardforge.models import build_preset, load_model
-from shardforge.models.io import Prune, read_config_json, weight_files
+from shardforge.models.io import Prune, hf_config, read_config_json, weight_files
 from shardforge.models.presets import preset_config
 from shardforge.models.quantize import quantize_model
 from shardforge.models.spec import spec_for
@@ -41,7 +40,7 @@ def check_model_source(model: ModelSection, weights: bool = True) -> Any:
         raise ModelError(
             f"model.path: {exc} (a model folder needs its weights besides config.json)"
         ) from None
-    return spec.config_from_hf(AutoConfig.from_pretrained(folder))
+    return spec.config_from_hf(hf_config(folder))
 
 
 def load_tokenizer(model: ModelSection) -> Any:

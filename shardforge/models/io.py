@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
@@ -30,6 +32,15 @@ def read_config_json(folder: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+
+
+def hf_config(folder: Path) -> Any:
+    """transformers' config of the folder; one its own code cannot read (a value its validation rejects)
+    is an error naming the file."""
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, StrictDataclassError) as exc:
+        raise ModelError(f"{folder / 'config.json'}: transformers cannot read this config ({exc})") from None
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -93,7 +104,7 @@ def load_model(
     folder = Path(path)
     meta = read_config_json(folder)
     spec = spec_for(meta.get("model_type"), meta.get("architectures"), backend)
-    cfg = spec.config_from_hf(AutoConfig.from_pretrained(folder))
+    cfg = spec.config_from_hf(hf_config(folder))
     if spec.load_folder is not None:  # the generic backend: transformers reads the folder
         if prune is not None:
             raise ModelError(
@@ -269,9 +280,11 @@ def save_model(
     hf_config = spec.hf_config_from(model.config)
     hf_config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     if tokenizer is not None:
-        hf_config.eos_token_id = tokenizer.eos_token_id
-        hf_config.pad_token_id = tokenizer.pad_token_id
-        hf_config.bos_token_id = tokenizer.bos_token_id
+        for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            value = getattr(tokenizer, name)
+            # a family whose config is a strict dataclass (CWM) takes no None: it keeps its own there
+            with contextlib.suppress(StrictDataclassError) if value is None else contextlib.nullcontext():
+                setattr(hf_config, name, value)
         tokenizer.save_pretrained(folder)
     hf_config.save_pretrained(folder)
     return folder

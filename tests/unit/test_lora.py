@@ -34,8 +34,8 @@ SHAPES = {
     "qwen2_moe": dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
 }  # fmt: skip
-WRAPPED = {"qwen3_moe": 8, "mixtral": 8}  # 2 layers x 4 (attention: peft_names.py); others 2 x 7 (Qwen2-MoE: its
-# shared expert and the dense layer's MLP)
+# 2 layers x 4 (attention: peft_names.py); others 2 x 7 (Qwen2-MoE: its shared expert and dense layer's MLP)
+WRAPPED = {"qwen3_moe": 8, "mixtral": 8}
 VARIANTS = {"lora": {}, "dora": {"dora": True}, "rslora": {"rslora": True, "alpha": 4.0}}
 
 
@@ -283,6 +283,7 @@ def test_the_names_peft_rereads_are_peft_s_own():
     from shardforge.adapters.peft_names import REREAD, reread_by_peft
 
     for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        mapping = _MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type, ""), {})  # peft's lookup
+        pattern = _MODEL_TO_CONVERSION_PATTERN.get(model_type, "")  # peft's own lookup
+        mapping = _MOE_TARGET_MODULE_MAPPING.get(pattern, {})
         assert set(reread_by_peft(model_type)) == set(mapping), model_type
     assert set(REREAD) <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -36,6 +36,7 @@ class CausalModel(nn.Module, metaclass=ABCMeta):
     sequence_split: Any = None  # context parallel's split of the rows' sequence (parallel/context_parallel)
     packs: bool = True  # attends within each document of a packed row (doc_ids / doc_layout)
     shares_prefixes: bool = True  # attends by doc_layout, whose documents may share a row's prefix
+    pages: bool = True  # decodes exactly over the engine's paged KV cache (else its recompute runner)
 
     @abstractmethod
     def forward(

@@ -11,6 +11,7 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
+from shardforge.errors import ModelError
 from shardforge.models.common.config import DecoderConfig
 
 PREFIX = "hf:"  # a generic model's family name: "hf:<model_type>" (spec_for resolves it to the generic spec)
@@ -36,25 +37,34 @@ class GenericConfig(DecoderConfig):
 
 def config_from_hf(hf: PretrainedConfig) -> GenericConfig:
     """The shape fields from transformers' config (attribute names vary little across causal LMs; a missing
-    one falls back as transformers' Llama does: kv heads = heads, head_dim = hidden / heads)."""
-    heads = hf.num_attention_heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-    return GenericConfig(
-        vocab_size=text.vocab_size,
-        hidden_size=text.hidden_size,
-        intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
-        num_layers=text.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        max_position=getattr(text, "max_position_embeddings", None) or 2048,
-        tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        sliding_window=getattr(text, "sliding_window", None),
-        family=PREFIX + hf.model_type,
-        num_labels=hf.num_labels if _classifies(hf) else 0,
-        hf=hf,
-    )
+    one falls back as transformers' Llama does: kv heads = heads, head_dim = hidden / heads). A config with
+    no such shape (a state-space or recurrent model: no attention heads; per-layer shapes; a composite
+    config) is refused by its model_type."""
+    try:
+        heads = hf.num_attention_heads
+        kv = getattr(hf, "num_key_value_heads", None) or heads
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        return GenericConfig(
+            vocab_size=text.vocab_size,
+            hidden_size=text.hidden_size,
+            intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+            num_layers=text.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            max_position=getattr(text, "max_position_embeddings", None) or 2048,
+            tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            sliding_window=getattr(text, "sliding_window", None),
+            family=PREFIX + hf.model_type,
+            num_labels=hf.num_labels if _classifies(hf) else 0,
+            hf=hf,
+        )
+    except (AttributeError, TypeError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: per-layer
+        raise ModelError(
+            f"model_type {hf.model_type!r}: the generic backend reads one decoder stack's shape (attention "
+            f"heads, hidden size, layers) from the config, and this family's has none it can read ({e}): "
+            "state-space and recurrent models and per-layer shapes are not supported"
+        ) from None
 
 
 def _classifies(hf: PretrainedConfig) -> bool:

@@ -13,8 +13,6 @@ engine the family's attention runs over the paged KV cache (attention.py)."""
 from __future__ import annotations
 
 import contextlib
-import inspect
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,11 +20,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from shardforge.errors import ModelError
 from shardforge.models.common.protocol import CausalModel
 from shardforge.models.generic.config import GenericConfig
+from shardforge.models.generic.verified import PACKS, PAGED, refuse_measured
 from shardforge.models.head import Head, HeadInput, HeadOutput, apply_head, target_logprobs
 
 
@@ -80,8 +78,12 @@ class HFCausalLM(CausalModel):
         self.value_head: nn.Linear | None = None
         self.critic: nn.Module | None = None  # PPO's separate critic model (attach_critic)
         self._logit_transform = _logit_transform(cfg.hf)
+        refuse_measured(cfg.model_type, "load", "train")
+
+        self._check_structure()
         self._renames = self._canonical_prefixes()
-        self.packs = packs_by_position(cfg.hf)
+        self.packs = packs_per_document(cfg.hf)
+        self.pages = cfg.model_type in PAGED  # measured: models/generic/verified.py
 
     # ---- what the loop and the layouts ask of a model -----------------------------------------------------
     @property
@@ -105,6 +107,24 @@ class HFCausalLM(CausalModel):
             raise ModelError(f"cannot find the decoder layers of {self.config.model_type}")
         return found
 
+    def _check_structure(self) -> None:
+        """The wrapper runs the base model, then the head alone: a family whose causal LM is not a base model
+        plus one linear (BERT's and RoBERTa's prediction heads hold a dense layer and a norm; Llama 4's
+        text model is its own base) would give other logits, so it is refused by name."""
+        hf, family = self.hf, self.config.model_type
+        if hf.base_model is hf:
+            raise ModelError(
+                f"model_type {family!r}: transformers' {type(hf).__name__} has no base model apart from its "
+                "head, which the generic backend runs separately; not supported"
+            )
+        inside = {id(p) for p in hf.base_model.parameters()} | {id(p) for p in self.lm_head.parameters()}
+        extra = sorted({n.rpartition(".")[0] for n, p in hf.named_parameters() if id(p) not in inside})
+        if extra:
+            raise ModelError(
+                f"model_type {family!r}: its head is more than one linear over the base model's output "
+                f"({', '.join(extra[:4])}), which the generic backend does not run; not supported"
+            )
+
     def canonical_name(self, name: str) -> str:
         """A parameter's or module's name as the Llama family spells it (`layers.<i>...`, `embed_tokens`,
         `lm_head`; the rest without the wrapper's and the base model's prefixes): what freeze, LoRA and the
@@ -122,12 +142,14 @@ class HFCausalLM(CausalModel):
             (names[id(self.embed_tokens)], "embed_tokens"),
             (names[id(self.lm_head)], "lm_head"),
         ]
-        # the final norm: the base model's part with parameters after its layers (norm, GPT-2's ln_f)
-        children = list(self.hf.base_model.named_children())
-        after = [n for n, _ in children][[n for n, _ in children].index(container.rpartition(".")[2]) + 1 :]
-        held = [n for n in after if any(True for _ in self.hf.base_model.get_submodule(n).parameters())]
+        # the final norm: the part with parameters after the layers in the module that holds them (the base
+        # model's norm, GPT-2's ln_f, OPT's decoder.final_layer_norm)
+        owner, _, layers = container.rpartition(".")
+        children = [n for n, _ in self.get_submodule(owner).named_children()]
+        after = children[children.index(layers) + 1 :]
+        held = [n for n in after if any(True for _ in self.get_submodule(f"{owner}.{n}").parameters())]
         if len(held) == 1:
-            renames.append((f"{container.rpartition('.')[0]}.{held[0]}", "norm"))
+            renames.append((f"{owner}.{held[0]}", "norm"))
         return renames
 
     def tie_weights(self) -> None:
@@ -171,8 +193,8 @@ class HFCausalLM(CausalModel):
         (`doc_ids`, `doc_layout`) are not available on this backend."""
         if not self.packs and (doc_layout is not None or (doc_ids is not None and bool((doc_ids > 0).any()))):
             raise ModelError(
-                f"packed rows need per-document attention, which the generic backend does not provide for "
-                f"{self.config.model_type}: set data.packing: false"
+                f"packed rows need per-document attention, which the generic backend is not verified to give "
+                f"for {self.config.model_type} (docs/families.md): set data.packing: false"
             )
         h = self.hidden(x, position_ids, doc_ids, doc_layout, cache)
         return apply_head(self, h, head, HeadInput(x, position_ids, doc_ids, doc_layout, output_mask))
@@ -234,14 +256,13 @@ class HFCausalLM(CausalModel):
         return out.last_hidden_state
 
 
-def packs_by_position(hf: Any) -> bool:
-    """Whether the family attends per document in packed rows: transformers' mask helpers (`masking_utils`)
-    find the documents of a row from position ids that restart (when no attention mask and no cache are
-    given, as in our training forward) and mask across them, sliding windows included. Families whose
-    modeling code does not build its masks with them would attend across documents: no packing there."""
-    module = sys.modules.get(MODEL_FOR_CAUSAL_LM_MAPPING[type(hf)].__module__)
-    source = inspect.getsource(module) if module is not None else ""
-    return "create_causal_mask" in source
+def packs_per_document(hf: Any) -> bool:
+    """Whether packed rows of this family attend per document with their own positions, as each document
+    alone: measured family by family by benchmarks/family_sweep.py (models/generic/verified.py). Where
+    transformers' mask helpers see position ids restart the masks are right, but a family that derives
+    positions from the attention mask (OPT), adds ALiBi (BLOOM, MPT) or carries a recurrent state (linear
+    attention, convolutions) across the row would still mix documents: a family not measured does not pack."""
+    return hf.model_type in PACKS
 
 
 def _logit_transform(hf: Any) -> Any:

@@ -6,6 +6,7 @@ family's formulas over the same shape (an approximation for families whose block
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from shardforge.models.common.costs import costs as llama_costs
 from shardforge.models.generic.config import PREFIX, GenericConfig, config_from_hf, hf_config_from
 from shardforge.models.generic.model import HFCausalLM
 from shardforge.models.generic.plan import tensor_parallel_plan
+from shardforge.models.generic.verified import MEASURED
 from shardforge.models.spec import CostModel, ModelSpec, ParamCounts, register_generic
 
+log = logging.getLogger(__name__)
 _KEY_PREFIX = "hf."
 _COUNTS: dict[str, ParamCounts] = {}
 
@@ -90,6 +93,13 @@ def _counts(cfg: GenericConfig) -> ParamCounts:
 
 def load_folder(folder: Path, cfg: GenericConfig, dtype: torch.dtype, device: Any) -> HFCausalLM:
     """The folder's weights read by transformers, in `dtype` on `device`."""
+    if cfg.model_type not in MEASURED:
+        log.warning(
+            "model_type %r was not measured by benchmarks/family_sweep.py (docs/families.md): its logits and "
+            "training are transformers' own, but nothing here checked them; packing is off and the engine "
+            "recomputes",
+            cfg.model_type,
+        )
     return HFCausalLM(cfg, pretrained=folder).to(dtype=dtype, device=device)
 
 
