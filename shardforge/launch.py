@@ -7,6 +7,7 @@ Application layer: reads the environment."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from dataclasses import dataclass
@@ -56,10 +57,19 @@ def _translate_slurm() -> None:
     )
 
 
-def launch_local(nproc: int, max_restarts: int, argv: list[str], rendezvous: Rendezvous | None = None) -> int:
+def launch_local(
+    nproc: int,
+    max_restarts: int,
+    argv: list[str],
+    rendezvous: Rendezvous | None = None,
+    stops_on_signal: bool = False,
+) -> int:
     """Run `python -m shardforge ARGV` as `nproc` ranks on this machine (this node's share of a multi-node
     job when `rendezvous` names other nodes); returns the job's exit code. A restart restarts every node's
-    ranks (the other agents see the failed node rejoin the rendezvous)."""
+    ranks (the other agents see the failed node rejoin the rendezvous). SIGTERM or SIGINT reach every rank
+    (torch's agent passes them on and waits for the ranks); `stops_on_signal`: that is how the job ends
+    (a server's graceful shutdown: exit 0), else the job was interrupted (128 + the signal)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -94,4 +104,9 @@ def launch_local(nproc: int, max_restarts: int, argv: list[str], rendezvous: Ren
             file=sys.stderr,
         )
         return failure.exitcode if failure.exitcode > 0 else 1
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        print(f"{name}: passed on to the {nproc} ranks, which have stopped", file=sys.stderr)
+        graceful = stops_on_signal and exc.sigval in (signal.SIGTERM, signal.SIGINT)
+        return 0 if graceful else 128 + int(exc.sigval)
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from shardforge.adapters.lora import LoRALinear
 from shardforge.adapters.peft_names import reread_by_peft
@@ -101,7 +102,10 @@ def _without_reread(
 
 def adaptable(module: nn.Module) -> bool:
     """A linear LoRA can wrap: an nn.Linear computing x W^T + b (its own class, or a subclass that only
-    writes that map out again: AFFINE_LINEARS), not an adapted one already."""
+    writes that map out again: AFFINE_LINEARS) or transformers' Conv1D (GPT-2's x W + b, which peft wraps
+    too), not an adapted one already."""
+    if type(module) is Conv1D:
+        return True
     if not isinstance(module, nn.Linear) or isinstance(module, LoRALinear):
         return False
     return type(module).forward is nn.Linear.forward or type(module).__name__ in AFFINE_LINEARS

@@ -23,16 +23,26 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from shardforge.models.quantize import dequantized
 
 
 class LoRALinear(nn.Linear):
+    """Over an `nn.Linear`, or over transformers' `Conv1D` (GPT-2's layers: the weight stored [in, out], x W +
+    b), which it keeps as it is stored (`fan_in_fan_out`, as peft calls it), computing the same map."""
+
     adapter_enabled = True  # False: the base layer alone (the reference model of preference training)
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float, dora: bool, rslora: bool):
+    def __init__(
+        self, base: nn.Linear | Conv1D, rank: int, alpha: float, dropout: float, dora: bool, rslora: bool
+    ):
         nn.Module.__init__(self)
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.fan_in_fan_out = isinstance(base, Conv1D)
+        if self.fan_in_fan_out:
+            self.in_features, self.out_features = base.weight.shape
+        else:
+            self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias  # the same Parameters: loaded weights stay
         self.weight.requires_grad_(False)
         if self.bias is not None:
@@ -55,7 +65,12 @@ class LoRALinear(nn.Linear):
             self.lora_A.copy_(values)
             self.lora_B.zero_()
             if self.lora_magnitude is not None:
-                self.lora_magnitude.copy_(dequantized(self.weight).float().norm(dim=1))
+                self.lora_magnitude.copy_(self.base_weight().float().norm(dim=1))
+
+    def base_weight(self) -> torch.Tensor:
+        """W as a linear's [out, in] (a Conv1D's stored weight transposed; QLoRA's dequantized)."""
+        weight = dequantized(self.weight)
+        return weight.T if self.fan_in_fan_out else weight
 
     def delta_weight(self) -> torch.Tensor:
         """s B A, in fp32: what LoRA adds to W."""
@@ -63,10 +78,11 @@ class LoRALinear(nn.Linear):
 
     def merged_weight(self) -> torch.Tensor:
         """The plain linear weight this layer computes (fp32)."""
-        return merge_weight(self.weight, self.lora_A, self.lora_B, self.lora_magnitude, self.scale)
+        return merge_weight(self.base_weight(), self.lora_A, self.lora_B, self.lora_magnitude, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        weight = self.weight.T if self.fan_in_fan_out else self.weight
+        out = F.linear(x, weight, self.bias)
         if not self.adapter_enabled:
             return out
         dropped = self.dropout(x)
@@ -74,12 +90,12 @@ class LoRALinear(nn.Linear):
         if self.lora_magnitude is None:
             return out + low.to(out.dtype)
         with torch.no_grad():
-            norm = (dequantized(self.weight).float() + self.delta_weight()).norm(dim=1)
+            norm = (self.base_weight().float() + self.delta_weight()).norm(dim=1)
         factor = self.lora_magnitude / norm
         if isinstance(self.dropout, nn.Identity):  # W x without the bias, from the base output
             plain = (out if self.bias is None else out - self.bias).float()
         else:
-            plain = F.linear(dropped, self.weight).float()
+            plain = F.linear(dropped, weight).float()
         return out + ((factor - 1) * plain + factor * low).to(out.dtype)
 
     def extra_repr(self) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from shardforge.adapters.apply import add_lora
 from shardforge.adapters.lora import LoRALinear
@@ -39,9 +40,14 @@ def merge_lora_modules(model: nn.Module) -> None:
     """Each LoRA linear becomes a plain one holding W + s B A (DoRA-scaled)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, LoRALinear):
-            plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            merged = module.merged_weight().detach()
+            plain: nn.Module
+            if module.fan_in_fan_out:  # transformers' Conv1D again, its weight [in, out]
+                plain, merged = Conv1D(module.out_features, module.in_features), merged.T.contiguous()
+            else:
+                plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
             with torch.no_grad():
-                plain.weight = nn.Parameter(module.merged_weight().detach(), requires_grad=False)
+                plain.weight = nn.Parameter(merged, requires_grad=False)
                 if module.bias is not None:
                     plain.bias = nn.Parameter(module.bias.detach(), requires_grad=False)
             parent, _, leaf = name.rpartition(".")

@@ -114,7 +114,10 @@ def merged_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
         if isinstance(module, LoRALinear):
             weight = state[f"{name}.weight"]
             parts = (state[f"{name}.lora_A"], state[f"{name}.lora_B"], state.get(f"{name}.lora_magnitude"))
-            out[f"{name}.weight"] = merge_weight(dequantized(weight), *parts, module.scale).to(weight.dtype)
+            flip = module.fan_in_fan_out  # a Conv1D's weight is stored [in, out]
+            plain = dequantized(weight).T if flip else dequantized(weight)
+            merged = merge_weight(plain, *parts, module.scale)
+            out[f"{name}.weight"] = (merged.T if flip else merged).to(weight.dtype)
     return out
 
 

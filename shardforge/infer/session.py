@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 from collections.abc import Iterator
 
 import torch
@@ -51,6 +52,10 @@ def inference_engine(
         shard_for_inference(loaded.model, tp)
         executor = tp_executor(loaded.model, config or EngineConfig())
         if not executor.leads:
+            # torch's agent passes SIGTERM / SIGINT to every rank; the leader ends the job (its close() ends
+            # the following), so a follower that died of it first would break the leader's graceful stop
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
             executor.follow()
             yield None
             return

@@ -126,21 +126,6 @@ def test_env_reports_versions_and_peak():
     assert "native: llama" in proc.stdout and "generic backend (model.backend: auto | hf)" in proc.stdout
 
 
-def test_demo_config_runs(tmp_path):
-    """The README's main job, shortened: the bundled config, data and tokenizer work together."""
-    out = tmp_path / "demo"
-    proc = _cli(
-        "train",
-        "examples/demo.yaml",
-        "train.steps=2",
-        "train.eval_every=null",
-        f"output_dir={out}",
-        "log.tensorboard=false",
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "4000 records" in proc.stdout and (out / "final" / "model.safetensors").is_file()
-
-
 def test_bad_model_and_output_paths_are_clear_errors(tmp_path):
     data = write_jsonl(tmp_path / "a.jsonl", alpaca_records(4))
     cfg = _config(tmp_path, tiny_config(tmp_path, data))

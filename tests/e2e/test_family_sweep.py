@@ -20,7 +20,7 @@ import family_sweep
 
 SUBSET = {
     "llama": "native family: paged, packed",
-    "gpt2": "learned positions, Conv1D layers (LoRA refused by name: no linear)",
+    "gpt2": "learned positions, Conv1D layers (LoRA as peft's fan_in_fan_out)",
     "falcon": "attention outside transformers' interface: the recompute runner",
     "gemma2": "soft-capped scores, sliding window, scaled logits",
     "deepseek_v2": "latent attention (MLA) and a mixture of experts peft converts (LoRA on attention)",

@@ -66,21 +66,6 @@ def test_a_lora_run_exports_a_peft_adapter_resumes_and_merges(tmp_path):
     assert refused.returncode != 0 and "finetuning: checkpoint" in refused.stderr + refused.stdout
 
 
-def test_the_lora_and_qlora_examples_run_over_the_demo_model(tmp_path):
-    """The bundled examples, shortened, over a shortened demo run's final model, as the README chains them."""
-    demo = tmp_path / "demo"
-    common = ["train.eval_every=null", "log.tensorboard=false", "data.train.0.max_samples=64"]
-    proc = _cli("train", "examples/demo.yaml", "train.steps=2", f"output_dir={demo}", *common)
-    assert proc.returncode == 0, proc.stderr
-    for name in ("demo_lora", "demo_qlora"):
-        out = tmp_path / name
-        args = [f"model.path={demo / 'final'}", f"output_dir={out}", "train.steps=2", *common]
-        proc = _cli("train", f"examples/{name}.yaml", *args)
-        assert proc.returncode == 0, proc.stderr
-        assert (out / "final" / "adapter_model.safetensors").is_file()
-        assert json.loads((out / "final" / "adapter_config.json").read_text())["peft_type"] == "LORA"
-
-
 def test_export_merges_a_run_without_checkpoints_and_a_peft_folder(tmp_path):
     """The README's LoRA run has no `checkpoint.every`: `export RUN --merge` and `export RUN/final --merge`
     (a plain PEFT folder) fold its final/ adapter into the base, with peft's base + adapter logits."""
