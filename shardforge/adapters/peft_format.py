@@ -64,8 +64,10 @@ def save_adapter(
     lora: LoraSection,
     base: str | None,
     tokenizer: Any = None,
+    fan_in_fan_out: bool = False,
 ) -> Path:
-    """Write `adapters` (our names: `<module>.lora_A` ...) as a PEFT adapter folder."""
+    """Write `adapters` (our names: `<module>.lora_A` ...) as a PEFT adapter folder. `fan_in_fan_out`: the
+    adapted layers are transformers' Conv1D (GPT-2), as peft records them."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {peft_key(family, k): v.detach().float().contiguous().cpu() for k, v in adapters.items()}
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
@@ -80,7 +82,7 @@ def save_adapter(
         "use_dora": lora.dora,
         "use_rslora": lora.rslora,
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": fan_in_fan_out,
         "init_lora_weights": True,
         "inference_mode": True,
         "base_model_name_or_path": base,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardforge.adapters.apply import apply_finetuning
-from shardforge.adapters.lora import is_adapter_key
+from shardforge.adapters.lora import LoRALinear, is_adapter_key
 from shardforge.adapters.merge import merge_adapter
 from shardforge.adapters.peft_format import merged_state, save_adapter
 from shardforge.checkpoint.store import find_latest, resolve_checkpoint
@@ -52,7 +52,9 @@ def write_model_folder(
     merge = merge or getattr(model.config, "num_labels", 0) > 0  # a score head trains whole: not an adapter
     if config.method.finetuning == "lora" and not merge:
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
-        save_adapter(to, model.config.family, adapters, config.method.lora, config.model.path, tokenizer)
+        conv = any(isinstance(m, LoRALinear) and m.fan_in_fan_out for m in model.modules())  # GPT-2's Conv1D
+        lora, base = config.method.lora, config.model.path
+        save_adapter(to, model.config.family, adapters, lora, base, tokenizer, fan_in_fan_out=conv)
         return "LoRA adapter (PEFT format)" + beside
     if config.method.finetuning == "lora":
         state = merged_state(model, state)

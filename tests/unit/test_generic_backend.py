@@ -195,7 +195,8 @@ def test_lora_on_the_generic_backend_loads_in_peft(tmp_path, model_type, per_lay
     _trained_adapters(ours)
     state = ours.state_dict()
     adapters = {k: v for k, v in state.items() if ".lora_" in k}
-    out = save_adapter(tmp_path / "adapter", ours.config.family, adapters, section, str(folder))
+    conv = model_type == "gpt2"  # its Conv1D layers, as peft records them
+    out = save_adapter(tmp_path / "adapter", ours.config.family, adapters, section, str(folder), None, conv)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out).eval()
     ids, _ = _batch()
     with torch.no_grad():
