@@ -70,6 +70,19 @@ TINY: dict[str, dict[str, Any]] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
     "reformer": {"is_decoder": True, "axial_pos_shape": [16, 16], "axial_pos_embds_dim": [32, 32]},
     "zaya": {"num_experts_per_tok": 1},
+    # hybrids: one attention layer among the two kept, state-space heads that add up
+    "jamba": {
+        "attn_layer_offset": 1,
+        "attn_layer_period": 2,
+        "expert_layer_offset": 1,
+        "expert_layer_period": 2,
+    },
+    "nemotron_h": {"hybrid_override_pattern": "M*"},
+    "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16},
+    "falcon_h1": {"mamba_n_heads": 8, "mamba_d_head": 16},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 16},
+    "mamba2": {"num_heads": 8, "n_groups": 1},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
 }
 TOKENS_AT = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 
@@ -110,11 +123,8 @@ def _shrunk(default: Any) -> dict[str, Any]:
         if "num_key_value_heads" in out:
             out["num_key_value_heads"] = 4
     types = getattr(default, "layer_types", None)
-    if (
-        isinstance(types, (list, tuple))
-        and types
-        and not isinstance(getattr(cls, "layer_types", None), property)
-    ):
+    derived = isinstance(getattr(cls, "layer_types", None), property) or "layer_types" in cls.attribute_map
+    if isinstance(types, (list, tuple)) and types and not derived:  # not one the config derives itself
         distinct = list(dict.fromkeys(types))
         out["layer_types"] = (distinct + list(types))[:2]
     for name in TOKENS_AT:

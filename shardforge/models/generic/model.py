@@ -267,7 +267,7 @@ def packs_per_document(hf: Any) -> bool:
 
 def _logit_transform(hf: Any) -> Any:
     """What the family does to its logits after the LM head, as its ForCausalLM does (None: nothing)."""
-    cap = getattr(hf, "final_logit_softcapping", None)
+    cap = getattr(hf, "final_logit_softcapping", None) or getattr(hf, "logits_soft_cap", None)
     scaling = getattr(hf, "logits_scaling", None)  # Granite divides
     scale = getattr(hf, "logit_scale", None)  # Cohere multiplies
     steps = []
