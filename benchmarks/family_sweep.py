@@ -79,7 +79,19 @@ TINY: dict[str, dict[str, Any]] = {
     },
     "nemotron_h": {"hybrid_override_pattern": "M*"},
     "bamba": {"attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_d_head": 16},
-    "falcon_h1": {"mamba_n_heads": 8, "mamba_d_head": 16},
+    "falcon_h1": {"mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16},
+    "nemotron": {"num_key_value_heads": 2},
+    "dots1": {
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 32,
+    },
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    },
     "granitemoehybrid": {"layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 16},
     "mamba2": {"num_heads": 8, "n_groups": 1},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},

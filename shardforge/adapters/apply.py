@@ -14,7 +14,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from shardforge.adapters.lora import LoRALinear
-from shardforge.adapters.peft_names import reread_by_peft
+from shardforge.adapters.peft_names import not_for_peft
 from shardforge.config.schema import LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
 from shardforge.errors import ConfigError
 from shardforge.models.common.protocol import CausalModel
@@ -57,9 +57,9 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     targets = LINEAR_TARGETS if every else tuple(section.targets)
     model_type = model.config.family.removeprefix("hf:")
     refuse_measured(model_type, "lora")
-    reread = reread_by_peft(model_type)
-    if reread:
-        targets = _without_reread(targets, every, model.config.family, reread)
+    left_out = not_for_peft(model_type)
+    if left_out:
+        targets = _without(targets, every, model.config.family, left_out)
     linears = [  # the blocks' linears LoRA can wrap
         (name, module)
         for name, module in model.named_modules()
@@ -69,7 +69,7 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     for name, module in linears:
         parent_name, _, leaf = name.rpartition(".")
         # `all` on the generic backend: every linear of the blocks (PEFT's all-linear; e.g. Phi-3's qkv_proj)
-        if leaf not in targets and not (every and generic and leaf not in reread):
+        if leaf not in targets and not (every and generic and leaf not in left_out):
             continue
         lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)
         lora.reset_adapter(name, seed)
@@ -85,19 +85,17 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     return wrapped
 
 
-def _without_reread(
-    targets: tuple[str, ...], every: bool, family: str, reread: tuple[str, ...]
-) -> tuple[str, ...]:
-    """On the mixtures of experts peft reads some linear names of as the fused experts (peft_names.py),
-    `all` adapts the other linears (attention's), and naming those is refused."""
-    named = [t for t in targets if t in reread]
+def _without(targets: tuple[str, ...], every: bool, family: str, left_out: dict[str, str]) -> tuple[str, ...]:
+    """`targets` less the names peft would not read back as adapted (peft_names.py): `all` adapts the other
+    linears (attention's), and naming one of them is refused, saying why."""
+    named = [t for t in targets if t in left_out]
     if named and not every:
+        reasons = "; ".join(f"{t}: {left_out[t]}" for t in named)
         raise ConfigError(
-            f"method.lora.targets: {', '.join(named)} on a mixture of experts ({family}): peft reads these "
-            "names as the fused experts (or the router) of every sparse layer, so the adapter would not load "
-            "in peft as trained; adapt the attention's linears (what targets: all adapts on this family)"
+            f"method.lora.targets on {family}: {reasons}; adapt the other linears (what targets: all adapts "
+            "on this family)"
         )
-    return tuple(t for t in targets if t not in reread)
+    return tuple(t for t in targets if t not in left_out)
 
 
 def adaptable(module: nn.Module) -> bool:

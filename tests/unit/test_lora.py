@@ -267,23 +267,35 @@ def test_the_mlp_of_a_mixture_of_experts_is_refused_by_name():
     from shardforge.models import build_preset
 
     model = build_preset("tiny-qwen3-moe", vocab_size=50)
-    with pytest.raises(ConfigError, match=r"gate_proj, up_proj on a mixture of experts \(qwen3_moe\): peft"):
+    with pytest.raises(ConfigError, match=r"targets on qwen3_moe: gate_proj: peft reads it as the fused"):
         add_lora(model, LoraSection(targets=["q_proj", "gate_proj", "up_proj"]), seed=0)
 
 
-def test_the_names_peft_rereads_are_peft_s_own():
-    """adapters/peft_names.py copies peft's tables of the MoE families whose linear names it reads as fused
-    experts: the copy equals the installed peft's, over every causal-LM model_type transformers registers."""
+def test_the_names_left_out_for_peft_are_peft_s_own():
+    """adapters/peft_names.py copies peft's tables: the MoE families whose linear names it reads as fused
+    experts, and the Mamba-based ones on whose out_proj / conv1d it refuses LoRA. Each equals what the
+    installed peft does, over every causal-LM model_type transformers registers."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
     from peft.utils.transformers_weight_conversion import (
         _MODEL_TO_CONVERSION_PATTERN,
         _MOE_TARGET_MODULE_MAPPING,
     )
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from shardforge.adapters.peft_names import REREAD, reread_by_peft
+    from shardforge.adapters.peft_names import REREAD, not_for_peft
 
+    config = LoraConfig(target_modules=["q_proj"])
     for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         pattern = _MODEL_TO_CONVERSION_PATTERN.get(model_type, "")  # peft's own lookup
-        mapping = _MOE_TARGET_MODULE_MAPPING.get(pattern, {})
-        assert set(reread_by_peft(model_type)) == set(mapping), model_type
+        refused = set()
+        for name in ("out_proj", "conv1d", "q_proj", "gate_proj"):
+            model = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+            try:
+                _check_lora_target_modules_mamba(config, model, name)
+            except ValueError:
+                refused.add(name)
+        assert set(not_for_peft(model_type)) == set(_MOE_TARGET_MODULE_MAPPING.get(pattern, {})) | refused
     assert set(REREAD) <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -44,10 +44,11 @@ def config_from_hf(hf: PretrainedConfig) -> GenericConfig:
         heads = hf.num_attention_heads
         kv = getattr(hf, "num_key_value_heads", None) or heads
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        ffn = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
         return GenericConfig(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
-            intermediate_size=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
+            intermediate_size=max(ffn) if isinstance(ffn, (list, tuple)) else ffn,  # per layer: Gemma 3n
             num_layers=text.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=kv,
