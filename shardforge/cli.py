@@ -244,13 +244,13 @@ def _engine_for(args: argparse.Namespace, console: Console):
     )
 
 
-def _as_ranks(args: argparse.Namespace, stops_on_signal: bool = False) -> int | None:
+def _as_ranks(args: argparse.Namespace, stop_grace: float | None = None) -> int | None:
     """--tp N from a plain command: start N ranks of the same command (its exit code); else None.
-    `stops_on_signal`: SIGTERM is how the command ends (serve)."""
+    `stop_grace`: SIGTERM is how the command ends, within that many seconds (serve)."""
     from shardforge.launch import already_a_rank, launch_local
 
     if args.tp > 1 and not already_a_rank(translate=False):
-        return launch_local(args.tp, 0, args.argv, stops_on_signal=stops_on_signal)
+        return launch_local(args.tp, 0, args.argv, stop_grace=stop_grace)
     return None
 
 
@@ -315,7 +315,7 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from shardforge.infer.server import check_host, serve
 
     check_host(args.host, args.api_key)  # before the model loads
-    if (code := _as_ranks(args, stops_on_signal=True)) is not None:
+    if (code := _as_ranks(args, stop_grace=args.shutdown_grace)) is not None:
         return code
     with _engine_for(args, console) as driven:
         if driven is None:

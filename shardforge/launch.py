@@ -6,6 +6,7 @@ Application layer: reads the environment."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -62,13 +63,14 @@ def launch_local(
     max_restarts: int,
     argv: list[str],
     rendezvous: Rendezvous | None = None,
-    stops_on_signal: bool = False,
+    stop_grace: float | None = None,
 ) -> int:
     """Run `python -m shardforge ARGV` as `nproc` ranks on this machine (this node's share of a multi-node
     job when `rendezvous` names other nodes); returns the job's exit code. A restart restarts every node's
     ranks (the other agents see the failed node rejoin the rendezvous). SIGTERM or SIGINT reach every rank
-    (torch's agent passes them on and waits for the ranks); `stops_on_signal`: that is how the job ends
-    (a server's graceful shutdown: exit 0), else the job was interrupted (128 + the signal)."""
+    (torch's agent passes them on and waits for the ranks); `stop_grace`: that is how the job ends (a
+    server's graceful shutdown, which takes up to that many seconds, and 30 more are allowed before the
+    ranks are killed: exit 0), else (None) the job was interrupted (128 + the signal)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -94,6 +96,7 @@ def launch_local(
         rdzv_endpoint=rendezvous.endpoint,
         max_restarts=max_restarts,
         monitor_interval=0.5,
+        shutdown_timeout=None if stop_grace is None else math.ceil(stop_grace) + 30,
     )
     try:
         elastic_launch(config, sys.executable)("-m", "shardforge", *argv)
@@ -107,6 +110,6 @@ def launch_local(
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
         print(f"{name}: passed on to the {nproc} ranks, which have stopped", file=sys.stderr)
-        graceful = stops_on_signal and exc.sigval in (signal.SIGTERM, signal.SIGINT)
+        graceful = stop_grace is not None and exc.sigval in (signal.SIGTERM, signal.SIGINT)
         return 0 if graceful else 128 + int(exc.sigval)
     return 0
