@@ -416,8 +416,6 @@ def refused(row: dict) -> dict[str, str]:
         for p in ("load", "train", "lora", "generate")
         if row.get(p, "").startswith(("WRONG", "error"))
     }
-    if "train" in out and "load" not in out:
-        out["load"] = "in training: " + out["train"]
     return out
 
 
@@ -430,8 +428,9 @@ def shipped(row: dict) -> dict[str, str]:
     measured = refused(row)
     for path in PATHS:
         value = row.get(path, "not run")
-        if "load" in measured or path in measured:
-            value = f"refused: measured wrong ({measured.get('load', measured.get(path))})"
+        whole = measured.get("load") or measured.get("train")  # both are refused at the family's load
+        if whole or path in measured:
+            value = f"refused: measured wrong ({whole or measured[path]})"
         if path == "packed" and value.startswith("WRONG"):
             value = "refused: packing is not verified for this family (measured " + value + ")"
         if path == "generate" and value.startswith("works; paged: "):
@@ -483,7 +482,7 @@ def write_table(rows: dict[str, dict], doc: Path) -> None:
         "equal (fp32, 1e-4; generation token for token); `refused`: shardforge says why, by name; `WRONG` "
         "or `error`: a defect. Packing and the paged KV cache are used only where this sweep measured them "
         "right (`shardforge/models/generic/verified.py`, written by the same run); elsewhere packing is off "
-        "and the engine recomputes. The CI runs a representative subset (tests/unit/test_family_sweep.py).",
+        "and the engine recomputes. The CI runs a representative subset (tests/e2e/test_family_sweep.py).",
         "",
         "Works: " + ", ".join(f"{p} {counts[p]}" for p in PATHS) + f" of {len(table)} built tiny ("
         f"{len(rows) - len(table)} could not be: transformers' own code fails on the shrunk config).",

@@ -18,6 +18,7 @@ from shardforge.adapters.peft_names import not_for_peft
 from shardforge.config.schema import LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
 from shardforge.errors import ConfigError
 from shardforge.models.common.protocol import CausalModel
+from shardforge.models.generic.config import model_type_of
 from shardforge.models.generic.verified import refuse_measured
 
 # transformers' nn.Linear subclasses whose forward is nn.Linear's map, x W^T + b, written out (peft wraps any
@@ -55,7 +56,7 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
     generic = not model.native_names  # the generic backend: transformers' module names
     every = section.targets == "all"
     targets = LINEAR_TARGETS if every else tuple(section.targets)
-    model_type = model.config.family.removeprefix("hf:")
+    model_type = model_type_of(model.config.family)
     refuse_measured(model_type, "lora")
     left_out = not_for_peft(model_type)
     if left_out:

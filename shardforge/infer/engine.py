@@ -41,6 +41,7 @@ from shardforge.infer.sampling import (
 )
 from shardforge.infer.scheduler import Scheduler, Sequence
 from shardforge.models.common.protocol import CausalModel
+from shardforge.models.generic.config import model_type_of
 from shardforge.models.generic.verified import refuse_measured
 
 log = logging.getLogger(__name__)
@@ -378,7 +379,7 @@ def local_runner(model: CausalModel, config: EngineConfig) -> ModelRunner:
     """The model's forward on this rank: over a paged pool where every layer attends through it and the
     family is known to decode right that way (`pages`: every native family; the generic backend's measured
     ones), else on the recompute runner (right, slower), said once in the log."""
-    refuse_measured(model.config.family.removeprefix("hf:"), "generate")
+    refuse_measured(model_type_of(model.config.family), "generate")
     if model.pages and attends_paged(model):
         return LocalRunner(model, paged_pool(model, config))
     log.warning(

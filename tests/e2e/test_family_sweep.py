@@ -55,3 +55,49 @@ def test_the_table_covers_every_causal_lm_transformers_registers():
     rows = set(re.findall(r"^\| ([\w-]+) \|", table, re.M)) - {"model_type"}
     assert rows == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert "| WRONG" not in table and "| error" not in table
+
+
+def test_the_shipped_files_are_what_the_sweep_writes_from_its_results(tmp_path):
+    """`python benchmarks/family_sweep.py` (docs/families.md's command) writes the table and the measured
+    lists from benchmarks/results_family_sweep.jsonl: written again from those results they are the shipped
+    ones (the date aside), so no list was edited by hand."""
+    import importlib.util
+    import shutil
+
+    rows = family_sweep.read_results(REPO / "benchmarks" / "results_family_sweep.jsonl")
+    assert set(rows) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    target = tmp_path / "verified.py"
+    shutil.copy(REPO / "shardforge" / "models" / "generic" / "verified.py", target)
+    family_sweep.write_verified(rows, target)
+    spec = importlib.util.spec_from_file_location("rewritten", target)
+    rewritten = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rewritten)
+    from shardforge.models.generic import verified
+
+    for name in ("PACKS", "PAGED", "REFUSED", "MEASURED"):
+        assert getattr(rewritten, name) == getattr(verified, name), name
+    family_sweep.write_table(rows, tmp_path / "families.md")
+    undated = [
+        re.sub(r"\(\d{4}-\d\d-\d\d, ", "(", line)
+        for line in (tmp_path / "families.md").read_text().splitlines()
+    ]
+    shipped = [
+        re.sub(r"\(\d{4}-\d\d-\d\d, ", "(", line)
+        for line in (REPO / "docs" / "families.md").read_text().splitlines()
+    ]
+    assert undated == shipped
+
+
+def test_the_driver_runs_a_family_in_a_worker_process(tmp_path):
+    """The script's own command form (`--only`: some families, the table left alone), in worker processes."""
+    import json
+    import subprocess
+
+    out = tmp_path / "results.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "family_sweep.py"), "--only", "gpt2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = [json.loads(line) for line in out.read_text().splitlines() if "started" not in line]
+    assert row["model_type"] == "gpt2" and row["load"] == "works" and row["lora"] == "works"

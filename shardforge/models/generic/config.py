@@ -25,7 +25,7 @@ class GenericConfig(DecoderConfig):
 
     @property
     def model_type(self) -> str:
-        return self.family.removeprefix(PREFIX)
+        return model_type_of(self.family)
 
     def with_score_head(self, num_labels: int) -> GenericConfig:
         """A reward model: transformers' ...ForSequenceClassification of the family, `num_labels` outputs."""
@@ -33,6 +33,11 @@ class GenericConfig(DecoderConfig):
         hf.num_labels, hf.tie_word_embeddings = num_labels, False
         hf.architectures = [MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(hf)].__name__]
         return replace(self, num_labels=num_labels, tie_embeddings=False, hf=hf)
+
+
+def model_type_of(family: str) -> str:
+    """transformers' model_type of a family name, native (`qwen3_moe`) or generic (`hf:gemma2`)."""
+    return family.removeprefix(PREFIX)
 
 
 def config_from_hf(hf: PretrainedConfig) -> GenericConfig:
