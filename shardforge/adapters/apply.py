@@ -1,7 +1,8 @@
 """`method.finetuning` applied to a built model, in place, before any parallel layout: which parameters train.
 
 full: all of them. freeze: the last N decoder layers (negative N: the first N) and the named extra modules.
-lora: every targeted linear of the decoder blocks becomes a `LoRALinear`; only the adapters train. Names are
+lora: every targeted linear of the decoder blocks becomes a `LoRALinear`, and each named fused experts weight
+gets a `ParamLoRA` (expert_lora.py); only the adapters train. Names are
 the model's own (`layers.<i>....`), so a pipeline rank, which holds some layers only, transforms exactly its
 part of what the whole model would get. The generic backend's names are read as ours (`canonical_name`).
 """
@@ -13,9 +14,10 @@ from pathlib import Path
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from shardforge.adapters.expert_lora import EXPERT_PARAMS, ParamLoRA, is_transposed
 from shardforge.adapters.lora import LoRALinear
 from shardforge.adapters.peft_names import not_for_peft
-from shardforge.config.schema import LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
+from shardforge.config.schema import EXPERT_TARGETS, LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
 from shardforge.errors import ConfigError
 from shardforge.models.common.protocol import CausalModel
 from shardforge.models.generic.config import model_type_of
@@ -55,7 +57,8 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
         param.requires_grad_(False)
     generic = not model.native_names  # the generic backend: transformers' module names
     every = section.targets == "all"
-    targets = LINEAR_TARGETS if every else tuple(section.targets)
+    targets = LINEAR_TARGETS if every else tuple(t for t in section.targets if t not in EXPERT_TARGETS)
+    experts = () if every else tuple(t for t in section.targets if t in EXPERT_TARGETS)
     model_type = model_type_of(model.config.family)
     refuse_measured(model_type, "lora")
     left_out = not_for_peft(model_type)
@@ -76,6 +79,8 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
         lora.reset_adapter(name, seed)
         setattr(model.get_submodule(parent_name), leaf, lora)
         wrapped.append(name)
+    if experts:
+        wrapped += _adapt_experts(model, section, seed, experts)
     if not wrapped:
         held = sorted({name.rpartition(".")[2] for name, _ in linears})
         asked = "all" if every else ", ".join(targets)
@@ -84,6 +89,40 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
             f"holds; their linears are: {', '.join(held) or 'none'}"
         )
     return wrapped
+
+
+def _adapt_experts(
+    model: CausalModel, section: LoraSection, seed: int, targets: tuple[str, ...]
+) -> list[str]:
+    """A ParamLoRA on each named 3-D weight of every `experts` module the blocks hold (the sparse layers)."""
+    names = [t.removeprefix("experts.") for t in targets]
+    owners = [
+        (name, module)
+        for name, module in model.named_modules()
+        if model.canonical_name(name).startswith("layers.") and name.rpartition(".")[2] == "experts"
+    ]
+    adapted = []
+    for owner_name, owner in owners:
+        held = [p for p, param in owner.named_parameters(recurse=False) if p in names and param.ndim == 3]
+        if held != [p for p in EXPERT_PARAMS if p in held]:
+            raise ConfigError(
+                f"method.lora.targets: {owner_name} registers {', '.join(held)} in an order peft would nest "
+                "otherwise; adapt one of them"
+            )
+        for param_name in held:
+            lora = ParamLoRA(owner.get_parameter(param_name), param_name, section.rank, section.alpha,
+                             section.rslora, is_transposed(owner))  # fmt: skip
+            lora.reset_adapter(f"{owner_name}.{param_name}", seed)
+            lora.attach(owner)
+            adapted.append(f"{owner_name}.{param_name}")
+    held_layers = {model.canonical_name(n).split(".")[1] for n, _ in model.named_modules()
+                   if model.canonical_name(n).startswith("layers.")}  # fmt: skip
+    if not adapted and len(held_layers) == model.config.num_layers:  # (a pipeline stage may hold dense ones)
+        raise ConfigError(
+            f"method.lora.targets ({', '.join(targets)}): the {model.config.family} layers have no fused "
+            "experts (a 3-D gate_up_proj / down_proj under an experts module)"
+        )
+    return adapted
 
 
 def _without(targets: tuple[str, ...], every: bool, family: str, left_out: dict[str, str]) -> tuple[str, ...]:

@@ -28,11 +28,16 @@ from transformers.pytorch_utils import Conv1D
 from shardforge.models.quantize import dequantized
 
 
-class LoRALinear(nn.Linear):
+class AdapterLayer:
+    """What every adapter layer has: a switch back to its base alone (the reference model of preference
+    training)."""
+
+    adapter_enabled = True
+
+
+class LoRALinear(AdapterLayer, nn.Linear):
     """Over an `nn.Linear`, or over transformers' `Conv1D` (GPT-2's layers: the weight stored [in, out], x W +
     b), which it keeps as it is stored (`fan_in_fan_out`, as peft calls it), computing the same map."""
-
-    adapter_enabled = True  # False: the base layer alone (the reference model of preference training)
 
     def __init__(
         self, base: nn.Linear | Conv1D, rank: int, alpha: float, dropout: float, dora: bool, rslora: bool
@@ -105,9 +110,9 @@ class LoRALinear(nn.Linear):
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """The base model, for as long as the block runs: every LoRA layer computes its frozen base alone. This
-    is the reference model of a LoRA preference run, with no second copy of the weights."""
-    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    """The base model, for as long as the block runs: every adapter layer computes its frozen base alone.
+    This is the reference model of a LoRA preference run, with no second copy of the weights."""
+    layers = adapter_layers(model)
     for layer in layers:
         layer.adapter_enabled = False
     try:
@@ -115,6 +120,10 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.adapter_enabled = True
+
+
+def adapter_layers(model: nn.Module) -> list[AdapterLayer]:
+    return [m for m in model.modules() if isinstance(m, AdapterLayer)]
 
 
 def merge_weight(

@@ -10,36 +10,48 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from shardforge.adapters.apply import add_lora
+from shardforge.adapters.expert_lora import ParamLoRA
 from shardforge.adapters.lora import LoRALinear
 from shardforge.adapters.peft_format import adapted_leaves, load_adapter, read_adapter
-from shardforge.config.schema import LINEAR_TARGETS, LoraSection
+from shardforge.config.schema import EXPERT_TARGETS, LINEAR_TARGETS, LoraSection
 
 
 def merge_adapter(model: nn.Module, folder: Path) -> None:
     """The PEFT adapter in `folder` applied to `model` and merged into its weights, in place."""
     config, tensors = read_adapter(folder, model.config.family)
     # the adapted modules' names from its tensors (another tool's target_modules may be a regex)
-    targets: list[str] | str = adapted_leaves(tensors)
-    if not model.native_names and not set(targets) <= set(LINEAR_TARGETS):
+    adapted = adapted_leaves(tensors)
+    experts = [t for t in adapted if t in EXPERT_TARGETS]
+    linears: list[str] | str = [t for t in adapted if t not in EXPERT_TARGETS]
+    if not model.native_names and not set(linears) <= set(LINEAR_TARGETS):
         # the generic backend's `all` (every linear of the blocks, e.g. Falcon's query_key_value): what its
         # runs write; load_adapter names any of them the adapter lacks
-        targets = "all"
-    section = LoraSection(
-        rank=config["r"],
-        alpha=config["lora_alpha"],
-        targets=targets,
-        dora=bool(config.get("use_dora", False)),
-        rslora=bool(config.get("use_rslora", False)),
-    )
+        linears = "all"
+    settings = {
+        "rank": config["r"],
+        "alpha": config["lora_alpha"],
+        "dora": bool(config.get("use_dora", False)),
+        "rslora": bool(config.get("use_rslora", False)),
+    }
+    section = LoraSection(targets=linears if linears == "all" else linears + experts, **settings)
+    if linears == "all" and experts:  # `all` is the linears only; the experts' adapters come on top
+        add_lora(model, LoraSection(targets=experts, **settings), seed=0)
     add_lora(model, section, seed=0)
     load_adapter(model, folder, section)
     merge_lora_modules(model)
 
 
 def merge_lora_modules(model: nn.Module) -> None:
-    """Each LoRA linear becomes a plain one holding W + s B A (DoRA-scaled)."""
+    """Each LoRA linear becomes a plain one holding W + s B A (DoRA-scaled), each fused experts weight
+    holds W_e + s B_e A_e."""
     for name, module in list(model.named_modules()):
-        if isinstance(module, LoRALinear):
+        if isinstance(module, ParamLoRA):
+            owner = model.get_submodule(name.rpartition(".")[0])
+            weight = owner.get_parameter(module.param_name)
+            with torch.no_grad():
+                weight.copy_((weight.float() + module.delta()).to(weight.dtype))
+            module.detach_from(owner)
+        elif isinstance(module, LoRALinear):
             merged = module.merged_weight().detach()
             plain: nn.Module
             if module.fan_in_fan_out:  # transformers' Conv1D again, its weight [in, out]

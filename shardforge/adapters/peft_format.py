@@ -4,11 +4,18 @@ PEFT names an adapter tensor by the HF module it belongs to: `base_model.model.<
 `.lora_B.weight` and, for DoRA, `.lora_magnitude_vector`; `adapter_config.json` says peft_type LORA,
 task_type CAUSAL_LM, r, lora_alpha, target_modules, use_dora, use_rslora and the base model.
 `peft.PeftModel.from_pretrained` loads such a folder over the HF base and computes what our model computes.
+
+Adapters on fused experts weights (expert_lora.py) are peft's `target_parameters`: named after the experts
+module, with one `.base_layer` per wrapper peft nests outside theirs (the weights it registers later), e.g.
+`...mlp.experts.base_layer.lora_A.weight` (gate_up_proj) and `...mlp.experts.lora_A.weight` (down_proj) when
+both are adapted. Ours are `<experts>.<param>_lora.lora_A`.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -16,6 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from shardforge.adapters.expert_lora import EXPERT_PARAMS, ParamLoRA, expert_delta
 from shardforge.adapters.lora import LoRALinear, is_adapter_key, merge_weight
 from shardforge.config.schema import LoraSection
 from shardforge.errors import ModelError
@@ -36,25 +44,89 @@ def _split(key: str) -> tuple[str, str]:
     return module, name
 
 
+def _expert_param(module: str) -> tuple[str, str] | None:
+    """`layers.1.mlp.experts.gate_up_proj_lora` -> (`layers.1.mlp.experts`, `gate_up_proj`); None for a
+    linear's adapter."""
+    owner, _, leaf = module.rpartition(".")
+    for param in EXPERT_PARAMS:
+        if leaf == f"{param}_lora":
+            return owner, param
+    return None
+
+
 def adapted_leaves(keys: Iterable[str]) -> list[str]:
-    """The short names of the modules adapter tensors (our names) belong to: `layers.0.attn.q_proj.lora_A`
-    -> `q_proj` (PEFT's target_modules)."""
-    return sorted({_split(key)[0].rpartition(".")[2] for key in keys})
+    """What adapter tensors (our names) adapt, as `method.lora.targets` names it: a linear's short name
+    (`layers.0.attn.q_proj.lora_A` -> `q_proj`, PEFT's target_modules) or a fused experts weight
+    (`experts.gate_up_proj`)."""
+    leaves = set()
+    for key in keys:
+        module = _split(key)[0]
+        expert = _expert_param(module)
+        leaves.add(f"experts.{expert[1]}" if expert else module.rpartition(".")[2])
+    return sorted(leaves)
 
 
-def peft_key(family: str, key: str) -> str:
-    module, name = _split(key)
-    hf_module = spec_for(family).key_to_hf(f"{module}.weight").removesuffix(".weight")
-    return f"base_model.model.{hf_module}.{_OURS_TO_PEFT[name]}"
+def peft_keys(family: str, keys: Iterable[str]) -> dict[str, str]:
+    """Our adapter keys -> PEFT's (module docstring)."""
+    keys = list(keys)
+    adapted: dict[str, set[str]] = defaultdict(set)
+    for key in keys:
+        expert = _expert_param(_split(key)[0])
+        if expert:
+            adapted[expert[0]].add(expert[1])
+    to_hf = spec_for(family).key_to_hf
+    out = {}
+    for key in keys:
+        module, name = _split(key)
+        expert = _expert_param(module)
+        if expert is None:
+            hf_module = to_hf(f"{module}.weight").removesuffix(".weight")
+        else:
+            owner, param = expert
+            nested = [p for p in EXPERT_PARAMS if p in adapted[owner]]
+            hf_owner = to_hf(f"{owner}.{param}").removesuffix(f".{param}")
+            hf_module = hf_owner + ".base_layer" * (len(nested) - 1 - nested.index(param))
+        out[key] = f"base_model.model.{hf_module}.{_OURS_TO_PEFT[name]}"
+    return out
 
 
-def our_key(family: str, key: str) -> str:
-    for ours, peft in _OURS_TO_PEFT.items():
-        suffix = f".{peft}"
-        if key.startswith("base_model.model.") and key.endswith(suffix):
-            hf_module = key.removeprefix("base_model.model.").removesuffix(suffix)
-            return spec_for(family).key_from_hf(f"{hf_module}.weight").removesuffix(".weight") + f".{ours}"
-    raise ModelError(f"adapter weight {key!r} is not a LoRA weight of this model family (unexpected key)")
+def our_keys(family: str, keys: Iterable[str], target_parameters: list[str]) -> dict[str, str]:
+    """PEFT's adapter keys -> ours, the fused experts' read by the config's `target_parameters` as peft
+    matches them (the full name, or a suffix after a dot)."""
+    from_hf = spec_for(family).key_from_hf
+    out = {}
+    for key in keys:
+        found = [(o, p) for o, p in _OURS_TO_PEFT.items() if key.startswith("base_model.model.") and
+                 key.endswith(f".{p}")]  # fmt: skip
+        if not found:
+            raise ModelError(f"adapter weight {key!r} is not a LoRA weight of this model family (unexpected)")
+        ours, suffix = found[0]
+        hf_module = key.removeprefix("base_model.model.").removesuffix(f".{suffix}")
+        hf_owner = re.sub(r"(\.base_layer)+$", "", hf_module)
+        depth = (len(hf_module) - len(hf_owner)) // len(".base_layer")
+        nested = [
+            p for p in EXPERT_PARAMS
+            if any(f"{hf_owner}.{p}" == t or f"{hf_owner}.{p}".endswith(f".{t}") for t in target_parameters)
+        ]  # fmt: skip
+        if not nested:
+            out[key] = from_hf(f"{hf_module}.weight").removesuffix(".weight") + f".{ours}"
+            continue
+        if depth >= len(nested):
+            raise ModelError(f"adapter weight {key!r}: more wrappers than its target_parameters adapt")
+        out[key] = from_hf(f"{hf_owner}.{nested[len(nested) - 1 - depth]}") + f"_lora.{ours}"
+    return out
+
+
+def _target_parameters(family: str, adapters: Iterable[str]) -> list[str]:
+    """peft's target_parameters for our fused experts adapters: each weight's HF path after the layer
+    index (`mlp.experts.gate_up_proj`), which peft matches in every layer."""
+    to_hf = spec_for(family).key_to_hf
+    names = set()
+    for key in adapters:
+        expert = _expert_param(_split(key)[0])
+        if expert:
+            names.add(re.split(r"\.\d+\.", to_hf(f"{expert[0]}.{expert[1]}"), maxsplit=1)[-1])
+    return sorted(names)
 
 
 def save_adapter(
@@ -69,9 +141,10 @@ def save_adapter(
     """Write `adapters` (our names: `<module>.lora_A` ...) as a PEFT adapter folder. `fan_in_fan_out`: the
     adapted layers are transformers' Conv1D (GPT-2), as peft records them."""
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {peft_key(family, k): v.detach().float().contiguous().cpu() for k, v in adapters.items()}
+    names = peft_keys(family, adapters)
+    tensors = {names[k]: v.detach().float().contiguous().cpu() for k, v in adapters.items()}
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
-    targets = adapted_leaves(adapters)
+    targets = [t for t in adapted_leaves(adapters) if not t.startswith("experts.")]
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -79,6 +152,7 @@ def save_adapter(
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
         "target_modules": targets,
+        "target_parameters": _target_parameters(family, adapters) or None,
         "use_dora": lora.dora,
         "use_rslora": lora.rslora,
         "bias": "none",
@@ -104,13 +178,16 @@ def read_adapter(folder: Path, family: str) -> tuple[dict, dict[str, torch.Tenso
     config = json.loads(config_path.read_text())
     if config.get("peft_type") != "LORA":
         raise ModelError(f"model.adapter: {folder}: peft_type {config.get('peft_type')!r}; only LORA is read")
-    tensors = {our_key(family, k): v for k, v in load_file(str(folder / ADAPTER_FILE)).items()}
+    stored = load_file(str(folder / ADAPTER_FILE))
+    names = our_keys(family, stored, config.get("target_parameters") or [])
+    tensors = {names[k]: v for k, v in stored.items()}
     return config, tensors
 
 
 def merged_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A plain model's full state (our names, no adapter tensors): every LoRA layer's weight merged
-    (W + s B A, DoRA-scaled per row) in the base weight's dtype."""
+    (W + s B A, DoRA-scaled per row) and every fused experts weight (W_e + s B_e A_e), in the base weight's
+    dtype."""
     out = {k: dequantized(v) for k, v in state.items() if not is_adapter_key(k)}  # QLoRA: never the 4 bits
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
@@ -120,6 +197,12 @@ def merged_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
             plain = dequantized(weight).T if flip else dequantized(weight)
             merged = merge_weight(plain, *parts, module.scale)
             out[f"{name}.weight"] = (merged.T if flip else merged).to(weight.dtype)
+        elif isinstance(module, ParamLoRA):
+            owner = name.rpartition(".")[0]
+            weight = state[f"{owner}.{module.param_name}"]
+            delta = expert_delta(state[f"{name}.lora_A"], state[f"{name}.lora_B"], module.experts,
+                                 module.scale, module.transposed)  # fmt: skip
+            out[f"{owner}.{module.param_name}"] = (weight.float() + delta).to(weight.dtype)
     return out
 
 

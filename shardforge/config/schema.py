@@ -83,6 +83,9 @@ class DataSection(Section):
 
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# a mixture of experts' fused 3-D expert weights (adapters/expert_lora.py; peft's target_parameters), in the
+# order transformers registers them
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 class LoraSection(Section):
@@ -92,7 +95,9 @@ class LoraSection(Section):
     rank: int = Field(default=8, ge=1)
     alpha: float = Field(default=16.0, gt=0)
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    targets: Literal["all"] | list[str] = "all"  # every linear of attention and MLP, or HF module names
+    # all: every linear of the decoder blocks (docs/config.md says per family kind), or module names; the
+    # fused experts only when named (EXPERT_TARGETS)
+    targets: Literal["all"] | list[str] = "all"
     dora: bool = False
     rslora: bool = False
 
@@ -102,11 +107,17 @@ class LoraSection(Section):
             return self
         if not self.targets:
             raise ValueError("method.lora.targets is empty; give module names or all")
-        unknown = [t for t in self.targets if t not in LINEAR_TARGETS]
+        unknown = [t for t in self.targets if t not in LINEAR_TARGETS + EXPERT_TARGETS]
         if unknown:
             raise ValueError(
                 f"method.lora.targets: unknown module {', '.join(map(repr, unknown))}; valid: all, or "
-                f"some of {', '.join(LINEAR_TARGETS)}"
+                f"some of {', '.join(LINEAR_TARGETS + EXPERT_TARGETS)}"
+            )
+        experts = [t for t in self.targets if t in EXPERT_TARGETS]
+        if experts and (self.dora or self.dropout):
+            raise ValueError(
+                f"method.lora.targets {', '.join(experts)}: the fused experts take neither dora nor dropout "
+                f"(peft's adapter on a 3-D weight has neither); set dora: false and dropout: 0"
             )
         return self
 
@@ -515,6 +526,15 @@ class Config(Section):
             raise ValueError(
                 f"model.quantize=nf4 with parallel.tp={self.parallel.tp}: NF4 weights are not split by "
                 f"tensor parallel here; use data parallel (zero_stage=3 shards them) or pipeline parallel"
+            )
+        experts = self.method.finetuning == "lora" and self.method.lora.targets != "all"
+        experts = experts and [t for t in self.method.lora.targets if t in EXPERT_TARGETS]
+        split = {k: v for k, v in (("tp", self.parallel.tp), ("ep", self.parallel.ep)) if v > 1}
+        if experts and split:
+            layout = ", ".join(f"parallel.{k}={v}" for k, v in split.items())
+            raise ValueError(
+                f"method.lora.targets {', '.join(experts)} with {layout}: adapters on the fused experts "
+                f"are not split across ranks here; use data or pipeline parallel, or adapt the linears only"
             )
         if self.model.adapter is not None and self.method.finetuning != "lora":
             raise ValueError(

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardforge.adapters.lora import LoRALinear, adapters_disabled
+from shardforge.adapters.lora import adapter_layers, adapters_disabled
 from shardforge.adapters.merge import merge_adapter
 from shardforge.config.schema import DataSection, MethodSection
 from shardforge.data.batching import IGNORE, Batch, collate, row_tags
@@ -116,7 +116,7 @@ class ReferencedObjective(CausalLM):
             reference = load_reference(Path(ref), base, model).requires_grad_(False).eval()
             return f"reference model: {ref} (frozen, laid out as the policy is)", reference
         if finetuning == "lora" and adapter is None:
-            if not any(isinstance(m, LoRALinear) for m in model.modules()):
+            if not adapter_layers(model):
                 raise ConfigError("method.finetuning=lora, but the model has no LoRA layers to disable")
             self.reference = "adapters"
             return "reference model: the policy with its LoRA adapters disabled (no second copy)", None

@@ -406,7 +406,9 @@ class MemoryModel:
         b, h, lora = self.act_dtype_bytes, self.shape.hidden_size, self.cfg.method.lora
         split = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
         frozen_norm = (b * h + FP32_BYTES) / split
-        targets = len(LINEAR_TARGETS) if lora.targets == "all" else len(lora.targets)
+        # the linears' adapters (not the fused experts': W + delta is per layer, not per token)
+        named = LINEAR_TARGETS if lora.targets == "all" else set(lora.targets) & set(LINEAR_TARGETS)
+        targets = len(named)
         layer = targets * lora.rank * b - 2 * frozen_norm if layout.activation_checkpoint == "none" else 0.0
         tail = b * h + FP32_BYTES  # the final norm runs on the whole (gathered) stream
         layers = tuple(x + layer for x in per.layers)

@@ -103,8 +103,8 @@ class TimeModel:
         h, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "gate_proj": s.intermediate_size}
         widths |= {"up_proj": s.intermediate_size, "down_proj": h}
-        targets = self.cfg.method.lora.targets
-        return [widths[t] for t in (widths if targets == "all" else targets)]
+        targets = self.cfg.method.lora.targets  # the fused experts' adapters run per layer, not per token
+        return [widths[t] for t in (widths if targets == "all" else targets) if t in widths]
 
     def estimate(self, layout: Layout, states: StateBytes, batch: int) -> StepTime:
         """`states`: the fullest rank's model states (the memory model's); `batch`: rows per step."""

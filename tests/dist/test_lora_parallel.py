@@ -1,8 +1,9 @@
 """LoRA and DoRA on every layout: 2 ranks (DDP, ZeRO-1/2/3, TP2 with sequence parallel, PP2) and 4 ranks
 (FSDP2 x TP2, HSDP 2x2, PP2 x TP2) reproduce one process (loss and gradient norm per step, eval loss, final
 adapter and base weights), over an HF base whose vocabulary TP must pad, and QLoRA's NF4 base sharded by FSDP2
-on 2 ranks or split in 2 pipeline stages reproduces QLoRA in one process; the base stays bit-identical;
-checkpoints hold only adapters."""
+on 2 ranks or split in 2 pipeline stages reproduces QLoRA in one process; adapters on a Qwen3-MoE's fused
+experts (with a dense layer) train under ZeRO-3, PP2 and full recompute as in one process; the base stays
+bit-identical; checkpoints hold only adapters."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import shutil
 import pytest
 import torch
 
+from shardforge.models.common.config import DecoderConfig
+from shardforge.models.io import save_model
 from shardforge.models.quantize import dequantized
-from tests.conftest import alpaca_records, tiny_config, write_jsonl
+from shardforge.models.spec import spec_for
+from tests.conftest import TOKENIZER, alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
 from tests.dist._training import assert_same, parity_train, tiny_model_folder, train_runs
 
@@ -41,6 +45,21 @@ def _cfg(tmp, name: str, data, model: dict, lora: dict, mb: int = 4, **parallel)
     return cfg
 
 
+EXPERTS = {"targets": ["q_proj", "experts.gate_up_proj", "experts.down_proj"]}
+
+
+def _moe_folder(folder) -> dict:
+    """A Qwen3-MoE of 4 experts (top 2) whose first layer is dense."""
+    cfg = DecoderConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, qk_norm=True, family="qwen3_moe", num_experts=4, experts_per_token=2,
+        moe_intermediate_size=32, norm_topk_prob=True, dense_layers=[0],
+    )  # fmt: skip
+    model = spec_for("qwen3_moe").build(cfg)
+    model.init_weights(seed=7)
+    return {"path": str(save_model(model, folder)), "preset": None, "tokenizer": str(TOKENIZER)}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
@@ -55,6 +74,9 @@ def runs(tmp_path_factory):
     refs["qlora"] = train_runs([_cfg(tmp, "ref_qlora", data, nf4, {})])[0]
     bf16 = {**model, "dtype": "bfloat16"}  # a bf16 base under fp32 adapters
     refs["bf16base"] = train_runs([_cfg(tmp, "ref_bf16base", data, bf16, {})])[0]
+    moe = _moe_folder(tmp / "moe")
+    refs["experts"] = train_runs([_cfg(tmp, "ref_experts", data, moe, EXPERTS)])[0]
+    recompute = _cfg(tmp, "full_experts", data, moe, EXPERTS, activation_checkpoint="full")
 
     # global batch 8 everywhere: 4 x 2 accumulation in one process, 2 x 2 x 2 with 2 data-parallel ranks,
     # 4 x 2 x 1 where TP2 or PP2 leaves no data parallel
@@ -69,6 +91,8 @@ def runs(tmp_path_factory):
     jobs.append(("zero3_qlora", _cfg(tmp, "zero3_qlora", data, nf4, {}, 2, zero_stage=3)))
     jobs.append(("pp2_qlora", _cfg(tmp, "pp2_qlora", data, nf4, {}, 4, pp=2)))
     jobs.append(("zero3_bf16base", _cfg(tmp, "zero3_bf16base", data, bf16, {}, 2, zero_stage=3)))
+    jobs.append(("zero3_experts", _cfg(tmp, "zero3_experts", data, moe, EXPERTS, 2, zero_stage=3)))
+    jobs.append(("pp2_experts", _cfg(tmp, "pp2_experts", data, moe, EXPERTS, 4, pp=2)))
     two = run_ranks(train_runs, 2, [cfg for _, cfg in jobs])[0]
     four_jobs = [
         (f"fsdp_tp_{v}", _cfg(tmp, f"fsdp_tp_{v}", data, model, lora, 2, zero_stage=3, tp=2))
@@ -83,6 +107,7 @@ def runs(tmp_path_factory):
     shutil.copytree(tmp / "zero3_dora", tmp / "dora_to1")
     resumed = train_runs([_cfg(tmp, "dora_to1", data, model, variants["dora"])])[0]
     out = {"refs": refs, "model": model, "tmp": tmp, "dora_to1": resumed}
+    out["full_experts"], out["moe"] = train_runs([recompute])[0], moe
     out.update({name: run for (name, _), run in zip(jobs, two, strict=True)})
     out.update({name: run for (name, _), run in zip(four_jobs, four, strict=True)})
     return out
@@ -93,7 +118,7 @@ def runs(tmp_path_factory):
     [
         *("ddp_lora", "zero1_lora", "zero2_lora", "zero3_lora", "tp2_lora", "pp2_lora"),
         *("zero3_dora", "tp2_dora", "fsdp_tp_lora", "fsdp_tp_dora", "hsdp_lora", "pp_tp_lora"),
-        *("zero3_qlora", "pp2_qlora"),
+        *("zero3_qlora", "pp2_qlora", "zero3_experts", "pp2_experts", "full_experts"),
     ],
 )
 def test_every_layout_trains_the_adapters_as_one_process(runs, name):
@@ -136,3 +161,14 @@ def test_adapter_checkpoints_resume_on_another_layout(runs):
     assert resumed.keys() == saved.keys()
     for key, value in saved.items():
         assert torch.equal(resumed[key], value), key
+
+
+def test_the_fused_experts_adapters_train_and_the_experts_stay(runs):
+    from shardforge import load_model
+
+    ref = runs["refs"]["experts"]
+    base = load_model(runs["moe"]["path"])
+    moved = [k for k in ref["state"] if "experts." in k and k.endswith("_lora.lora_B")]
+    assert len(moved) == 2 and all(ref["state"][k].abs().max() > 0 for k in moved)
+    for key, value in base.state_dict().items():
+        assert torch.equal(ref["state"][key], value), key

@@ -299,3 +299,87 @@ def test_the_names_left_out_for_peft_are_peft_s_own():
                 refused.add(name)
         assert set(not_for_peft(model_type)) == set(_MOE_TARGET_MODULE_MAPPING.get(pattern, {})) | refused
     assert set(REREAD) <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+EXPERT_SHAPES = {  # native (Mixtral, Qwen3-MoE with a dense layer, Qwen2-MoE with its shared expert) and
+    # generic-backend mixtures of experts (OLMoE; GPT-OSS, whose experts are stored [E, in, out])
+    "mixtral": SHAPES["mixtral"],
+    "qwen3_moe": SHAPES["qwen3_moe"],
+    "qwen2_moe": SHAPES["qwen2_moe"],
+    "olmoe": dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=4,
+                    num_experts_per_tok=2, layer_types=["full_attention"] * 2),
+}  # fmt: skip
+EXPERT_TARGETS = {
+    "both": ["q_proj", "v_proj", "experts.gate_up_proj", "experts.down_proj"],  # peft nests two wrappers
+    "down": ["experts.down_proj"],
+}
+
+
+@pytest.mark.parametrize("targets", sorted(EXPERT_TARGETS))
+@pytest.mark.parametrize("family", sorted(EXPERT_SHAPES))
+def test_peft_loads_adapters_on_the_fused_experts_exactly(tmp_path, monkeypatch, family, targets):
+    """Adapters on the 3-D expert weights are peft's target_parameters: peft holds exactly our tensors under
+    its nested names and computes our logits; the merged weights (an export, and an inference load of the
+    adapter folder) compute them too; disabling the adapters gives the base."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    from shardforge.adapters.expert_lora import ParamLoRA
+    from shardforge.adapters.lora import adapters_disabled
+    from shardforge.adapters.merge import merge_adapter
+
+    monkeypatch.setitem(SHAPES, family, EXPERT_SHAPES[family])
+    folder = _hf_folder(tmp_path, family)
+    ours = load_model(folder).eval()
+    section = LoraSection(rank=2, targets=EXPERT_TARGETS[targets])
+    add_lora(ours, section, seed=0)
+    experts = [m for m in ours.modules() if isinstance(m, ParamLoRA)]
+    sparse = 1 if family in ("qwen3_moe", "qwen2_moe") else 2  # layers with experts (one dense there)
+    assert len(experts) == (2 if targets == "both" else 1) * sparse
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in ours.modules():
+            if isinstance(module, (LoRALinear, ParamLoRA)):
+                module.lora_B.copy_(torch.randn(module.lora_B.shape, generator=gen) * 0.2)
+    state = ours.state_dict()
+    adapters = {k: v for k, v in state.items() if ".lora_" in k}
+    out = save_adapter(tmp_path / "adapter", ours.config.family, adapters, section, str(folder))
+    config = json.loads((out / "adapter_config.json").read_text())
+    wanted = sorted(f"mlp.{t}" for t in EXPERT_TARGETS[targets] if t.startswith("experts."))
+    assert config["target_parameters"] == wanted
+    assert config["target_modules"] == sorted(t for t in EXPERT_TARGETS[targets] if "." not in t)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out).eval()
+    held, saved = get_peft_model_state_dict(peft_model), load_file(str(out / "adapter_model.safetensors"))
+    assert set(held) == set(saved) and len(saved) == len(adapters)
+    assert all(torch.equal(held[k], saved[k]) for k in saved)
+    with torch.no_grad():
+        want = ours(_ids())
+        base = load_model(folder).eval()
+        assert (base(_ids()) - want).abs().max().item() > 1e-2  # the adapters change the logits
+        assert (peft_model(_ids()).logits - want).abs().max().item() < 1e-4
+        with adapters_disabled(ours):
+            assert (ours(_ids()) - base(_ids())).abs().max().item() < 1e-6
+        merged = AutoModelForCausalLM.from_pretrained(folder).eval()
+        merged.load_state_dict(hf_state_dict(ours, merged_state(ours, state), "fused"), strict=False)
+        assert (merged(_ids()).logits - want).abs().max().item() < 1e-4
+        merge_adapter(base, out)  # what generate / serve do with an adapter folder
+        assert not any(isinstance(m, ParamLoRA) for m in base.modules())
+        assert (base(_ids()) - want).abs().max().item() < 1e-4
+    _, back = read_adapter(out, ours.config.family)
+    assert set(back) == set(adapters) and all(torch.equal(back[k], adapters[k]) for k in back)
+
+
+def test_adapters_on_the_fused_experts_are_refused_where_peft_or_the_layout_cannot_follow(tmp_path):
+    from shardforge.models import build_preset
+
+    with pytest.raises(ValueError, match="the fused experts take neither dora nor dropout"):
+        LoraSection(targets=["experts.down_proj"], dropout=0.1)
+    with pytest.raises(ValueError, match=r"unknown module 'experts\.up_proj'.*experts\.gate_up_proj"):
+        LoraSection(targets=["experts.up_proj"])
+    with pytest.raises(ConfigError, match="the llama layers have no fused experts"):
+        add_lora(build_preset("tiny-llama", vocab_size=50), LoraSection(targets=["experts.down_proj"]), 0)
+    base = {"model": {"preset": "tiny-qwen3-moe", "tokenizer": "t"}, "data": {"train": [{"path": "x"}]}}
+    method = {"finetuning": "lora", "lora": {"targets": ["q_proj", "experts.gate_up_proj"]}}
+    for parallel in ({"tp": 2}, {"ep": 2, "zero_stage": 3}):
+        with pytest.raises(ConfigError, match=r"experts\.gate_up_proj with parallel\.[te]p=2: adapters on"):
+            load_config(None, base={**base, "method": method, "parallel": parallel})
