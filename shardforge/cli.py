@@ -130,19 +130,37 @@ def _cmd_convert(args: argparse.Namespace, console: Console) -> int:
     lf = yaml.safe_load(source.read_text()) or {}
     if not isinstance(lf, dict):
         raise ConfigError(f"{source}: a LLaMA-Factory config is a YAML mapping of keys to values")
-    out = convert_lf(lf, source.parent)
+    out = convert_lf(lf)
+    if out.unsupported and not args.allow_unsupported:
+        console.print(
+            f"{source}: LLaMA-Factory keys shardforge cannot honour (the run would train something else):",
+            highlight=False, markup=False,
+        )  # fmt: skip
+        for item in out.unsupported:
+            console.print(f"  {item}", highlight=False, markup=False)
+        console.print(
+            "remove them, or convert anyway with --allow-unsupported (they are then listed in the config)"
+        )
+        return 2
+    if out.command is not None:  # a merge / export or inference YAML
+        for item in out.unsupported:
+            console.print(f"[yellow]warning:[/] not carried over: {item}", highlight=False)
+        console.print(
+            f"{source} is not a training run; the shardforge command doing what it does:\n{out.command}"
+        )
+        return 0
     load_config(None, base=out.config)  # a key or value the schema refuses is an error here, with its name
     lines = [f"# converted from {source} (LLaMA-Factory) by shardforge convert"]
     lines += [f"# note: {n}" for n in out.notes]
-    lines += [f"# unknown LLaMA-Factory key, not converted: {k}" for k in out.unknown]
+    lines += [f"# UNSUPPORTED (--allow-unsupported), not honoured: {k}" for k in out.unsupported]
     text = "\n".join(lines) + "\n" + yaml.safe_dump(out.config, sort_keys=False)
     if args.to:
         Path(args.to).write_text(text)
         console.print(f"wrote {args.to}", highlight=False)
     else:
         console.print(text, highlight=False, markup=False, end="")
-    for key in out.unknown:
-        console.print(f"[yellow]warning:[/] unknown LLaMA-Factory key {key!r} was not converted")
+    for item in out.unsupported:
+        console.print(f"[yellow]warning:[/] not honoured: {item}", highlight=False)
     return 0
 
 
@@ -446,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_convert = sub.add_parser("convert", help="a LLaMA-Factory training YAML as a shardforge config")
     p_convert.add_argument("source", help="the LLaMA-Factory YAML")
     p_convert.add_argument("--to", help="write the config here (default: print it)")
+    p_convert.add_argument(
+        "--allow-unsupported", action="store_true",
+        help="convert even where LLaMA-Factory keys have no counterpart (listed in the config)",
+    )  # fmt: skip
     p_convert.set_defaults(func=_cmd_convert)
     p_data = sub.add_parser("data", help="data utilities")
     data_sub = p_data.add_subparsers(dest="data_command", required=True)

@@ -50,7 +50,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def commit(staging: Path, step: int, keep: int) -> Path:
+def commit(staging: Path, step: int, keep: int | None) -> Path:
     """Make a fully written staging folder the checkpoint of `step` (rank 0 only), then prune old ones."""
     root = staging.parent
     files = {
@@ -66,14 +66,14 @@ def commit(staging: Path, step: int, keep: int) -> Path:
     return final
 
 
-def prune(root: Path, keep: int, step: int) -> None:
-    """After committing `step`: keep it and the newest `keep - 1` before it. Checkpoints of later steps
-    belong to a run this one replaced (it resumed from an earlier step, or started fresh) and are dropped,
-    as are staging folders left by crashes."""
+def prune(root: Path, keep: int | None, step: int) -> None:
+    """After committing `step`: keep it and the newest `keep - 1` before it (None: all). Checkpoints of
+    later steps belong to a run this one replaced (it resumed from an earlier step, or started fresh) and
+    are dropped, as are staging folders left by crashes."""
     complete = sorted((d for d in root.glob("step-*") if checkpoint_step(d) is not None), key=checkpoint_step)
     later = [d for d in complete if checkpoint_step(d) > step]
     earlier = [d for d in complete if checkpoint_step(d) <= step]
-    for old in later + earlier[:-keep]:
+    for old in later + (earlier[:-keep] if keep is not None else []):
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step-*"):
         shutil.rmtree(stale, ignore_errors=True)

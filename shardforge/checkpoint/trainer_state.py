@@ -112,7 +112,7 @@ class Checkpointer:
     the commit happens when the write is complete: before the next save, or at `wait()`. A crash before
     that leaves an uncommitted staging folder, and resume uses the previous checkpoint."""
 
-    def __init__(self, root: Path, keep: int, async_save: bool = False) -> None:
+    def __init__(self, root: Path, keep: int | None, async_save: bool = False) -> None:
         self.root, self.keep, self.async_save = root, keep, async_save
         self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self._pending: tuple[Future, Path, int] | None = None

@@ -1,14 +1,21 @@
-"""A LLaMA-Factory training YAML read as a shardforge config (`shardforge convert lf.yaml`).
+"""A LLaMA-Factory YAML read with LLaMA-Factory's meaning (`shardforge convert lf.yaml`).
 
-Each training key LF documents has a rule here (data: LF key -> what it becomes); keys whose counterpart would
-change nothing in a shardforge run (do_train, overwrite_cache, ...) are noted as such; anything else is listed
-as unknown, never silently dropped. LF's defaults that differ from ours are written out (packing is off
-for every stage but pt, LoRA's alpha is twice its rank), so the converted run trains as the LF one would.
+A training YAML is resolved as LF's own parser resolves it: every key we map starts from LF's default
+(`LF_DEFAULTS`: LF 0.9.5's hparams dataclasses and the transformers `TrainingArguments` it inherits), the
+YAML's values on top, and the whole result is written out, so a key left out means LF's value, not ours.
+Each mapped key has a rule (RULES); keys whose counterpart changes nothing in a shardforge run are noted
+(NOTHING_TO_DO); a key we cannot honour is *unsupported*: the command refuses the file with the list (what
+each would need) unless `--allow-unsupported`, and a key at LF's "off" value is harmless. tests/lf/ checks
+the table and the rules against LF's own parser, and the schedule against transformers' schedulers.
+
+A merge / export or inference YAML (LF's `examples/merge_lora`, `examples/inference`) is not a training run:
+it converts to the equivalent `shardforge export` / `chat` command.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,21 +26,117 @@ from shardforge.errors import ConfigError
 
 TRACKERS = get_args(Tracker)
 
+# LF 0.9.5's defaults (with transformers 5's TrainingArguments) of every key a rule reads.
+LF_DEFAULTS: dict[str, Any] = {
+    "stage": "sft",
+    "finetuning_type": "lora",
+    "adapter_name_or_path": None,
+    "quantization_bit": None,
+    "quantization_method": "bnb",
+    "quantization_type": "nf4",
+    "lora_rank": 8,
+    "lora_alpha": None,  # twice lora_rank
+    "lora_dropout": 0.0,
+    "lora_target": "all",
+    "use_dora": False,
+    "use_rslora": False,
+    "freeze_trainable_layers": 2,
+    "freeze_trainable_modules": "all",
+    "freeze_extra_modules": None,
+    "pref_beta": 0.1,
+    "pref_ftx": 0.0,
+    "pref_loss": "sigmoid",
+    "simpo_gamma": 0.5,
+    "dpo_label_smoothing": 0.0,
+    "ref_model": None,
+    "kto_chosen_weight": 1.0,
+    "kto_rejected_weight": 1.0,
+    "reward_model": None,
+    "dataset": None,
+    "eval_dataset": None,
+    "dataset_dir": "data",
+    "max_samples": None,
+    "template": None,
+    "cutoff_len": 2048,
+    "packing": None,  # pretraining packs, the other stages do not
+    "neat_packing": False,
+    "train_on_prompt": False,
+    "val_size": 0.0,
+    "preprocessing_num_workers": None,
+    "logging_steps": 500,
+    "save_strategy": "steps",
+    "save_steps": 500,
+    "save_total_limit": None,
+    "plot_loss": False,
+    "report_to": "none",
+    "run_name": None,
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 5e-5,
+    "num_train_epochs": 3.0,
+    "max_steps": -1,
+    "lr_scheduler_type": "linear",
+    "lr_scheduler_kwargs": None,
+    "warmup_ratio": None,
+    "warmup_steps": 0,
+    "weight_decay": 0.0,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8,
+    "optim": "adamw_torch_fused",
+    "max_grad_norm": 1.0,
+    "seed": 42,
+    "bf16": False,
+    "fp16": False,
+    "eval_strategy": "no",
+    "eval_steps": None,
+    "resume_from_checkpoint": None,
+    "overwrite_output_dir": False,
+    "ddp_timeout": 1800,
+    "disable_gradient_checkpointing": False,
+}
+
 # LF keys that need nothing in shardforge (the behaviour is built in, or belongs to HF Trainer's bookkeeping)
 NOTHING_TO_DO = {
     "do_train": "a shardforge run always trains",
     "do_eval": "evaluation runs when data.eval or data.eval_fraction is set",
     "trust_remote_code": "models are built from their config with no remote code",
     "overwrite_cache": "the dataset cache is keyed by content: a change re-encodes",
-    "overwrite_output_dir": "a run resumes from output_dir's checkpoints (checkpoint.resume)",
     "dataloader_num_workers": "batches come from the memory-mapped cache",
     "save_only_model": "checkpoints hold what resuming needs; final/ is the model",
     "flash_attn": "attention is SDPA (packed rows per document)",
     "enable_liger_kernel": "the LM head is fused with the loss already",
     "per_device_eval_batch_size": "evaluation uses train.micro_batch",
-    "eval_strategy": "evaluation runs every train.eval_every steps",
     "ddp_find_unused_parameters": "not needed by FSDP2 / DDP here",
+    "gradient_checkpointing": "read with disable_gradient_checkpointing (parallel.activation_checkpoint)",
+    "upcast_layernorm": "norms compute in fp32 already",
+    "double_quantization": "NF4's scales are quantized as in QLoRA",
+    "data_seed": "data order follows train.seed",
+    "logging_first_step": "the first step is logged",
 }
+# LF keys whose value at LF's "off" needs nothing, and otherwise has no counterpart (unsupported)
+WANTS = {
+    "use_galore": "GaLore", "use_apollo": "APOLLO", "use_badam": "BAdam", "use_adam_mini": "Adam-mini",
+    "use_muon": "Muon", "loraplus_lr_ratio": "LoRA+", "pissa_init": "PiSSA initialisation",
+    "use_llama_pro": "LLaMA Pro block expansion", "mixture_of_depths": "mixture-of-depths",
+    "use_dft_loss": "the DFT loss", "use_asft_loss": "the ASFT loss", "use_eaft_loss": "the EAFT loss",
+    "neftune_noise_alpha": "NEFTune noise", "pure_bf16": "pure bf16 (no fp32 master weights)",
+    "fp8": "fp8 training", "do_predict": "prediction with generation (shardforge generate)",
+    "predict_with_generate": "prediction with generation (shardforge generate)",
+    "mask_history": "training on the last turn only", "streaming": "LF's streaming (use data.streaming)",
+    "additional_target": "training extra modules beside LoRA", "resize_vocab": "vocabulary resizing",
+    "image_max_pixels": "multimodal data", "video_max_pixels": "multimodal data",
+    "freeze_vision_tower": "multimodal models", "use_unsloth": "Unsloth kernels",
+    "shift_attn": "S^2-attention", "rope_scaling": "RoPE scaling at load", "use_kt": "KTransformers",
+    "tokenized_path": "LF's pre-tokenized datasets", "mix_strategy": "dataset mixing strategies",
+    "interleave_probs": "dataset mixing strategies", "default_system": "a default system prompt",
+    "enable_thinking": "LF's thinking switch", "new_special_tokens": "added special tokens",
+    "ppo_buffer_size": "LF's PPO options", "ppo_epochs": "LF's PPO options", "ppo_target": "LF's PPO options",
+    "ppo_score_norm": "LF's PPO options", "ppo_whiten_rewards": "LF's PPO options",
+}  # fmt: skip
+# LF's "off" for the keys above where it is not False / None (enable_thinking is on unless false)
+OFF = {"mix_strategy": "concat", "enable_thinking": True, "image_max_pixels": 768 * 768,
+       "video_max_pixels": 256 * 256, "ppo_buffer_size": 1, "ppo_epochs": 4, "ppo_target": 6.0}  # fmt: skip
 
 SCHEDULES = {
     "cosine": "cosine",
@@ -43,13 +146,18 @@ SCHEDULES = {
 }
 STAGES = {"pt": "pt", "sft": "sft", "rm": "rm", "dpo": "dpo", "kto": "kto", "ppo": "ppo"}
 PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo", "orpo": "orpo", "simpo": "simpo"}
+ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+# LF's generic templates (not any model's own chat format): no counterpart, and `auto` would differ
+GENERIC_TEMPLATES = ("alpaca", "default", "empty", "vicuna", "cpm", "ziya", "aquila", "belle", "intern")
+INFER_KEYS = ("infer_backend", "export_dir")  # a merge / export or inference YAML has these, and no stage
 
 
 @dataclass
 class Converted:
     config: dict[str, Any]  # the shardforge config tree
     notes: list[str] = field(default_factory=list)  # how keys were read, where it is not one to one
-    unknown: list[str] = field(default_factory=list)  # LF keys with no rule here
+    unsupported: list[str] = field(default_factory=list)  # "key: what it would need"
+    command: str | None = None  # a merge / inference YAML: the equivalent shardforge command
 
 
 def _put(tree: dict, dotted: str, value: Any) -> None:
@@ -65,44 +173,76 @@ def _names(value: Any) -> list[str]:
     return [str(v).strip() for v in items if str(v).strip()]
 
 
-def _deepspeed(value: str, base: Path, out: Converted) -> None:
-    """A DeepSpeed JSON's ZeRO stage and offload as FSDP2 / ZeRO settings."""
-    path = Path(value) if Path(value).is_absolute() else base / value
-    if path.is_file():
-        zero = json.loads(path.read_text()).get("zero_optimization", {})
-        stage = int(zero.get("stage", 0))
-        offload_params = zero.get("offload_param", {}).get("device") == "cpu"
-        offload_optim = zero.get("offload_optimizer", {}).get("device") == "cpu"
-    else:  # LF's bundled names: ds_z0_config.json ... ds_z3_offload_config.json
-        name = path.name
-        digits = [int(c) for c in name if c.isdigit()]
-        if not digits:
-            raise ConfigError(f"deepspeed: {value!r} is not a file here and its name gives no ZeRO stage")
-        stage, offload_params = digits[0], "offload" in name
-        offload_optim = offload_params
-        out.notes.append(f"deepspeed: {value} not found; ZeRO stage {stage} read from its name")
-    if stage >= 2:
+def _cast(key: str, kind: type, value: Any) -> Any:
+    """`value` as LF's type for `key`, or a one-line error naming the key (LF's parser refuses it too)."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "false"):
+            return str(value).lower() == "true"
+    else:
+        try:
+            if kind is int and float(value) != int(float(value)):
+                raise ValueError
+            return kind(float(value)) if kind is int else kind(value)
+        except (TypeError, ValueError):
+            pass
+    raise ConfigError(f"{key}: {value!r} is not {'an' if kind is int else 'a'} {kind.__name__}")
+
+
+def _deepspeed(value: Any, out: Converted) -> None:
+    """A DeepSpeed config (a JSON file, found as transformers finds it: from the working directory, or an
+    inline mapping) read for its ZeRO stage and offload."""
+    if isinstance(value, dict):
+        ds, where = value, "the inline deepspeed mapping"
+    else:
+        path = Path(str(value))
+        if not path.is_file():
+            raise ConfigError(
+                f"deepspeed: {value} is not a file (LLaMA-Factory reads it from the working directory, "
+                f"{Path.cwd()}; run convert from the folder LF would run from)"
+            )
+        try:
+            ds = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"deepspeed: {path} is not valid JSON ({e})") from None
+        where = str(path)
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed: {where}: zero_optimization.stage {stage!r} is not 0, 1, 2 or 3")
+    params = (zero.get("offload_param") or {}).get("device") in ("cpu", "nvme")
+    optim = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+    if stage:
         _put(out.config, "parallel.zero_stage", stage)
-    elif stage == 1:
-        _put(out.config, "parallel.zero_stage", 1)
-        _put(out.config, "parallel.dp_replicate", -1)
-        _put(out.config, "parallel.dp_shard", 1)
-        out.notes.append(
-            "deepspeed ZeRO-1: parallel.zero_stage 1 over replicas (set dp_replicate to the world size)"
-        )
-    offload = "params" if offload_params else "optimizer" if offload_optim else "none"
+    offload = "params" if params else "optimizer" if optim else "none"
     if offload != "none":
+        if stage < 2:
+            out.unsupported.append(
+                f"deepspeed: offload with ZeRO-{stage} (shardforge offloads sharded states)"
+            )
         _put(out.config, "parallel.offload", offload)
+    tp = (ds.get("tensor_parallel") or {}).get("autotp_size")
+    if tp:  # DeepSpeed's automatic tensor parallel
+        _put(out.config, "parallel.tp", int(tp))
     out.notes.append(
-        f"deepspeed: ZeRO-{stage} as FSDP2 / ZeRO (parallel.zero_stage {stage}, offload {offload})"
+        f"deepspeed: {where}: ZeRO-{stage}, offload {offload}{f', tensor parallel {tp}' if tp else ''} "
+        "(parallel.zero_stage, offload, tp)"
     )
 
 
 Rule = Callable[[Any, dict, Converted], None]
 
 
-def _simple(dotted: str, cast: Callable[[Any], Any] = lambda v: v) -> Rule:
-    return lambda value, lf, out: _put(out.config, dotted, cast(value))
+def _simple(table: dict[str, tuple[str, type | None]]) -> dict[str, Rule]:
+    """One-to-one keys: LF key -> (our key, LF's type)."""
+
+    def rule(key: str, dotted: str, kind: type | None) -> Rule:
+        return lambda v, lf, out: _put(
+            out.config, dotted, v if kind is None or v is None else _cast(key, kind, v)
+        )
+
+    return {key: rule(key, dotted, kind) for key, (dotted, kind) in table.items()}
 
 
 def _stage(value: Any, lf: dict, out: Converted) -> None:
@@ -111,28 +251,75 @@ def _stage(value: Any, lf: dict, out: Converted) -> None:
     _put(out.config, "method.stage", STAGES[value])
 
 
-def _dataset(key: str) -> Rule:
+def _finetuning(value: Any, lf: dict, out: Converted) -> None:
+    if value == "oft":
+        out.unsupported.append("finetuning_type: oft (OFT adapters)")
+    elif value not in ("lora", "freeze", "full"):
+        raise ConfigError(f"finetuning_type: {value!r} is not one of lora, oft, freeze, full")
+    else:
+        _put(out.config, "method.finetuning", value)
+
+
+def _datasets(key: str) -> Rule:
     def rule(value: Any, lf: dict, out: Converted) -> None:
-        info = str(Path(lf.get("dataset_dir", "data")) / "dataset_info.json")
-        limit = lf.get("max_samples")
+        if value is None:
+            return
+        folder = str(lf["dataset_dir"])
+        if folder == "ONLINE" or (
+            folder.count("/") == 1 and not Path(folder).exists() and "://" not in folder
+        ):
+            out.unsupported.append(
+                f"dataset_dir: {folder} (datasets from a hub; shardforge reads local files: download the "
+                "dataset and point dataset_dir at its folder)"
+            )
+            return
+        limit = lf["max_samples"]
         specs = [
-            {"name": n, "dataset_info": info, **({"max_samples": limit} if limit else {})}
+            {"name": n, "dataset_info": str(Path(folder) / "dataset_info.json"),
+             **({"max_samples": _cast("max_samples", int, limit)} if limit else {})}
             for n in _names(value)
-        ]
+        ]  # fmt: skip
         _put(out.config, key, specs)
 
     return rule
 
 
 def _template(value: Any, lf: dict, out: Converted) -> None:
-    _put(out.config, "data.template", "auto")
-    out.notes.append(f"template: {value} -> data.template: auto (the tokenizer's own chat template)")
+    if value is None:
+        out.notes.append("template unset: the tokenizer's own chat template (data.template: auto)")
+        _put(out.config, "data.template", "auto")
+    elif value == "chatml":
+        _put(out.config, "data.template", "chatml")
+    elif value in GENERIC_TEMPLATES:
+        out.unsupported.append(
+            f"template: {value} (LF's generic {value} format is not a model's own template)"
+        )
+    else:
+        _put(out.config, "data.template", "auto")
+        out.notes.append(f"template: {value} -> data.template: auto (the model's own chat template)")
 
 
 def _quantization(value: Any, lf: dict, out: Converted) -> None:
-    if int(value) != 4:
-        raise ConfigError(f"quantization_bit: {value}: shardforge quantizes to 4 bits (NF4) only")
-    _put(out.config, "model.quantize", "nf4")
+    if value is None:
+        return
+    bits, method, kind = (
+        _cast("quantization_bit", int, value),
+        lf["quantization_method"],
+        lf["quantization_type"],
+    )
+    if (bits, method, kind) == (4, "bnb", "nf4"):
+        _put(out.config, "model.quantize", "nf4")
+    else:
+        out.unsupported.append(
+            f"quantization_bit: {bits} ({method}, {kind}): shardforge quantizes a base to 4-bit NF4 only"
+        )
+
+
+def _lora_alpha(value: Any, lf: dict, out: Converted) -> None:
+    if value is None:
+        value = 2 * _cast("lora_rank", int, lf["lora_rank"])
+        out.notes.append("lora_alpha unset: LLaMA-Factory's default, twice lora_rank")
+    _put(out.config, "method.lora.alpha", _cast("lora_alpha", float, value))
 
 
 def _lora_target(value: Any, lf: dict, out: Converted) -> None:
@@ -140,32 +327,153 @@ def _lora_target(value: Any, lf: dict, out: Converted) -> None:
     _put(out.config, "method.lora.targets", "all" if names == ["all"] else names)
 
 
+def _freeze_modules(value: Any, lf: dict, out: Converted) -> None:
+    if _names(value) != ["all"]:
+        out.unsupported.append(f"freeze_trainable_modules: {value} (only whole layers train under freeze)")
+
+
+def _pref(name: str, kind: type) -> Rule:
+    """pref_beta / pref_ftx: DPO's, or KTO's under stage kto (LF reads the same keys for both)."""
+
+    def rule(value: Any, lf: dict, out: Converted) -> None:
+        key = f"pref_{name}"
+        if lf["stage"] == "kto" and name == "ftx":
+            if float(value):
+                out.unsupported.append(f"{key}: {value} (an SFT term in KTO)")
+            return
+        section = "kto" if lf["stage"] == "kto" else "pref"
+        _put(out.config, f"method.{section}.{name}", _cast(key, kind, value))
+
+    return rule
+
+
 def _pref_loss(value: Any, lf: dict, out: Converted) -> None:
+    if float(lf["dpo_label_smoothing"]) and value != "sigmoid":  # LF's own check
+        raise ConfigError(f"dpo_label_smoothing: only valid with pref_loss sigmoid (it is {value})")
     if value not in PREF_LOSSES:
-        raise ConfigError(f"pref_loss: {value!r}; shardforge has {', '.join(PREF_LOSSES)}")
-    _put(out.config, "method.pref.loss", PREF_LOSSES[value])
+        out.unsupported.append(f"pref_loss: {value} (shardforge has {', '.join(PREF_LOSSES)})")
+    else:
+        _put(out.config, "method.pref.loss", PREF_LOSSES[value])
+
+
+def _reward_model(value: Any, lf: dict, out: Converted) -> None:
+    if value is None:
+        if lf["stage"] == "ppo":
+            out.unsupported.append("reward_model: unset (LF's PPO needs a reward model)")
+        return
+    if lf.get("reward_model_type", "lora") != "full":
+        out.unsupported.append(
+            f"reward_model_type: {lf.get('reward_model_type', 'lora')} (shardforge reads a full reward "
+            "model folder: export the rm run merged and set reward_model_type: full)"
+        )
+    _put(out.config, "method.rl.rewards", [{"model": str(value)}])
+
+
+def _packing(value: Any, lf: dict, out: Converted) -> None:
+    packing = lf["stage"] == "pt" if value is None else _cast("packing", bool, value)
+    neat = _cast("neat_packing", bool, lf["neat_packing"])
+    _put(out.config, "data.packing", packing or neat)
+    if value or neat:  # LF's data arguments: packing asked for shortens rows by one (not pt's default)
+        _put(out.config, "data.max_length", _cast("cutoff_len", int, lf["cutoff_len"]) - 1)
+        out.notes.append("packing: true -> data.max_length is cutoff_len - 1, as LF's data arguments make it")
+    if packing and not neat:
+        out.notes.append(
+            "packing: LF lets a packed row's documents attend to each other; shardforge's packed rows "
+            "attend per document (as LF's neat_packing)"
+        )
+
+
+def _val_size(value: Any, lf: dict, out: Converted) -> None:
+    size = float(value)
+    if size >= 1:
+        if size != int(size):
+            raise ConfigError(f"val_size: {value}: a fraction below 1 or a whole number of examples")
+        _put(out.config, "data.eval_count", int(size))
+    elif size > 0:
+        _put(out.config, "data.eval_fraction", size)
 
 
 def _schedule(value: Any, lf: dict, out: Converted) -> None:
-    if value not in SCHEDULES:
-        raise ConfigError(f"lr_scheduler_type: {value!r}; shardforge has {', '.join(sorted(set(SCHEDULES)))}")
+    kwargs = lf["lr_scheduler_kwargs"] or {}
+    if isinstance(kwargs, str):
+        kwargs = json.loads(kwargs)
+    if value == "cosine_with_min_lr" and set(kwargs) == {"min_lr_rate"}:
+        _put(out.config, "train.schedule", "cosine")
+        _put(out.config, "train.min_lr_ratio", float(kwargs["min_lr_rate"]))
+        return
+    if value not in SCHEDULES or kwargs:
+        out.unsupported.append(
+            f"lr_scheduler_type: {value}{f' with {kwargs}' if kwargs else ''} (shardforge has linear, "
+            "cosine, constant, constant_with_warmup and cosine_with_min_lr with min_lr_rate)"
+        )
+        return
     _put(out.config, "train.schedule", SCHEDULES[value])
-    if value == "constant_with_warmup":
-        out.notes.append("lr_scheduler_type constant_with_warmup -> constant with train.warmup")
+    _put(out.config, "train.min_lr_ratio", 0.0)  # transformers' schedules decay to 0
 
 
-def _epochs(value: Any, lf: dict, out: Converted) -> None:
-    if "max_steps" not in lf or int(lf["max_steps"]) <= 0:
-        _put(out.config, "train.epochs", float(value))
+def _warmup(value: Any, lf: dict, out: Converted) -> None:
+    """transformers 5: warmup_steps below 1 is a ratio of the steps (rounded up); warmup_ratio the same;
+    its warmup starts at rate 0."""
+    _put(out.config, "train.warmup_from_zero", True)
+    ratio = lf["warmup_ratio"]
+    steps = float(value)
+    if ratio is not None and float(ratio) > 0:
+        _put(out.config, "train.warmup_ratio", float(ratio))
+    elif 0 < steps < 1:
+        _put(out.config, "train.warmup_ratio", steps)
+    else:
+        _put(out.config, "train.warmup", _cast("warmup_steps", int, value))
+
+
+def _length(value: Any, lf: dict, out: Converted) -> None:
+    steps = _cast("max_steps", int, lf["max_steps"])
+    if steps > 0:
+        _put(out.config, "train.steps", steps)
+    else:
+        _put(out.config, "train.epochs", _cast("num_train_epochs", float, value))
         _put(out.config, "train.steps", None)
 
 
-def _precision(name: str) -> Rule:
-    def rule(value: Any, lf: dict, out: Converted) -> None:
-        if value:
-            _put(out.config, "train.precision", name)
+def _optimizer(value: Any, lf: dict, out: Converted) -> None:
+    if str(value) not in ADAMW:
+        out.unsupported.append(f"optim: {value} (shardforge trains with AdamW: {', '.join(ADAMW)})")
+    betas = (_cast("adam_beta1", float, lf["adam_beta1"]), _cast("adam_beta2", float, lf["adam_beta2"]))
+    _put(out.config, "train.betas", list(betas))
+    _put(out.config, "train.eps", _cast("adam_epsilon", float, lf["adam_epsilon"]))
 
-    return rule
+
+def _precision(value: Any, lf: dict, out: Converted) -> None:
+    bf16, fp16 = _cast("bf16", bool, value), _cast("fp16", bool, lf["fp16"])
+    _put(out.config, "train.precision", "bf16" if bf16 else "fp16" if fp16 else "fp32")
+    if fp16:
+        _put(out.config, "model.dtype", "float32")  # fp16 keeps fp32 master weights, as HF's amp
+
+
+def _saving(value: Any, lf: dict, out: Converted) -> None:
+    if value == "steps":
+        _put(out.config, "checkpoint.every", _cast("save_steps", int, lf["save_steps"]))
+    elif value != "no":
+        out.unsupported.append(f"save_strategy: {value} (shardforge checkpoints every N steps)")
+    limit = lf["save_total_limit"]
+    _put(out.config, "checkpoint.keep", None if limit is None else _cast("save_total_limit", int, limit))
+
+
+def _evaluating(value: Any, lf: dict, out: Converted) -> None:
+    if value == "steps":
+        every = lf["eval_steps"] if lf["eval_steps"] is not None else lf["logging_steps"]
+        _put(out.config, "train.eval_every", _cast("eval_steps", int, every))
+    elif value != "no":
+        out.unsupported.append(f"eval_strategy: {value} (shardforge evaluates every N steps)")
+
+
+def _resuming(value: Any, lf: dict, out: Converted) -> None:
+    """LF resumes from output_dir's last checkpoint unless overwrite_output_dir (or an explicit one)."""
+    if lf["resume_from_checkpoint"]:
+        _put(out.config, "checkpoint.resume", str(lf["resume_from_checkpoint"]))
+    else:
+        _put(
+            out.config, "checkpoint.resume", "none" if _cast("overwrite_output_dir", bool, value) else "auto"
+        )
 
 
 def _report_to(value: Any, lf: dict, out: Converted) -> None:
@@ -175,83 +483,157 @@ def _report_to(value: Any, lf: dict, out: Converted) -> None:
     _put(out.config, "log.report_to", [n for n in names if n in TRACKERS])
     others = [n for n in names if n not in TRACKERS]
     if others:
-        out.unknown.append(f"report_to: {', '.join(others)} (log.report_to offers {', '.join(TRACKERS)})")
+        out.unsupported.append(f"report_to: {', '.join(others)} (log.report_to offers {', '.join(TRACKERS)})")
+
+
+def _checkpointing(value: Any, lf: dict, out: Converted) -> None:
+    """LF turns on the model's gradient checkpointing unless disable_gradient_checkpointing."""
+    off = _cast("disable_gradient_checkpointing", bool, value)
+    _put(out.config, "parallel.activation_checkpoint", "none" if off else "full")
+
+
+def _optional(key: str, dotted: str, kind: type) -> Rule:
+    """A key whose LF default (None, 0, an empty list) means: leave ours unset."""
+    return lambda v, lf, out: _put(out.config, dotted, _cast(key, kind, v)) if v else None
 
 
 RULES: dict[str, Rule] = {
-    "model_name_or_path": _simple("model.path"),
-    "adapter_name_or_path": _simple("model.adapter"),
+    **_simple(
+        {
+            "model_name_or_path": ("model.path", str),
+            "adapter_name_or_path": ("model.adapter", None),
+            "lora_rank": ("method.lora.rank", int),
+            "lora_dropout": ("method.lora.dropout", float),
+            "use_dora": ("method.lora.dora", bool),
+            "use_rslora": ("method.lora.rslora", bool),
+            "freeze_trainable_layers": ("method.freeze.trainable_layers", int),
+            "simpo_gamma": ("method.pref.simpo_gamma", float),
+            "dpo_label_smoothing": ("method.pref.label_smoothing", float),
+            "kto_chosen_weight": ("method.kto.desirable_weight", float),
+            "kto_rejected_weight": ("method.kto.undesirable_weight", float),
+            "cutoff_len": ("data.max_length", int),
+            "train_on_prompt": ("data.train_on_prompt", bool),
+            "output_dir": ("output_dir", str),
+            "logging_steps": ("train.log_every", int),
+            "plot_loss": ("log.plot", bool),
+            "per_device_train_batch_size": ("train.micro_batch", int),
+            "gradient_accumulation_steps": ("train.grad_accum", int),
+            "learning_rate": ("train.lr", float),
+            "weight_decay": ("train.weight_decay", float),
+            "seed": ("train.seed", int),
+        }
+    ),
     "quantization_bit": _quantization,
     "stage": _stage,
-    "finetuning_type": _simple("method.finetuning"),
-    "lora_rank": _simple("method.lora.rank", int),
-    "lora_alpha": _simple("method.lora.alpha", float),
-    "lora_dropout": _simple("method.lora.dropout", float),
+    "finetuning_type": _finetuning,
+    "lora_alpha": _lora_alpha,
     "lora_target": _lora_target,
-    "use_dora": _simple("method.lora.dora", bool),
-    "use_rslora": _simple("method.lora.rslora", bool),
-    "freeze_trainable_layers": _simple("method.freeze.trainable_layers", int),
-    "freeze_extra_modules": lambda v, lf, out: _put(out.config, "method.freeze.extra_modules", _names(v)),
-    "pref_beta": _simple("method.pref.beta", float),
+    "freeze_trainable_modules": _freeze_modules,
+    "freeze_extra_modules": lambda v, lf, out: (
+        _put(out.config, "method.freeze.extra_modules", _names(v)) if v else None
+    ),
+    "pref_beta": _pref("beta", float),
     "pref_loss": _pref_loss,
-    "pref_ftx": _simple("method.pref.ftx", float),
-    "simpo_gamma": _simple("method.pref.simpo_gamma", float),
-    "dpo_label_smoothing": _simple("method.pref.label_smoothing", float),
-    "ref_model": _simple("method.pref.ref"),
-    "kto_chosen_weight": _simple("method.kto.desirable_weight", float),
-    "kto_rejected_weight": _simple("method.kto.undesirable_weight", float),
-    "dataset": _dataset("data.train"),
-    "eval_dataset": _dataset("data.eval"),
-    "dataset_dir": lambda v, lf, out: None,  # read with dataset
-    "max_samples": lambda v, lf, out: None,  # read with dataset
+    "pref_ftx": _pref("ftx", float),
+    "ref_model": _optional("ref_model", "method.pref.ref", str),
+    "reward_model": _reward_model,
+    "dataset": _datasets("data.train"),
+    "eval_dataset": _datasets("data.eval"),
     "template": _template,
-    "cutoff_len": _simple("data.max_length", int),
-    "packing": _simple("data.packing", bool),
-    "neat_packing": lambda v, lf, out: _put(out.config, "data.packing", True) if v else None,
-    "train_on_prompt": _simple("data.train_on_prompt", bool),
-    "val_size": _simple("data.eval_fraction", float),
-    "preprocessing_num_workers": _simple("data.workers", int),
-    "output_dir": _simple("output_dir", str),
-    "logging_steps": _simple("train.log_every", int),
-    "save_steps": _simple("checkpoint.every", int),
-    "save_total_limit": _simple("checkpoint.keep", int),
-    "plot_loss": _simple("log.plot", bool),
+    "packing": _packing,
+    "val_size": _val_size,
+    "preprocessing_num_workers": _optional("preprocessing_num_workers", "data.workers", int),
+    "save_strategy": _saving,
     "report_to": _report_to,
-    "run_name": _simple("log.run_name"),
-    "per_device_train_batch_size": _simple("train.micro_batch", int),
-    "gradient_accumulation_steps": _simple("train.grad_accum", int),
-    "learning_rate": _simple("train.lr", float),
-    "num_train_epochs": _epochs,
-    "max_steps": lambda v, lf, out: _put(out.config, "train.steps", int(v)) if int(v) > 0 else None,
+    "run_name": _optional("run_name", "log.run_name", str),
+    "num_train_epochs": _length,
     "lr_scheduler_type": _schedule,
-    "warmup_ratio": _simple("train.warmup_ratio", float),
-    "warmup_steps": _simple("train.warmup", int),
-    "weight_decay": _simple("train.weight_decay", float),
-    "max_grad_norm": _simple("train.clip", float),
-    "seed": _simple("train.seed", int),
-    "bf16": _precision("bf16"),
-    "fp16": _precision("fp16"),
-    "eval_steps": _simple("train.eval_every", int),
-    "resume_from_checkpoint": lambda v, lf, out: _put(out.config, "checkpoint.resume", v) if v else None,
-    "ddp_timeout": lambda v, lf, out: _put(out.config, "parallel.timeout_minutes", max(1.0, int(v) / 60)),
+    "warmup_steps": _warmup,
+    "optim": _optimizer,
+    "max_grad_norm": lambda v, lf, out: _put(
+        out.config, "train.clip", _cast("max_grad_norm", float, v) or None
+    ),
+    "bf16": _precision,
+    "eval_strategy": _evaluating,
+    "overwrite_output_dir": _resuming,
+    "ddp_timeout": lambda v, lf, out: _put(
+        out.config, "parallel.timeout_minutes", max(1.0, _cast("ddp_timeout", int, v) / 60)
+    ),
+    "disable_gradient_checkpointing": _checkpointing,
 }
+# keys another key's rule reads with it
+READ_WITH = {
+    "quantization_method": "quantization_bit", "quantization_type": "quantization_bit",
+    "dataset_dir": "dataset", "max_samples": "dataset", "neat_packing": "packing",
+    "save_steps": "save_strategy", "save_total_limit": "save_strategy", "max_steps": "num_train_epochs",
+    "lr_scheduler_kwargs": "lr_scheduler_type", "warmup_ratio": "warmup_steps", "adam_beta1": "optim",
+    "adam_beta2": "optim", "adam_epsilon": "optim", "fp16": "bf16", "eval_steps": "eval_strategy",
+    "resume_from_checkpoint": "overwrite_output_dir", "reward_model_type": "reward_model",
+    "deepspeed": "deepspeed",
+}  # fmt: skip
 
 
-def convert_lf(lf: dict[str, Any], base: Path = Path(".")) -> Converted:
-    """`lf`: the LF YAML's mapping; `base`: the folder relative paths in it (a deepspeed JSON) start from."""
-    out = Converted({"data": {"packing": lf.get("stage", "sft") == "pt"}})  # LF packs pretraining only
-    if lf.get("finetuning_type") == "lora" and "lora_alpha" not in lf:  # LF: alpha = 2 x rank by default
-        _put(out.config, "method.lora.alpha", 2.0 * int(lf.get("lora_rank", 8)))
-        out.notes.append("lora_alpha unset: LLaMA-Factory's default, twice lora_rank")
-    for key, value in lf.items():
-        if value is None:
+def is_training(lf: dict[str, Any]) -> bool:
+    """A training YAML, as opposed to LF's merge / export and inference ones."""
+    return "stage" in lf or not any(k in lf for k in INFER_KEYS)
+
+
+def convert_lf(lf: dict[str, Any]) -> Converted:
+    """`lf`: the LF YAML's mapping, resolved against LF_DEFAULTS (relative paths in it, a deepspeed JSON
+    among them, are read from the working directory, as LF reads them)."""
+    if not is_training(lf):
+        return _command(lf)
+    if not lf.get("model_name_or_path"):
+        raise ConfigError("model_name_or_path: missing (LLaMA-Factory needs the model to train)")
+    given = {k: v for k, v in lf.items() if v is not None or k not in LF_DEFAULTS}
+    resolved = {**LF_DEFAULTS, **given}
+    out = Converted({})
+    for key, rule in RULES.items():
+        if key in resolved:
+            rule(resolved[key], resolved, out)
+    if "deepspeed" in given:
+        _deepspeed(given["deepspeed"], out)
+    for key, value in given.items():
+        if key in RULES or key in READ_WITH:
             continue
-        if key == "deepspeed":
-            _deepspeed(str(value), base, out)
-        elif key in RULES:
-            RULES[key](value, lf, out)
-        elif key in NOTHING_TO_DO:
+        if key in NOTHING_TO_DO:
             out.notes.append(f"{key}: nothing to set ({NOTHING_TO_DO[key]})")
+        elif value in (None, False, "", OFF.get(key, False)) or (key == "report_to" and value == "none"):
+            out.notes.append(f"{key}: {value!r} is LF's default, nothing to set")
         else:
-            out.unknown.append(key)
+            out.unsupported.append(f"{key}: {WANTS.get(key, 'no counterpart in shardforge')}")
+    return out
+
+
+def _command(lf: dict[str, Any]) -> Converted:
+    """LF's merge / export YAML as `shardforge export`, its inference YAML as `shardforge chat`."""
+    model = lf.get("model_name_or_path")
+    if not model:
+        raise ConfigError("model_name_or_path: missing (the model to export or chat with)")
+    adapters = _names(lf["adapter_name_or_path"]) if lf.get("adapter_name_or_path") else []
+    if len(adapters) > 1:
+        raise ConfigError(f"adapter_name_or_path: {len(adapters)} adapters; shardforge merges one at a time")
+    out = Converted({})
+    if "export_dir" in lf:
+        source = adapters[0] if adapters else model
+        base = f" --base {shlex.quote(str(model))}" if adapters else ""
+        merge = " --merge" if adapters else ""
+        out.command = (
+            f"shardforge export {shlex.quote(str(source))} --to {shlex.quote(str(lf['export_dir']))}"
+        )
+        out.command += merge + base
+        if lf.get("export_quantization_bit"):
+            out.unsupported.append("export_quantization_bit: quantized export (GPTQ)")
+    else:
+        out.command = f"shardforge chat {shlex.quote(str(model))}"
+        if adapters:
+            out.command += f" --adapter {shlex.quote(adapters[0])}"
+        if lf.get("infer_backend", "huggingface") not in ("huggingface", "hf"):
+            out.notes.append(f"infer_backend: {lf['infer_backend']} -> shardforge's own engine")
+    known = {"model_name_or_path", "adapter_name_or_path", "export_dir", "infer_backend", "template",
+             "trust_remote_code", "finetuning_type", "export_size", "export_device", "export_legacy_format",
+             "export_quantization_bit"}  # fmt: skip
+    for key in lf:
+        if key not in known:
+            out.notes.append(f"{key}: not part of the equivalent command")
     return out

@@ -75,6 +75,7 @@ class DataSection(Section):
     template: Literal["auto", "chatml"] = "auto"
     truncation: Literal["right", "error"] = "right"
     eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
+    eval_count: int | None = Field(default=None, ge=1)  # hold out this many records instead (LF's val_size N)
     cache: bool = True  # tokenize once into memory-mapped arrays, reused by later runs and every rank
     cache_dir: FilePath | None = None  # None: $XDG_CACHE_HOME/shardforge/datasets (~/.cache/...)
     workers: int | None = Field(default=None, ge=1)  # encoding processes; None: the cores (shared by a node)
@@ -404,6 +405,7 @@ class TrainSection(Section):
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     warmup: int = Field(default=10, ge=0)
     warmup_ratio: float | None = Field(default=None, ge=0, lt=1)
+    warmup_from_zero: bool = False  # transformers' warmup: step k at lr x k / warmup (LLaMA-Factory's runs)
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(default=1e-8, gt=0)
@@ -427,7 +429,7 @@ class CheckpointSection(Section):
     """Sharded training checkpoints (torch.distributed.checkpoint) under `<output_dir>/checkpoints`."""
 
     every: int | None = Field(default=None, ge=1)  # steps between checkpoints; None: none during the run
-    keep: int = Field(default=3, ge=1)  # complete checkpoints kept (oldest deleted first)
+    keep: int | None = Field(default=3, ge=1)  # complete checkpoints kept (oldest deleted first); None: all
     resume: Annotated[str, FileRef(words=("auto", "none"))] = (
         "auto"  # auto (latest complete one in output_dir, if any) | none | a checkpoint folder
     )
@@ -552,10 +554,15 @@ class Config(Section):
                 f"train.epochs={self.train.epochs}: with data.streaming the corpus length is not known "
                 f"ahead; set train.steps instead"
             )
-        if self.data.eval_fraction > 0:
+        if self.data.eval_fraction > 0 or self.data.eval_count:
+            held = (
+                f"data.eval_count={self.data.eval_count}"
+                if self.data.eval_count
+                else (f"data.eval_fraction={self.data.eval_fraction}")
+            )
             raise ValueError(
-                f"data.eval_fraction={self.data.eval_fraction}: a stream cannot hold out a share of its "
-                f"records; give evaluation files in data.eval instead"
+                f"{held}: a stream cannot hold out a share of its records; give evaluation files in "
+                "data.eval instead"
             )
         return self
 

@@ -174,12 +174,14 @@ def build_datasets(
 def _split_records(data: DataSection, how: Reading, seed: int) -> tuple[list[Record], list[Record]]:
     train_records = _read_all(data.train, how)
     eval_records = _read_all(data.eval, how) if data.eval else []
-    if data.eval_fraction > 0:
+    if data.eval_fraction > 0 or data.eval_count:
         order = list(range(len(train_records)))
         random.Random(seed).shuffle(order)
-        held = set(order[: max(1, int(len(order) * data.eval_fraction))])
+        count = data.eval_count or max(1, int(len(order) * data.eval_fraction))
+        held = set(order[:count])
         if len(held) >= len(train_records):
-            raise DataError(f"data.eval_fraction={data.eval_fraction} leaves no training record")
+            what = f"eval_count={count}" if data.eval_count else f"eval_fraction={data.eval_fraction}"
+            raise DataError(f"data.{what} leaves no training record (of {len(train_records)})")
         eval_records += [r for i, r in enumerate(train_records) if i in held]
         train_records = [r for i, r in enumerate(train_records) if i not in held]
     return train_records, eval_records

@@ -38,9 +38,17 @@ def hf_config(folder: Path) -> Any:
     """transformers' config of the folder; one its own code cannot read (a value its validation rejects)
     is an error naming the file."""
     try:
-        return AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError, StrictDataclassError) as exc:
         raise ModelError(f"{folder / 'config.json'}: transformers cannot read this config ({exc})") from None
+    quantized = config.to_dict().get("quantization_config")
+    if quantized:  # AWQ, GPTQ, AQLM, fp8...: packed weights our layers do not read
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ModelError(
+            f"{folder / 'config.json'}: a pre-quantized checkpoint (quantization_config: {method}); "
+            "shardforge loads full-precision weights (train over a 4-bit base with model.quantize: nf4)"
+        )
+    return config
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -50,14 +50,18 @@ def build_optimizer(
 
 
 def warmup_steps(total: int, train: TrainSection) -> int:
-    return int(train.warmup_ratio * total) if train.warmup_ratio is not None else train.warmup
+    """transformers' rounding: a ratio of the steps rounded up."""
+    return math.ceil(train.warmup_ratio * total) if train.warmup_ratio is not None else train.warmup
 
 
 def lr_factor(step: int, total: int, train: TrainSection) -> float:
-    """Multiplier of train.lr at optimizer step `step` (0-based)."""
+    """Multiplier of train.lr at optimizer step `step` (0-based): warmup, then the decay to `min_lr_ratio`
+    that transformers' schedules compute (`get_cosine_schedule_with_warmup` ...; tests/lf/ checks them step
+    by step). Warmup step k runs at (k+1)/(warmup+1), or, with `warmup_from_zero`, at transformers' k/warmup
+    (the first step at rate 0)."""
     warmup = warmup_steps(total, train)
     if warmup and step < warmup:
-        return (step + 1) / (warmup + 1)
+        return step / warmup if train.warmup_from_zero else (step + 1) / (warmup + 1)
     if train.schedule == "constant":
         return 1.0
     span = max(1, total - warmup)

@@ -78,7 +78,7 @@ HOW = {
     "shardforge export RUN_OR_CHECKPOINT --to DIR [--merge] [--base DIR]": "synopsis",
     "shardforge data prepare CONFIG [key=value ...]": "synopsis",
     "shardforge plan CONFIG [key=value ...] [--hardware P --nodes N --devices-per-node D] [--json]": "synopsis",  # noqa: E501
-    "shardforge convert lf.yaml [--to ours.yaml]": "synopsis",
+    "shardforge convert lf.yaml [--to ours.yaml] [--allow-unsupported]": "synopsis",
     "shardforge webui [--port 7860] [--root DIR] [--host H --auth USER:PASSWORD]": "synopsis",
     "shardforge train": "synopsis",
     "shardforge": "synopsis",

@@ -1,6 +1,7 @@
 """`shardforge convert`: LLaMA-Factory training YAMLs, written here in LF's documented form (its
 examples/train_lora/llama3_lora_sft.yaml, train_full with a DeepSpeed ZeRO-3 file, a DPO and a QLoRA KTO run),
-read as shardforge configs that the schema accepts; unknown keys are listed, not dropped."""
+read as shardforge configs that the schema accepts; keys without a counterpart refuse the file (listed), bad
+values are one-line errors. tests/lf/ checks the same against LLaMA-Factory's own parser."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ some_future_key: 3
 
 def test_lora_sft_reads_as_the_same_run():
     out = convert_lf(yaml.safe_load(LORA_SFT))
+    assert out.unsupported == ["some_future_key: no counterpart in shardforge"]
     cfg = load_config(None, base=out.config)
     assert cfg.model.path == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert (cfg.method.stage, cfg.method.finetuning) == ("sft", "lora")
@@ -78,14 +80,15 @@ def test_lora_sft_reads_as_the_same_run():
     t = cfg.train
     assert (t.micro_batch, t.grad_accum, t.lr, t.epochs, t.steps) == (1, 8, 1e-4, 3.0, None)
     assert (t.schedule, t.warmup_ratio, t.precision, t.log_every) == ("cosine", 0.1, "bf16", 10)
+    assert (t.min_lr_ratio, t.betas, t.seed) == (0.0, (0.9, 0.999), 42)  # LF's (transformers') values
     assert cfg.checkpoint.every == 500 and cfg.output_dir == "saves/llama3-8b/lora/sft"
+    assert cfg.checkpoint.resume == "none"  # overwrite_output_dir: true starts afresh
     assert cfg.log.report_to == [] and cfg.parallel.timeout_minutes == 3000000
-    assert out.unknown == ["some_future_key"]
     assert any(n.startswith("template: llama3 -> data.template: auto") for n in out.notes)
     assert any(n.startswith("do_train: nothing to set") for n in out.notes)
 
 
-def test_full_sft_with_deepspeed_zero3_and_offload(tmp_path):
+def test_full_sft_with_deepspeed_zero3_and_offload(tmp_path, monkeypatch):
     ds = {
         "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
         "bf16": {"enabled": "auto"},
@@ -94,12 +97,14 @@ def test_full_sft_with_deepspeed_zero3_and_offload(tmp_path):
     lf = {"model_name_or_path": "/models/qwen", "stage": "sft", "finetuning_type": "full",
           "dataset": "alpaca_en_demo", "deepspeed": "ds_z3_offload_config.json", "max_steps": 100,
           "num_train_epochs": 3.0}  # fmt: skip
-    cfg = load_config(None, base=convert_lf(lf, tmp_path).config)
+    monkeypatch.chdir(tmp_path)  # LF reads it from the working directory
+    cfg = load_config(None, base=convert_lf(lf).config)
     assert (cfg.parallel.zero_stage, cfg.parallel.offload) == (3, "optimizer")
     assert (cfg.train.steps, cfg.train.epochs) == (100, None)  # max_steps wins, as in HF Trainer
-    # a DeepSpeed file that is not here: LF's bundled names give the stage
-    named = convert_lf({**lf, "deepspeed": "examples/deepspeed/ds_z2_config.json"}, tmp_path)
-    assert named.config["parallel"] == {"zero_stage": 2}
+    inline = convert_lf({**lf, "deepspeed": {"zero_optimization": {"stage": 1}}})  # read, not its digits
+    assert inline.config["parallel"]["zero_stage"] == 1 and load_config(None, base=inline.config)
+    with pytest.raises(ConfigError, match=r"ds_z2_config\.json is not a file"):  # no stage from a name
+        convert_lf({**lf, "deepspeed": "examples/deepspeed/ds_z2_config.json"})
 
 
 def test_dpo_and_qlora_kto():
@@ -114,8 +119,9 @@ def test_dpo_and_qlora_kto():
            "kto_chosen_weight": 1.5, "dataset": "kto_en_demo"}  # fmt: skip
     cfg = load_config(None, base=convert_lf(kto).config)
     assert (cfg.model.quantize, cfg.method.kto.desirable_weight) == ("nf4", 1.5)
-    with pytest.raises(ConfigError, match="quantization_bit: 8"):
-        convert_lf({**kto, "quantization_bit": 8})
+    assert convert_lf({**kto, "quantization_bit": 8}).unsupported[0].startswith("quantization_bit: 8")
+    kto_beta = load_config(None, base=convert_lf({**kto, "pref_beta": 0.3}).config)
+    assert kto_beta.method.kto.beta == 0.3  # LF's pref_beta is KTO's beta under stage kto
     with pytest.raises(ConfigError, match="stage: 'grpo' is not one of"):
         convert_lf({**kto, "stage": "grpo"})
 
@@ -125,7 +131,7 @@ def test_report_to_names_the_trackers_and_lists_the_rest():
     out = convert_lf({**lf, "report_to": "wandb,mlflow,comet_ml"})
     cfg = load_config(None, base=out.config)
     assert (cfg.log.report_to, cfg.log.run_name) == (["wandb", "mlflow"], "exp-7")
-    assert out.unknown == ["report_to: comet_ml (log.report_to offers tensorboard, mlflow, wandb)"]
+    assert out.unsupported == ["report_to: comet_ml (log.report_to offers tensorboard, mlflow, wandb)"]
     everything = load_config(None, base=convert_lf({**lf, "report_to": "all"}).config)
     assert everything.log.report_to == ["tensorboard", "mlflow", "wandb"]
 
@@ -133,12 +139,35 @@ def test_report_to_names_the_trackers_and_lists_the_rest():
 def test_the_command_prints_a_config_that_trains_as_written(tmp_path):
     lf = tmp_path / "lf.yaml"
     lf.write_text(LORA_SFT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "shardforge", "convert", str(lf), "--to", str(tmp_path / "ours.yaml")],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
+    run = [sys.executable, "-m", "shardforge", "convert", str(lf), "--to", str(tmp_path / "ours.yaml")]
+    refused = subprocess.run(run, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert refused.returncode == 2 and "some_future_key: no counterpart" in refused.stdout, refused.stdout
+    assert not (tmp_path / "ours.yaml").exists()
+    allow = [*run, "--allow-unsupported"]
+    proc = subprocess.run(allow, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "unknown LLaMA-Factory key 'some_future_key'" in proc.stdout
     text = (tmp_path / "ours.yaml").read_text()
-    assert "# unknown LLaMA-Factory key, not converted: some_future_key" in text
+    assert "# UNSUPPORTED (--allow-unsupported), not honoured: some_future_key" in text
     assert load_config(tmp_path / "ours.yaml").method.lora.rank == 8
+
+
+def test_bad_values_are_one_line_errors_naming_the_key():
+    base = {"model_name_or_path": "m", "dataset": "d"}
+    bad = {"lora_rank": "eight", "learning_rate": "fast", "bf16": "maybe", "val_size": 2.5}
+    for key, value in bad.items():
+        with pytest.raises(ConfigError, match=rf"^{key}: "):
+            convert_lf({**base, key: value})
+
+
+def test_a_pre_quantized_checkpoint_is_refused_by_name(tmp_path):
+    from transformers import LlamaConfig
+
+    from shardforge import load_model
+    from shardforge.errors import ModelError
+
+    awq = {"quant_method": "awq", "bits": 4}
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, quantization_config=awq)  # fmt: skip
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match=r"a pre-quantized checkpoint \(quantization_config: awq\)"):
+        load_model(tmp_path)

@@ -1,0 +1,66 @@
+"""LLaMA-Factory 0.9.5 as the reference, in an environment of its own (its pins conflict with ours): a venv
+under .lf-reference/ with tests/lf/requirements.txt and `llamafactory==0.9.5` (no deps), and its source
+distribution unpacked beside it (its examples/ and data/: the YAMLs and demo data the tests run through
+both). Made on first use (about two minutes) and reused; where it cannot be installed (no package
+registry), the tests that need it are skipped, saying why."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ROOT = REPO / ".lf-reference"
+VERSION = "0.9.5"
+SCRIPT = Path(__file__).with_name("lf_reference.py")
+
+
+@dataclass(frozen=True)
+class Reference:
+    python: Path
+    src: Path  # the unpacked sdist: examples/, data/
+
+    def resolve(self, cases: dict[str, dict], keys: list[str], steps: int, work: Path) -> dict[str, dict]:
+        """Each case's mapping through LF's own parser (tests/lf/lf_reference.py)."""
+        request, answer = work / "cases.json", work / "answers.json"
+        request.write_text(json.dumps({"keys": keys, "steps": steps, "cases": cases}))
+        proc = subprocess.run(
+            [str(self.python), str(SCRIPT), str(request), str(answer)],
+            capture_output=True, text=True, timeout=600, cwd=work,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(answer.read_text())
+
+
+def _run(args: list[str], what: str) -> None:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        pytest.skip(f"LLaMA-Factory's reference environment could not be made ({what}): {proc.stderr[-500:]}")
+
+
+def reference() -> Reference:
+    venv, src = ROOT / "venv", ROOT / f"llamafactory-{VERSION}"
+    python, done = venv / "bin" / "python", ROOT / "ready"
+    if not done.is_file():
+        ROOT.mkdir(exist_ok=True)
+        if not python.is_file():
+            _run([sys.executable, "-m", "venv", str(venv)], "venv")
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        _run([*pip, "-r", str(Path(__file__).with_name("requirements.txt"))], "its pinned dependencies")
+        _run([*pip, "--no-deps", f"llamafactory=={VERSION}"], "llamafactory")
+        sdist = ROOT / "sdist"
+        _run(
+            [str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d",
+             str(sdist), f"llamafactory=={VERSION}"],
+            "its source distribution (examples and demo data)",
+        )  # fmt: skip
+        with tarfile.open(next(sdist.glob("llamafactory-*.tar.gz"))) as tar:
+            tar.extractall(ROOT, filter="data")
+        done.write_text(VERSION)
+    return Reference(python, src)

@@ -1,0 +1,272 @@
+"""`shardforge convert` against LLaMA-Factory's own code (0.9.5, in its own environment: reference_env.py):
+every training example LF ships, and hand-written edge cases, are resolved by LF's argument parser and by our
+converter, and compared key by key (what each LF key means in our config, below); the learning rate of every
+step equals what transformers' scheduler gives under LF's arguments; a file LF rejects, or one with keys we
+cannot honour, is refused, never converted into another run. LF's merge and inference YAMLs become the
+equivalent commands."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import yaml
+
+from shardforge.config import load_config
+from shardforge.config.lf_convert import LF_DEFAULTS, convert_lf, is_training
+from shardforge.errors import ConfigError
+from shardforge.train.optim import lr_factor
+from tests.conftest import REPO
+from tests.lf.reference_env import reference
+
+pytestmark = pytest.mark.slow
+STEPS = 37  # optimizer steps the schedules are compared over
+BASE = {"model_name_or_path": "org/model", "dataset": "alpaca_en_demo", "output_dir": "out"}
+EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each mapped key off its default
+    "defaults": {},
+    "kto": {"stage": "kto", "pref_beta": 0.25, "kto_chosen_weight": 1.5, "kto_rejected_weight": 0.5},
+    "dpo": {"stage": "dpo", "pref_beta": 0.3, "pref_ftx": 0.5, "dpo_label_smoothing": 0.1},
+    "ipo": {"stage": "dpo", "pref_loss": "ipo"},
+    "ipo_smoothing": {"stage": "dpo", "pref_loss": "ipo", "dpo_label_smoothing": 0.1},  # LF rejects it
+    "simpo": {"stage": "dpo", "pref_loss": "simpo", "simpo_gamma": 0.7},
+    "rm_full": {"stage": "rm", "finetuning_type": "full", "bf16": True},
+    "pt": {"stage": "pt", "cutoff_len": 512},
+    "freeze": {"finetuning_type": "freeze", "freeze_trainable_layers": -3,
+               "freeze_extra_modules": "embed_tokens"},
+    "lora": {"lora_rank": 16, "lora_alpha": 8, "lora_dropout": 0.05, "lora_target": "q_proj,v_proj",
+             "use_rslora": True},
+    "dora": {"use_dora": True, "lora_rank": 4},
+    "qlora": {"quantization_bit": 4},
+    "optimizer": {"adam_beta1": 0.8, "adam_beta2": 0.95, "adam_epsilon": 1e-6, "weight_decay": 0.1,
+                  "max_grad_norm": 0.5, "optim": "adamw_torch"},
+    "warmup_steps": {"warmup_steps": 3, "lr_scheduler_type": "cosine", "learning_rate": 1e-4},
+    "warmup_ratio": {"warmup_ratio": 0.1, "lr_scheduler_type": "linear"},
+    "warmup_float": {"warmup_steps": 0.05, "lr_scheduler_type": "cosine"},
+    "constant_warmup": {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 4},
+    "constant": {"lr_scheduler_type": "constant"},
+    "min_lr": {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+               "warmup_ratio": 0.2},
+    "steps_win": {"max_steps": 50, "num_train_epochs": 2.0},
+    "epochs": {"num_train_epochs": 1.5},
+    "batch": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "seed": 7},
+    "saving": {"save_steps": 20, "save_total_limit": 2, "logging_steps": 5},
+    "no_saving": {"save_strategy": "no"},
+    "eval": {"val_size": 0.1, "eval_strategy": "steps", "eval_steps": 20},
+    "eval_count": {"val_size": 100},
+    "overwrite": {"overwrite_output_dir": True},
+    "resume": {"resume_from_checkpoint": "out/checkpoint-10"},
+    "packing": {"packing": True},
+    "neat": {"neat_packing": True},
+    "prompt": {"train_on_prompt": True, "cutoff_len": 1024},
+    "chatml": {"template": "chatml"},
+    "fp16": {"fp16": True},
+    "no_checkpointing": {"disable_gradient_checkpointing": True},
+    "report": {"report_to": ["wandb", "tensorboard"], "run_name": "exp"},
+    # refused: keys LF honours that shardforge cannot
+    "galore": {"use_galore": True},
+    "int8": {"quantization_bit": 8},
+    "hqq": {"quantization_bit": 4, "quantization_method": "hqq"},
+    "fp4": {"quantization_bit": 4, "quantization_type": "fp4"},
+    "kto_pair": {"stage": "dpo", "pref_loss": "kto_pair"},
+    "oft": {"finetuning_type": "oft"},
+    "alpaca_template": {"template": "alpaca"},
+    "polynomial": {"lr_scheduler_type": "polynomial"},
+    "adafactor": {"optim": "adafactor"},
+    "epoch_saving": {"save_strategy": "epoch"},
+    "hub_data": {"dataset_dir": "ONLINE"},
+    "ppo_without_reward": {"stage": "ppo"},
+    "ppo_lora_reward": {"stage": "ppo", "reward_model": "saves/rm"},
+}  # fmt: skip
+REFUSED = {
+    "ipo_smoothing", "galore", "int8", "hqq", "fp4", "kto_pair", "oft", "alpaca_template", "polynomial",
+    "adafactor", "epoch_saving", "hub_data", "ppo_without_reward", "ppo_lora_reward",
+}  # fmt: skip
+EXAMPLE_FOLDERS = ("train_lora", "train_full", "train_qlora", "extras")
+
+
+def expected(lf: dict[str, Any]) -> dict[str, Any]:
+    """What each LF key, as LF resolved it, means in a shardforge config (dotted key -> value)."""
+    rank = int(lf["lora_rank"])
+    stage, targets = lf["stage"], lf["lora_target"]
+    packing = lf["packing"] if lf["packing"] is not None else stage == "pt"
+    precision = "bf16" if lf["bf16"] else "fp16" if lf["fp16"] else "fp32"
+    out = {
+        "method.stage": stage, "method.finetuning": lf["finetuning_type"], "method.lora.rank": rank,
+        "method.lora.alpha": float(lf["lora_alpha"] or 2 * rank), "method.lora.dropout": lf["lora_dropout"],
+        "method.lora.targets": "all" if targets == ["all"] else targets, "method.lora.dora": lf["use_dora"],
+        "method.lora.rslora": lf["use_rslora"],
+        "method.freeze.trainable_layers": lf["freeze_trainable_layers"],
+        "method.freeze.extra_modules": lf["freeze_extra_modules"] or [],
+        "data.max_length": lf["cutoff_len"], "data.packing": bool(packing or lf["neat_packing"]),
+        "data.train_on_prompt": lf["train_on_prompt"],
+        "data.template": "chatml" if lf["template"] == "chatml" else "auto",
+        "train.micro_batch": lf["per_device_train_batch_size"],
+        "train.grad_accum": lf["gradient_accumulation_steps"], "train.lr": lf["learning_rate"],
+        "train.weight_decay": lf["weight_decay"], "train.clip": lf["max_grad_norm"] or None,
+        "train.betas": (lf["adam_beta1"], lf["adam_beta2"]), "train.eps": lf["adam_epsilon"],
+        "train.seed": lf["seed"], "train.log_every": lf["logging_steps"], "train.precision": precision,
+        "checkpoint.every": lf["save_steps"] if lf["save_strategy"] == "steps" else None,
+        "checkpoint.keep": lf["save_total_limit"],
+        "checkpoint.resume": lf["resume_from_checkpoint"]
+        or ("none" if lf["overwrite_output_dir"] else "auto"),
+        "parallel.activation_checkpoint": "none" if lf["disable_gradient_checkpointing"] else "full",
+        "output_dir": lf["output_dir"],
+        "log.report_to": [n for n in lf["report_to"] if n != "none"], "log.plot": lf["plot_loss"],
+        "train.eval_every": (lf["eval_steps"] or lf["logging_steps"])
+        if lf["eval_strategy"] == "steps" else None,
+    }  # fmt: skip
+    if lf["max_steps"] > 0:
+        out["train.steps"] = lf["max_steps"]
+    else:
+        out |= {"train.epochs": lf["num_train_epochs"], "train.steps": None}
+    if stage == "kto":
+        out |= {"method.kto.beta": lf["pref_beta"], "method.kto.desirable_weight": lf["kto_chosen_weight"],
+                "method.kto.undesirable_weight": lf["kto_rejected_weight"]}  # fmt: skip
+    else:
+        out |= {"method.pref.beta": lf["pref_beta"], "method.pref.ftx": lf["pref_ftx"],
+                "method.pref.loss": lf["pref_loss"], "method.pref.simpo_gamma": lf["simpo_gamma"],
+                "method.pref.label_smoothing": lf["dpo_label_smoothing"]}  # fmt: skip
+    size = lf["val_size"]
+    out |= {"data.eval_count": int(size)} if size >= 1 else {"data.eval_fraction": size}
+    if lf["quantization_bit"] == 4:
+        out["model.quantize"] = "nf4"
+    return out
+
+
+def ours(config: Any, dotted: str) -> Any:
+    value = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@pytest.fixture(scope="module")
+def lf_cases(tmp_path_factory) -> tuple[Any, dict[str, dict], dict[str, dict]]:
+    ref = reference()
+    examples = {}
+    for folder in EXAMPLE_FOLDERS:
+        for path in sorted((ref.src / "examples" / folder).rglob("*.yaml")):
+            mapping = yaml.safe_load(path.read_text())
+            if isinstance(mapping, dict) and is_training(mapping) and "model_name_or_path" in mapping:
+                examples[str(path.relative_to(ref.src / "examples"))] = mapping
+    cases = {**examples, **{f"edge:{k}": {**BASE, **v} for k, v in EDGE.items()}}
+    keys = sorted({*LF_DEFAULTS, "output_dir", "model_name_or_path"})
+    answers = ref.resolve(cases, keys, STEPS, tmp_path_factory.mktemp("lf"))
+    return ref, cases, answers
+
+
+def test_our_table_of_lf_defaults_is_lf_s_own(lf_cases):
+    _, _, answers = lf_cases
+    resolved = answers["edge:defaults"]["args"]
+    differ = {}
+    for key, ours_default in LF_DEFAULTS.items():
+        if key in BASE:
+            continue
+        theirs = resolved[key]
+        if key == "lora_alpha":  # LF's post-init: twice the rank when unset (our None)
+            theirs = None if theirs == 2 * resolved["lora_rank"] else theirs
+        if key == "report_to":  # transformers' [] is LF's "none"
+            theirs = "none" if theirs == [] else theirs
+        if key in ("lora_target", "freeze_trainable_modules"):  # LF splits its comma lists
+            theirs = ",".join(theirs)
+        if theirs != ours_default:
+            differ[key] = (ours_default, theirs)
+    assert not differ, differ
+
+
+def test_every_lf_example_and_edge_case_converts_to_lf_s_meaning_or_is_refused(lf_cases, monkeypatch):
+    ref, cases, answers = lf_cases
+    monkeypatch.chdir(ref.src)  # LF reads deepspeed files (and data) from where it runs: its repository
+    converted, refused = [], []
+    for name, mapping in cases.items():
+        answer = answers[name]
+        try:
+            out = convert_lf(mapping)
+        except ConfigError as e:
+            assert "error" in answer or name.startswith("edge:"), f"{name}: {e}"
+            refused.append(name)
+            continue
+        if "error" in answer or out.unsupported:  # LF rejects it, or it needs what we lack: never converted
+            assert out.unsupported or "error" not in answer, f"{name}: LF rejects it ({answer['error']})"
+            named = {*mapping, *LF_DEFAULTS, "reward_model_type"}  # each names the LF key it is about
+            assert all(item.split(":")[0] in named for item in out.unsupported), (name, out.unsupported)
+            refused.append(name)
+            continue
+        config = load_config(None, base=out.config)
+        lf = answer["args"]
+        for key, want in expected(lf).items():
+            got = ours(config, key)
+            if isinstance(got, tuple):
+                got = tuple(got)
+            same = got == want or (isinstance(want, float) and got == pytest.approx(want))
+            assert same, (name, key, got, want)
+        lrs = [config.train.lr * lr_factor(step, STEPS, config.train) for step in range(STEPS)]
+        assert lrs == pytest.approx(answer["lr"], rel=1e-9, abs=1e-15), (name, lrs, answer["lr"])
+        converted.append(name)
+    print(f"converted: {sorted(converted)}\nrefused: {sorted(refused)}")
+    assert {n.removeprefix("edge:") for n in refused if n.startswith("edge:")} == REFUSED
+    examples = [n for n in converted if not n.startswith("edge:")]
+    assert len(examples) >= 10, examples  # LF's own train_lora / train_full / train_qlora examples convert
+    assert "train_lora/qwen3_lora_sft.yaml" in examples and "train_full/qwen3_full_sft.yaml" in examples
+
+
+@pytest.mark.parametrize("name", ["z0", "z2", "z2_offload", "z3", "z3_offload", "z2_autotp"])
+def test_deepspeed_files_are_read_for_what_they_say(lf_cases, monkeypatch, name):
+    ref, _, _ = lf_cases
+    name = f"examples/deepspeed/ds_{name}_config.json"  # LF's own files, from where LF runs
+    monkeypatch.chdir(ref.src)
+    config = load_config(None, base=convert_lf({**BASE, "deepspeed": name}).config)
+    ds = json.loads((ref.src / name).read_text())
+    zero = ds["zero_optimization"]
+    params = (zero.get("offload_param") or {}).get("device") == "cpu"
+    optim = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+    assert config.parallel.zero_stage == zero["stage"]
+    assert config.parallel.offload == ("params" if params else "optimizer" if optim else "none")
+    assert config.parallel.tp == (ds.get("tensor_parallel") or {}).get("autotp_size", 1)
+    monkeypatch.chdir(ref.src / "examples")  # not where LF would run: the file is not found, said so
+    with pytest.raises(ConfigError, match=r"deepspeed: .* is not a file \(LLaMA-Factory reads it from the"):
+        convert_lf({**BASE, "deepspeed": name})
+
+
+def test_merge_and_inference_yamls_become_the_equivalent_commands(lf_cases):
+    ref, _, _ = lf_cases
+    commands = {}
+    for folder in ("merge_lora", "inference"):
+        for path in sorted((ref.src / "examples" / folder).glob("*.yaml")):
+            mapping = yaml.safe_load(path.read_text())
+            assert not is_training(mapping), path
+            commands[f"{folder}/{path.name}"] = convert_lf(mapping)
+    lora = commands["merge_lora/qwen3_lora_sft.yaml"]
+    assert lora.command == (
+        "shardforge export saves/qwen3-4b/lora/sft --to saves/qwen3_sft_merged --merge --base "
+        "Qwen/Qwen3-4B-Instruct-2507"
+    )
+    assert commands["inference/qwen3_lora_sft.yaml"].command == (
+        "shardforge chat Qwen/Qwen3-4B-Instruct-2507 --adapter saves/qwen3-4b/lora/sft"
+    )
+    assert commands["merge_lora/qwen3_gptq.yaml"].unsupported  # a GPTQ export is not ours to make
+    assert all(c.command and c.command.startswith("shardforge ") for c in commands.values())
+
+
+def test_the_command_refuses_what_it_cannot_honour_unless_allowed(lf_cases, tmp_path):
+    ref, _, _ = lf_cases
+    source = ref.src / "examples" / "extras" / "galore" / "llama3_full_sft.yaml"
+    run = [sys.executable, "-m", "shardforge", "convert", str(source)]
+    refused = subprocess.run(run, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "use_galore: GaLore" in refused.stdout and "--allow-unsupported" in refused.stdout
+    allowed = subprocess.run(
+        [*run, "--allow-unsupported", "--to", str(tmp_path / "ours.yaml")],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    text = (tmp_path / "ours.yaml").read_text()
+    assert "# UNSUPPORTED (--allow-unsupported), not honoured: use_galore: GaLore" in text
+    assert math.isclose(load_config(tmp_path / "ours.yaml").train.lr, 1e-5)
+    merge = ref.src / "examples" / "merge_lora" / "qwen3_lora_sft.yaml"
+    proc = subprocess.run([*run[:-1], str(merge)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0 and "shardforge export saves/qwen3-4b/lora/sft" in proc.stdout, proc.stdout
