@@ -587,7 +587,7 @@ def convert_lf(lf: dict[str, Any]) -> Converted:
         raise ConfigError("model_name_or_path: missing (LLaMA-Factory needs the model to train)")
     given = {k: v for k, v in lf.items() if v is not None or k not in LF_DEFAULTS}
     resolved = {**LF_DEFAULTS, **given}
-    out = Converted({})
+    out = Converted({"data": {"truncation": "lf"}})  # LF's processors shorten prompt and reply each
     for key, rule in RULES.items():
         if key in resolved:
             rule(resolved[key], resolved, out)

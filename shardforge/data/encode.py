@@ -20,6 +20,7 @@ import numpy as np
 from shardforge.data.examples import Encoder, EncodeStats
 from shardforge.data.formats import Record
 from shardforge.data.store import ExampleStore
+from shardforge.data.truncate import cut_each, cut_shared_prompt, cut_turns
 from shardforge.errors import DataError
 
 # A spawned worker starts in about 2-3 s (torch, the tokenizer): with fewer records each, it costs more than
@@ -79,15 +80,27 @@ def encode_all(
     what: str,
     group_size: int = 1,
     workers: int = 1,
+    shared_prompt: bool = False,
 ) -> tuple[ExampleStore, EncodeStats]:
     """Tokenize records into groups of `group_size` sequences (consecutive in the result); cut sequences
-    longer than max_length (counted, or an error when truncation=error). A group with a sequence left
-    without any target is dropped whole, so groups never lose a member."""
+    longer than max_length (counted, or an error when truncation=error; `lf`: prompt and reply each, as
+    LLaMA-Factory does, truncate.py, a group's replies after one prompt when `shared_prompt`). A group with
+    a sequence left without any target is dropped whole, so groups never lose a member."""
     stats = EncodeStats(records=len(records))
     tokens, flags, lengths, targets, tags = [], [], [], [], []
     for record, group in zip(records, _encoded(records, encode, workers), strict=True):
         if len(group) != group_size:
             raise DataError(f"{record.source}: encoded into {len(group)} sequences, expected {group_size}")
+        if truncation == "lf" and any(len(ids) > max_length for ids, _ in group):
+            before = sum(len(ids) for ids, _ in group)
+            if group_size == 1:
+                group = [cut_turns(group[0], max_length)]
+            elif shared_prompt:
+                group = cut_shared_prompt(group, max_length)
+            else:
+                group = [cut_each(seq, max_length) for seq in group]
+            stats.truncated += 1
+            stats.tokens_cut += before - sum(len(ids) for ids, _ in group)
         kept = []
         for ids, trained in group:
             if len(ids) > max_length:

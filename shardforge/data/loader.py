@@ -140,9 +140,12 @@ def build_datasets(
         if how.reader == "labelled":
             train_records = kto_examples(train_records, "training data", both_labels=True)
             eval_records = kto_examples(eval_records, "evaluation data") if eval_records else []
-        out: Splits = {"train": _encode(train_records, encoder, data, "training data", group_size, workers)}
+        pair = how.reader == "pair"  # a preference pair's replies share its prompt
+        out: Splits = {
+            "train": _encode(train_records, encoder, data, "training data", group_size, workers, pair)
+        }
         out["eval"] = (
-            _encode(eval_records, encoder, data, "evaluation data", group_size, workers)
+            _encode(eval_records, encoder, data, "evaluation data", group_size, workers, pair)
             if eval_records
             else None
         )
@@ -205,6 +208,14 @@ def kto_examples(records: list[Record], what: str, both_labels: bool = False) ->
 
 
 def _encode(
-    records: list[Record], encoder: Any, data: DataSection, what: str, group_size: int, workers: int = 1
+    records: list[Record],
+    encoder: Any,
+    data: DataSection,
+    what: str,
+    group_size: int,
+    workers: int = 1,
+    shared_prompt: bool = False,
 ) -> tuple[ExampleStore, EncodeStats]:
-    return encode_all(records, encoder, data.max_length, data.truncation, what, group_size, workers)
+    return encode_all(
+        records, encoder, data.max_length, data.truncation, what, group_size, workers, shared_prompt
+    )

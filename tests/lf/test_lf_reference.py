@@ -102,7 +102,7 @@ def expected(lf: dict[str, Any]) -> dict[str, Any]:
         "method.freeze.trainable_layers": lf["freeze_trainable_layers"],
         "method.freeze.extra_modules": lf["freeze_extra_modules"] or [],
         "data.max_length": lf["cutoff_len"], "data.packing": bool(packing or lf["neat_packing"]),
-        "data.train_on_prompt": lf["train_on_prompt"],
+        "data.train_on_prompt": lf["train_on_prompt"], "data.truncation": "lf",
         "data.template": "chatml" if lf["template"] == "chatml" else "auto",
         "train.micro_batch": lf["per_device_train_batch_size"],
         "train.grad_accum": lf["gradient_accumulation_steps"], "train.lr": lf["learning_rate"],
@@ -270,3 +270,51 @@ def test_the_command_refuses_what_it_cannot_honour_unless_allowed(lf_cases, tmp_
     merge = ref.src / "examples" / "merge_lora" / "qwen3_lora_sft.yaml"
     proc = subprocess.run([*run[:-1], str(merge)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0 and "shardforge export saves/qwen3-4b/lora/sft" in proc.stdout, proc.stdout
+
+
+def test_infer_seqlen_is_lf_s_own(lf_cases):
+    """data.truncation: lf cuts by LF's own rule, over every (prompt, reply) length pair up to 40 tokens and
+    cutoffs from 1 to 48."""
+    from shardforge.data.truncate import infer_seqlen
+
+    ref, _, _ = lf_cases
+    grid = [(s, t, c) for s in range(0, 41, 3) for t in range(0, 41, 3) for c in range(1, 49, 5)]
+    code = (  # LF's data package imports torchaudio / torchvision / av for its multimodal plugin (none of
+        # them installs beside this CPU torch): empty stand-ins let it import; infer_seqlen uses none
+        "import importlib.machinery, json, sys, types\n"
+        "for name in ('torchaudio', 'torchvision', 'av'):\n"
+        "    stub = types.ModuleType(name)\n"
+        "    stub.__spec__ = importlib.machinery.ModuleSpec(name, None)\n"
+        "    sys.modules[name] = stub\n"
+        "from llamafactory.data.processor.processor_utils import infer_seqlen\n"
+        "print(json.dumps([infer_seqlen(*x) for x in json.loads(sys.argv[1])]))"
+    )
+    proc = subprocess.run(
+        [str(ref.python), "-c", code, json.dumps(grid)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    theirs = [tuple(x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
+    assert [infer_seqlen(*x) for x in grid] == theirs
+
+
+@pytest.mark.parametrize("example", ["qwen3_lora_dpo", "qwen3_lora_kto", "qwen3_lora_reward", "qwen3_lora_sft"])  # noqa: E501
+def test_converted_lf_examples_keep_every_example_of_lf_s_demo_data(lf_cases, tmp_path, example):
+    """LF's own examples converted and their data (LF's demo sets, through its dataset_info.json) prepared at
+    a max_length most of them exceed: every record is kept, as LF's processors keep them (data.truncation:
+    lf), where cutting at the right dropped the pairs whose prompt filled the row."""
+    from tests.conftest import TOKENIZER
+
+    ref, _, _ = lf_cases
+    ours = tmp_path / "ours.yaml"
+    source = ref.src / "examples" / "train_lora" / f"{example}.yaml"
+    convert = [sys.executable, "-m", "shardforge", "convert", str(source), "--to", str(ours)]
+    assert subprocess.run(convert, capture_output=True, text=True, cwd=ref.src, timeout=120).returncode == 0
+    overrides = ["model.path=null", "model.preset=tiny-llama", f"model.tokenizer={TOKENIZER}",
+                 "data.max_length=128", f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    prepare = [sys.executable, "-m", "shardforge", "data", "prepare", str(ours), *overrides]
+    proc = subprocess.run(prepare, capture_output=True, text=True, cwd=ref.src, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    stats = dict(kv.split("=") for kv in proc.stdout.split("train: ", 1)[1].splitlines()[0].split(", "))
+    assert int(stats["truncated"]) > 0 and int(stats["dropped_no_target"]) == 0, stats
+    per_record = 1 if example.endswith("sft") else 2
+    assert int(stats["sequences"]) == per_record * int(stats["records"]), stats

@@ -171,3 +171,31 @@ def test_a_pre_quantized_checkpoint_is_refused_by_name(tmp_path):
     cfg.save_pretrained(tmp_path)
     with pytest.raises(ModelError, match=r"a pre-quantized checkpoint \(quantization_config: awq\)"):
         load_model(tmp_path)
+
+
+def test_lf_truncation_keeps_examples_a_long_prompt_would_drop():
+    """data.truncation: lf shortens the prompt and the replies as LF's pairwise and supervised processors
+    do (one prompt for both replies), where `right` loses every reply token and drops the pair."""
+    import numpy as np
+
+    from shardforge.data.encode import encode_all
+    from shardforge.data.formats import Record
+    from shardforge.data.truncate import cut_turns
+
+    def pair(record):
+        prompt, chosen, rejected = [1] * 30, [2] * 5, [3] * 8
+        return [(prompt + chosen, [False] * 30 + [True] * 5), (prompt + rejected, [False] * 30 + [True] * 8)]
+
+    records = [Record(f"pairs.jsonl:{i}", None, "x") for i in range(3)]
+    with pytest.raises(Exception, match="no example has a trainable token"):
+        encode_all(records, pair, 16, "right", "training data", group_size=2)
+    store, stats = encode_all(records, pair, 16, "lf", "training data", group_size=2, shared_prompt=True)
+    assert stats.truncated == 3 and not stats.dropped_no_target
+    # infer_seqlen(30, 8, 16): both cut in proportion, 3 reply tokens and 13 of the prompt
+    assert store.lengths.tolist() == [16, 16] * 3 and store.num_targets.tolist() == [3, 3] * 3
+    # a conversation turn by turn: the first turn whole, the second's prompt and reply shortened
+    ids = np.arange(20, dtype=np.uint32)
+    trained = np.array([False] * 4 + [True] * 4 + [False] * 6 + [True] * 6)
+    cut_ids, cut_trained = cut_turns((ids, trained), 12)
+    assert cut_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 14, 15]
+    assert cut_trained.tolist() == [False] * 4 + [True] * 4 + [False] * 2 + [True] * 2
