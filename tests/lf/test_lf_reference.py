@@ -297,7 +297,9 @@ def test_infer_seqlen_is_lf_s_own(lf_cases):
     assert [infer_seqlen(*x) for x in grid] == theirs
 
 
-@pytest.mark.parametrize("example", ["qwen3_lora_dpo", "qwen3_lora_kto", "qwen3_lora_reward", "qwen3_lora_sft"])  # noqa: E501
+@pytest.mark.parametrize(
+    "example", ["qwen3_lora_dpo", "qwen3_lora_kto", "qwen3_lora_reward", "qwen3_lora_sft"]
+)
 def test_converted_lf_examples_keep_every_example_of_lf_s_demo_data(lf_cases, tmp_path, example):
     """LF's own examples converted and their data (LF's demo sets, through its dataset_info.json) prepared at
     a max_length most of them exceed: every record is kept, as LF's processors keep them (data.truncation:
