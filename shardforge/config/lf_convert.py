@@ -373,10 +373,12 @@ def _packing(value: Any, lf: dict, out: Converted) -> None:
     packing = lf["stage"] == "pt" if value is None else _cast("packing", bool, value)
     neat = _cast("neat_packing", bool, lf["neat_packing"])
     _put(out.config, "data.packing", packing or neat)
+    if lf["stage"] == "pt" and packing and not neat:  # LF concatenates the documents and cuts blocks
+        _put(out.config, "data.pt_blocks", True)
     if value or neat:  # LF's data arguments: packing asked for shortens rows by one (not pt's default)
         _put(out.config, "data.max_length", _cast("cutoff_len", int, lf["cutoff_len"]) - 1)
         out.notes.append("packing: true -> data.max_length is cutoff_len - 1, as LF's data arguments make it")
-    if packing and not neat:
+    if packing and not neat and lf["stage"] != "pt":
         out.notes.append(
             "packing: LF lets a packed row's documents attend to each other; shardforge's packed rows "
             "attend per document (as LF's neat_packing)"

@@ -74,6 +74,7 @@ class DataSection(Section):
     train_on_prompt: bool = False
     template: Literal["auto", "chatml"] = "auto"
     truncation: Literal["right", "error", "lf"] = "right"
+    pt_blocks: bool = False  # pt: documents concatenated and cut in max_length blocks (LLaMA-Factory's)
     eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
     eval_count: int | None = Field(default=None, ge=1)  # hold out this many records instead (LF's val_size N)
     cache: bool = True  # tokenize once into memory-mapped arrays, reused by later runs and every rank

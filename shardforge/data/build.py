@@ -116,7 +116,11 @@ def _cached_rows(
         cache, encoders = DatasetCache(root, builder), 1
     workers = data.workers or max(1, len(os.sched_getaffinity(0)) // encoders)
     identity = encoding_identity(tokenizer, objective, how, cfg)
-    rows = build_datasets(data, how, encoder, cfg.train.seed, objective.group_size, cache, identity, workers)
+    # LLaMA-Factory's blocks start with BOS where its tokenizer adds one (transformers' add_bos_token)
+    head = tokenizer.bos_token_id if data.pt_blocks and getattr(tokenizer, "add_bos_token", False) else None
+    rows = build_datasets(
+        data, how, encoder, cfg.train.seed, objective.group_size, cache, identity, workers, head
+    )
     for what, part in zip(names, rows, strict=False):
         if part is not None:
             log.info(f"{what} data: {describe_rows(part, cfg)}")

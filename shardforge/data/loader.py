@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from shardforge.data.examples import EncodeStats
 from shardforge.data.formats import FieldMap, Reading, Record, default_fields, detect_format, read_records
 from shardforge.data.packing import Rows, pack_rows, single_rows
 from shardforge.data.store import ExampleStore
+from shardforge.data.truncate import pretraining_blocks
 from shardforge.errors import DataError
 
 
@@ -129,11 +131,12 @@ def build_datasets(
     cache: DatasetCache | None = None,
     identity: dict[str, Any] | None = None,
     workers: int = 1,
+    block_head: int | None = None,
 ) -> tuple[RowSet, RowSet | None]:
     """Training rows and (optional) evaluation rows; `data.eval_fraction` holds out a seeded share of
     train. With a `cache`, the encoded examples are read from it (`identity`: what the encoding depends on
     besides the data section and files), or encoded once into it (in `workers` processes); rows are laid
-    out afresh either way."""
+    out afresh either way. `block_head`: the BOS that starts each of `data.pt_blocks`' blocks (or None)."""
 
     def encode() -> Splits:
         train_records, eval_records = _split_records(data, how, seed)
@@ -141,6 +144,14 @@ def build_datasets(
             train_records = kto_examples(train_records, "training data", both_labels=True)
             eval_records = kto_examples(eval_records, "evaluation data") if eval_records else []
         pair = how.reader == "pair"  # a preference pair's replies share its prompt
+        if data.pt_blocks and how.reader == "text":
+            train = _blocks(train_records, encoder, data, "training data", workers, block_head)
+            held = (
+                _blocks(eval_records, encoder, data, "evaluation data", workers, block_head)
+                if eval_records
+                else None
+            )
+            return {"train": train, "eval": held}
         out: Splits = {
             "train": _encode(train_records, encoder, data, "training data", group_size, workers, pair)
         }
@@ -205,6 +216,24 @@ def kto_examples(records: list[Record], what: str, both_labels: bool = False) ->
         )
     completions = [r.messages[-1]["content"] if r.messages else "" for r in records]
     return [replace(r, mismatched=completions[(i + 1) % len(records)]) for i, r in enumerate(records)]
+
+
+def _blocks(
+    records: list[Record], encoder: Any, data: DataSection, what: str, workers: int, head: int | None
+) -> tuple[ExampleStore, EncodeStats]:
+    """Pretraining documents as LLaMA-Factory packs them (truncate.py: pretraining_blocks)."""
+    whole, stats = encode_all(records, encoder, sys.maxsize, "right", what, 1, workers)
+    blocks = pretraining_blocks(whole.tokens, data.max_length, head)
+    if not blocks:
+        raise DataError(
+            f"{what}: {len(whole.tokens)} tokens in all, less than one block of data.max_length="
+            f"{data.max_length} (data.pt_blocks)"
+        )
+    stats.tokens_cut = len(whole.tokens) - len(blocks) * data.max_length
+    flags = [np.ones(len(b), dtype=bool) for b in blocks]
+    lengths = [len(b) for b in blocks]
+    store = ExampleStore.from_arrays(blocks, flags, lengths, [n - 1 for n in lengths], [0] * len(blocks))
+    return store, stats
 
 
 def _encode(

@@ -125,9 +125,10 @@ def encode_pairs(
     return out
 
 
-def encode_texts(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
-    """Pretraining documents: BOS (if the tokenizer has one) + tokens + EOS, so documents stay separable."""
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+def encode_texts(tokenizer: Any, texts: list[str], bos: bool = True) -> list[np.ndarray]:
+    """Pretraining documents: BOS (if the tokenizer has one, and `bos`) + tokens + EOS, so documents stay
+    separable."""
+    bos, eos = tokenizer.bos_token_id if bos else None, tokenizer.eos_token_id
     head = np.asarray([] if bos is None else [bos], dtype=np.uint32)
     tail = np.asarray([] if eos is None else [eos], dtype=np.uint32)
     return [np.concatenate([head, ids, tail]) for ids, _ in tokenize(tokenizer, texts)]

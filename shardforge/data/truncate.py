@@ -79,3 +79,15 @@ def cut_each(seq: Sequence, cutoff: int) -> Sequence:
     prompt = int(np.argmax(seq[1])) if seq[1].any() else len(seq[0])
     source, target = infer_seqlen(prompt, len(seq[0]) - prompt, cutoff)
     return _take(seq, [(0, source), (prompt, prompt + target)])
+
+
+def pretraining_blocks(stream: np.ndarray, block: int, head: int | None) -> list[np.ndarray]:
+    """LLaMA-Factory's pretraining packing (`data.pt_blocks`): the documents (each its tokens and EOS),
+    concatenated in order as `stream`, cut into blocks of `block` tokens, the remainder (under one block)
+    dropped; `head`: the BOS id that starts every block (LF does so where the tokenizer adds a BOS)."""
+    count = len(stream) // block
+    blocks = [stream[i * block : (i + 1) * block].copy() for i in range(count)]
+    if head is not None:
+        for b in blocks:
+            b[0] = head
+    return blocks

@@ -16,13 +16,14 @@ from shardforge.objectives.base import CausalLM, Traits
 
 @dataclass(frozen=True)
 class TextEncoder:
-    """A document -> BOS + tokens + EOS, every token a target. A plain object (not a closure), so encoding
-    worker processes can receive it."""
+    """A document -> BOS + tokens + EOS, every token a target (`blocks`: tokens + EOS, for LLaMA-Factory's
+    pretraining blocks). A plain object (not a closure), so encoding worker processes can receive it."""
 
     tokenizer: Any
+    blocks: bool = False
 
     def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
-        documents = encode_texts(self.tokenizer, [r.text or "" for r in records])
+        documents = encode_texts(self.tokenizer, [r.text or "" for r in records], bos=not self.blocks)
         return [[(ids, np.ones(len(ids), dtype=bool))] for ids in documents]
 
     def __call__(self, record: Record) -> list[Sequence_]:
@@ -34,4 +35,4 @@ class PretrainObjective(CausalLM):
     traits = Traits(reader="text")
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
-        return TextEncoder(tokenizer)
+        return TextEncoder(tokenizer, blocks=data.pt_blocks)

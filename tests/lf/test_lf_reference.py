@@ -86,6 +86,14 @@ REFUSED = {
     "adafactor", "epoch_saving", "hub_data", "ppo_without_reward", "ppo_lora_reward",
 }  # fmt: skip
 EXAMPLE_FOLDERS = ("train_lora", "train_full", "train_qlora", "extras")
+STUBS = (  # LF's data package imports torchaudio / torchvision / av for its multimodal plugin, none of which
+    # installs beside this CPU torch: empty stand-ins let it import (the text processors use none of them)
+    "import importlib.machinery, json, sys, types\n"
+    "for name in ('torchaudio', 'torchvision', 'av'):\n"
+    "    stub = types.ModuleType(name)\n"
+    "    stub.__spec__ = importlib.machinery.ModuleSpec(name, None)\n"
+    "    sys.modules[name] = stub\n"
+)
 
 
 def expected(lf: dict[str, Any]) -> dict[str, Any]:
@@ -103,6 +111,7 @@ def expected(lf: dict[str, Any]) -> dict[str, Any]:
         "method.freeze.extra_modules": lf["freeze_extra_modules"] or [],
         "data.max_length": lf["cutoff_len"], "data.packing": bool(packing or lf["neat_packing"]),
         "data.train_on_prompt": lf["train_on_prompt"], "data.truncation": "lf",
+        "data.pt_blocks": bool(stage == "pt" and packing and not lf["neat_packing"]),
         "data.template": "chatml" if lf["template"] == "chatml" else "auto",
         "train.micro_batch": lf["per_device_train_batch_size"],
         "train.grad_accum": lf["gradient_accumulation_steps"], "train.lr": lf["learning_rate"],
@@ -279,13 +288,7 @@ def test_infer_seqlen_is_lf_s_own(lf_cases):
 
     ref, _, _ = lf_cases
     grid = [(s, t, c) for s in range(0, 41, 3) for t in range(0, 41, 3) for c in range(1, 49, 5)]
-    code = (  # LF's data package imports torchaudio / torchvision / av for its multimodal plugin (none of
-        # them installs beside this CPU torch): empty stand-ins let it import; infer_seqlen uses none
-        "import importlib.machinery, json, sys, types\n"
-        "for name in ('torchaudio', 'torchvision', 'av'):\n"
-        "    stub = types.ModuleType(name)\n"
-        "    stub.__spec__ = importlib.machinery.ModuleSpec(name, None)\n"
-        "    sys.modules[name] = stub\n"
+    code = STUBS + (
         "from llamafactory.data.processor.processor_utils import infer_seqlen\n"
         "print(json.dumps([infer_seqlen(*x) for x in json.loads(sys.argv[1])]))"
     )
@@ -320,3 +323,43 @@ def test_converted_lf_examples_keep_every_example_of_lf_s_demo_data(lf_cases, tm
     assert int(stats["truncated"]) > 0 and int(stats["dropped_no_target"]) == 0, stats
     per_record = 1 if example.endswith("sft") else 2
     assert int(stats["sequences"]) == per_record * int(stats["records"]), stats
+
+
+def test_pretraining_blocks_are_lf_s_token_for_token(lf_cases, tmp_path, monkeypatch):
+    """LF's pt example converted (data.pt_blocks) on LF's c4 demo: the blocks equal what LF's own
+    PretrainDatasetProcessor makes of the same file with the same tokenizer, token for token."""
+    from shardforge.config import load_config
+    from shardforge.data.build import build_data
+    from shardforge.models.build import model_source
+    from shardforge.objectives import build_objective, reading_of
+    from tests.conftest import TOKENIZER
+
+    ref, _, _ = lf_cases
+    monkeypatch.chdir(ref.src)
+    lf = yaml.safe_load((ref.src / "examples" / "train_lora" / "qwen3_lora_pretrain.yaml").read_text())
+    converted = convert_lf(lf).config
+    converted["model"] = {"preset": "tiny-llama", "tokenizer": str(TOKENIZER)}
+    converted["data"] |= {"max_length": 256, "workers": 1, "cache_dir": str(tmp_path / "cache")}
+    converted["output_dir"] = str(tmp_path / "run")
+    config = load_config(None, base=converted)
+    assert config.data.pt_blocks and [d.name for d in config.data.train] == ["c4_demo"]
+    objective = build_objective(config.method)
+    train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
+    ours = train.examples.tokens.tolist()
+    code = STUBS + (
+        "from transformers import AutoTokenizer\n"
+        "from llamafactory.hparams import DataArguments\n"
+        "from llamafactory.data.processor.pretrain import PretrainDatasetProcessor\n"
+        "args = DataArguments(cutoff_len=256)\n"
+        "args.packing = True  # what get_train_args resolves for stage pt\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "texts = [json.loads(line)['text'] for line in open('data/c4_demo.jsonl')]\n"
+        "proc = PretrainDatasetProcessor(template=None, tokenizer=tok, processor=None, data_args=args)\n"
+        "out = proc.preprocess_dataset({'_prompt': [[{'role': 'user', 'content': t}] for t in texts]})\n"
+        "print(json.dumps([i for block in out['input_ids'] for i in block]))"
+    )
+    proc = subprocess.run([str(ref.python), "-c", code, str(TOKENIZER)], capture_output=True, text=True,
+                          timeout=600, cwd=ref.src)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(ours) == len(theirs) and len(ours) % 256 == 0 and len(ours) > 100 * 256 and ours == theirs

@@ -199,3 +199,16 @@ def test_lf_truncation_keeps_examples_a_long_prompt_would_drop():
     cut_ids, cut_trained = cut_turns((ids, trained), 12)
     assert cut_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 14, 15]
     assert cut_trained.tolist() == [False] * 4 + [True] * 4 + [False] * 2 + [True] * 2
+
+
+def test_pretraining_blocks_concatenate_cut_and_start_with_bos():
+    import numpy as np
+
+    from shardforge.data.truncate import pretraining_blocks
+
+    stream = np.arange(1, 12, dtype=np.uint32)  # 11 tokens: 2 blocks of 4, 3 left over and dropped
+    assert [b.tolist() for b in pretraining_blocks(stream, 4, None)] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert [b.tolist() for b in pretraining_blocks(stream, 4, 0)] == [[0, 2, 3, 4], [0, 6, 7, 8]]
+    assert stream.tolist() == list(range(1, 12))  # the stream itself is left as it was
+    pt = convert_lf({"model_name_or_path": "m", "dataset": "c4_demo", "stage": "pt"}).config["data"]
+    assert pt["pt_blocks"] and pt["packing"] and pt["max_length"] == 2048  # LF's default for pt
