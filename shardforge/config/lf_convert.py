@@ -563,16 +563,12 @@ RULES: dict[str, Rule] = {
     ),
     "disable_gradient_checkpointing": _checkpointing,
 }
-# keys another key's rule reads with it
-READ_WITH = {
-    "quantization_method": "quantization_bit", "quantization_type": "quantization_bit",
-    "dataset_dir": "dataset", "max_samples": "dataset", "neat_packing": "packing",
-    "save_steps": "save_strategy", "save_total_limit": "save_strategy", "max_steps": "num_train_epochs",
-    "lr_scheduler_kwargs": "lr_scheduler_type", "warmup_ratio": "warmup_steps", "adam_beta1": "optim",
-    "adam_beta2": "optim", "adam_epsilon": "optim", "fp16": "bf16", "eval_steps": "eval_strategy",
-    "resume_from_checkpoint": "overwrite_output_dir", "reward_model_type": "reward_model",
-    "deepspeed": "deepspeed",
-}  # fmt: skip
+# keys read by another key's rule (quantization_bit's, dataset's, ...) or by _deepspeed
+READ_WITH = frozenset({
+    "quantization_method", "quantization_type", "dataset_dir", "max_samples", "neat_packing", "save_steps",
+    "save_total_limit", "max_steps", "lr_scheduler_kwargs", "warmup_ratio", "adam_beta1", "adam_beta2",
+    "adam_epsilon", "fp16", "eval_steps", "resume_from_checkpoint", "reward_model_type", "deepspeed",
+})  # fmt: skip
 
 
 def is_training(lf: dict[str, Any]) -> bool:
