@@ -201,10 +201,14 @@ def _split_records(data: DataSection, how: Reading, seed: int) -> tuple[list[Rec
     return train_records, eval_records
 
 
+KL_CHUNK = 1000  # LLaMA-Factory's preprocessing_batch_size, within which it pairs KTO's KL completions
+
+
 def kto_examples(records: list[Record], what: str, both_labels: bool = False) -> list[Record]:
-    """KTO's examples, each given the next example's completion (the last, the first's) as its mismatched
-    completion for the KL estimate: a fixed pairing, whatever the encoding's chunks or the sampler's order.
-    Training needs desirable and undesirable examples both."""
+    """KTO's examples, each given the previous example's completion as its mismatched completion for the KL
+    estimate, within consecutive chunks of KL_CHUNK records (a chunk's first takes its last): LLaMA-Factory's
+    pairing (its preprocessing batches; TRL shifts the same way within its batches), fixed whatever the
+    encoding's chunks or the sampler's order. Training needs desirable and undesirable examples both."""
     if len(records) < 2:
         raise DataError(f"{what}: KTO needs at least 2 examples (each is paired with another's completion)")
     desirable = sum(bool(r.label) for r in records)
@@ -215,7 +219,12 @@ def kto_examples(records: list[Record], what: str, both_labels: bool = False) ->
             f"desirable and undesirable examples"
         )
     completions = [r.messages[-1]["content"] if r.messages else "" for r in records]
-    return [replace(r, mismatched=completions[(i + 1) % len(records)]) for i, r in enumerate(records)]
+    paired = []
+    for i, r in enumerate(records):
+        start = i - i % KL_CHUNK
+        size = min(KL_CHUNK, len(records) - start)
+        paired.append(replace(r, mismatched=completions[start + (i - start - 1) % size]))
+    return paired
 
 
 def _blocks(

@@ -1,20 +1,34 @@
-"""Run by LLaMA-Factory's own Python (the reference environment, tests/lf/reference_env.py): each case's YAML
-mapping through LF 0.9.5's argument parser, answered with the resolved value of every key the converter
-reads and the learning rate transformers' scheduler gives at each step, as LF's trainer would build it.
+"""Run by LLaMA-Factory's own Python (the reference environment, tests/lf/reference_env.py).
 
-    python lf_reference.py cases.json out.json
+    python lf_reference.py parse cases.json out.json
+    python lf_reference.py preprocess STAGE DATASET CUTOFF TOKENIZER out.json   (in LF's source folder)
 
-cases.json: {"keys": [...], "steps": N, "cases": {name: mapping}}. Each answer: {"args": {key: value}} or
-{"error": "<LF's message>"}. Keys the parser cannot take on this machine are set aside first (deepspeed:
-the package is not installed; the converter reads the JSON itself) and `use_cpu` is added (no GPU here)."""
+parse: each case's YAML mapping through LF 0.9.5's argument parser, answered with the resolved value of
+every key the converter reads and the learning rate transformers' scheduler gives at each step, as LF's
+trainer would build it. cases.json: {"keys": [...], "steps": N, "cases": {name: mapping}}; each answer
+{"args": {key: value}, "lr": [...]} or {"error": "<LF's message>"}. Keys the parser cannot take on this
+machine are set aside first (deepspeed: the package is not installed; the converter reads the JSON itself)
+and `use_cpu` is added (no GPU here).
+
+preprocess: LF's own data pipeline (`get_dataset`, with its chatml template) on one of its demo data sets,
+answered with each encoded column (input_ids, labels, and chosen_ / rejected_ / kl_ ones)."""
 
 import enum
+import importlib.machinery
 import json
 import sys
+import types
 
-import torch
-from llamafactory.hparams.parser import _parse_train_args
-from transformers import get_scheduler
+# LF's data package imports torchaudio / torchvision / av for its multimodal plugin, none of which installs
+# beside this CPU torch: empty stand-ins let it import (the text processors use none of them)
+for _name in ("torchaudio", "torchvision", "av"):
+    _stub = types.ModuleType(_name)
+    _stub.__spec__ = importlib.machinery.ModuleSpec(_name, None)
+    sys.modules.setdefault(_name, _stub)
+
+import torch  # noqa: E402
+from llamafactory.hparams.parser import _parse_train_args  # noqa: E402
+from transformers import get_scheduler  # noqa: E402
 
 
 def plain(value):
@@ -57,12 +71,32 @@ def resolve(mapping: dict, keys: list[str], steps: int) -> dict:
     return {"args": out, "lr": lrs}
 
 
+def preprocess(stage: str, dataset: str, cutoff: int, tokenizer_path: str) -> dict:
+    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
+    from transformers import AutoTokenizer
+
+    args = {"model_name_or_path": "unused", "stage": stage, "dataset": dataset, "template": "chatml",
+            "cutoff_len": cutoff, "output_dir": "lf_reference_out", "use_cpu": True, "do_train": True,
+            "overwrite_cache": True, "preprocessing_num_workers": 1}  # fmt: skip
+    model_args, data_args, training_args, _, _ = _parse_train_args(args)
+    data_args.packing = data_args.packing if data_args.packing is not None else stage == "pt"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    template = get_template_and_fix_tokenizer(tokenizer, data_args)
+    lf_stage = "rm" if stage == "dpo" else stage  # LF's DPO workflow reads its data as stage rm
+    module = get_dataset(template, model_args, data_args, training_args, lf_stage, tokenizer=tokenizer)
+    data = module["train_dataset"]
+    return {c: list(data[c]) for c in data.column_names if c.endswith(("input_ids", "labels"))}
+
+
 def main() -> None:
-    with open(sys.argv[1]) as f:
-        request = json.load(f)
-    answers = {name: resolve(m, request["keys"], request["steps"]) for name, m in request["cases"].items()}
-    with open(sys.argv[2], "w") as f:
-        json.dump(answers, f)
+    if sys.argv[1] == "preprocess":
+        answer = preprocess(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    else:
+        with open(sys.argv[2]) as f:
+            request = json.load(f)
+        answer = {name: resolve(m, request["keys"], request["steps"]) for name, m in request["cases"].items()}
+    with open(sys.argv[-1], "w") as f:
+        json.dump(answer, f)
 
 
 if __name__ == "__main__":

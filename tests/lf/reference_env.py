@@ -31,8 +31,19 @@ class Reference:
         request, answer = work / "cases.json", work / "answers.json"
         request.write_text(json.dumps({"keys": keys, "steps": steps, "cases": cases}))
         proc = subprocess.run(
-            [str(self.python), str(SCRIPT), str(request), str(answer)],
+            [str(self.python), str(SCRIPT), "parse", str(request), str(answer)],
             capture_output=True, text=True, timeout=600, cwd=work,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(answer.read_text())
+
+    def preprocess(self, stage: str, dataset: str, cutoff: int, tokenizer: Path, work: Path) -> dict:
+        """LF's own encoding of one of its demo data sets (tests/lf/lf_reference.py preprocess)."""
+        answer = work / f"lf_{stage}_{dataset}.json"
+        proc = subprocess.run(
+            [str(self.python), str(SCRIPT), "preprocess", stage, dataset, str(cutoff), str(tokenizer),
+             str(answer)],
+            capture_output=True, text=True, timeout=900, cwd=self.src,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(answer.read_text())

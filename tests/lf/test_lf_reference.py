@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -86,14 +87,6 @@ REFUSED = {
     "adafactor", "epoch_saving", "hub_data", "ppo_without_reward", "ppo_lora_reward",
 }  # fmt: skip
 EXAMPLE_FOLDERS = ("train_lora", "train_full", "train_qlora", "extras")
-STUBS = (  # LF's data package imports torchaudio / torchvision / av for its multimodal plugin, none of which
-    # installs beside this CPU torch: empty stand-ins let it import (the text processors use none of them)
-    "import importlib.machinery, json, sys, types\n"
-    "for name in ('torchaudio', 'torchvision', 'av'):\n"
-    "    stub = types.ModuleType(name)\n"
-    "    stub.__spec__ = importlib.machinery.ModuleSpec(name, None)\n"
-    "    sys.modules[name] = stub\n"
-)
 
 
 def expected(lf: dict[str, Any]) -> dict[str, Any]:
@@ -288,7 +281,8 @@ def test_infer_seqlen_is_lf_s_own(lf_cases):
 
     ref, _, _ = lf_cases
     grid = [(s, t, c) for s in range(0, 41, 3) for t in range(0, 41, 3) for c in range(1, 49, 5)]
-    code = STUBS + (
+    code = (  # importing lf_reference puts stand-ins for LF's multimodal imports first
+        f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import lf_reference\n"
         "from llamafactory.data.processor.processor_utils import infer_seqlen\n"
         "print(json.dumps([infer_seqlen(*x) for x in json.loads(sys.argv[1])]))"
     )
@@ -326,8 +320,8 @@ def test_converted_lf_examples_keep_every_example_of_lf_s_demo_data(lf_cases, tm
 
 
 def test_pretraining_blocks_are_lf_s_token_for_token(lf_cases, tmp_path, monkeypatch):
-    """LF's pt example converted (data.pt_blocks) on LF's c4 demo: the blocks equal what LF's own
-    PretrainDatasetProcessor makes of the same file with the same tokenizer, token for token."""
+    """LF's pt example converted (data.pt_blocks) on LF's c4 demo: the blocks equal what LF's own data
+    pipeline makes of the same file with the same tokenizer, token for token."""
     from shardforge.config import load_config
     from shardforge.data.build import build_data
     from shardforge.models.build import model_source
@@ -346,20 +340,50 @@ def test_pretraining_blocks_are_lf_s_token_for_token(lf_cases, tmp_path, monkeyp
     objective = build_objective(config.method)
     train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
     ours = train.examples.tokens.tolist()
-    code = STUBS + (
-        "from transformers import AutoTokenizer\n"
-        "from llamafactory.hparams import DataArguments\n"
-        "from llamafactory.data.processor.pretrain import PretrainDatasetProcessor\n"
-        "args = DataArguments(cutoff_len=256)\n"
-        "args.packing = True  # what get_train_args resolves for stage pt\n"
-        "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
-        "texts = [json.loads(line)['text'] for line in open('data/c4_demo.jsonl')]\n"
-        "proc = PretrainDatasetProcessor(template=None, tokenizer=tok, processor=None, data_args=args)\n"
-        "out = proc.preprocess_dataset({'_prompt': [[{'role': 'user', 'content': t}] for t in texts]})\n"
-        "print(json.dumps([i for block in out['input_ids'] for i in block]))"
-    )
-    proc = subprocess.run([str(ref.python), "-c", code, str(TOKENIZER)], capture_output=True, text=True,
-                          timeout=600, cwd=ref.src)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    theirs = [
+        i for block in ref.preprocess("pt", "c4_demo", 256, TOKENIZER, tmp_path)["input_ids"] for i in block
+    ]
     assert len(ours) == len(theirs) and len(ours) % 256 == 0 and len(ours) > 100 * 256 and ours == theirs
+
+
+@pytest.mark.parametrize(
+    ("stage", "dataset"),
+    [("sft", "alpaca_en_demo"), ("sft", "identity"), ("dpo", "dpo_en_demo"), ("rm", "dpo_en_demo"),
+     ("kto", "kto_en_demo")],
+)  # fmt: skip
+def test_lf_s_demo_data_encodes_as_lf_encodes_it_record_for_record(
+    lf_cases, tmp_path, monkeypatch, stage, dataset
+):
+    """LF's demo data sets read through its dataset_info.json and encoded by both with the chatml template
+    and LF's truncation at a cutoff most examples exceed: the same token ids and the same targets (LF's
+    labels), sequence for sequence, a preference pair's chosen and rejected, a KTO example and its KL pair."""
+    from shardforge.config import load_config
+    from shardforge.data.build import build_data
+    from shardforge.models.build import model_source
+    from shardforge.objectives import build_objective, reading_of
+    from tests.conftest import TOKENIZER
+
+    ref, _, _ = lf_cases
+    theirs = ref.preprocess(stage, dataset, 96, TOKENIZER, tmp_path)
+    monkeypatch.chdir(ref.src)
+    config = load_config(None, base={
+        "model": {"preset": "tiny-llama", "tokenizer": str(TOKENIZER)}, "method": {"stage": stage},
+        "data": {"train": [{"name": dataset, "dataset_info": "data/dataset_info.json"}], "template": "chatml",
+                 "max_length": 96, "truncation": "lf", "packing": False, "cache": False, "workers": 1},
+        "output_dir": str(tmp_path / "run"),
+    })  # fmt: skip
+    objective = build_objective(config.method)
+    train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
+    ours = [train.examples[i] for i in range(len(train.examples))]
+    columns = {"dpo": ("chosen_", "rejected_"), "rm": ("chosen_", "rejected_"), "kto": ("", "kl_")}
+    prefixes = columns.get(stage, ("",))
+    assert len(ours) == len(prefixes) * len(theirs[f"{prefixes[0]}input_ids"]) > 0
+    for k, prefix in enumerate(prefixes):
+        for i, (ids, labels) in enumerate(
+            zip(theirs[f"{prefix}input_ids"], theirs[f"{prefix}labels"], strict=True)
+        ):
+            example = ours[len(prefixes) * i + k]
+            assert list(example.input_ids) == ids, (prefix, i)
+            assert [
+                t if f else -100 for t, f in zip(example.input_ids, example.trained, strict=True)
+            ] == labels

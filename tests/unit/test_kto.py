@@ -109,7 +109,7 @@ def test_kto_forms_encode_alike_and_pair_each_example_with_the_next_completion(t
     for spec in data.train:
         records = kto_examples(read_dataset(spec, reading_for("kto")), "test")
         assert [r.label for r in records] == [True, False]
-        assert [r.mismatched for r in records] == ["green", "red red"]  # the next one's completion
+        assert [r.mismatched for r in records] == ["green", "red red"]  # the previous one's completion
         encoded.append([encode(r) for r in records])
     for other in encoded[1:]:
         assert all(_same(a, b) for a, b in zip(encoded[0], other, strict=True))
