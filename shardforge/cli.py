@@ -173,7 +173,7 @@ def _cmd_data_prepare(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config, args.overrides)
     objective = build_objective(config.method)
     log_to_console(console)
-    report = prepare_data(config, objective, reading_of(objective))
+    report = prepare_data(config, objective, reading_of(objective, config.data.default_system))
     for what, stats in report.items():
         histogram = stats.pop("length_histogram")
         console.print(

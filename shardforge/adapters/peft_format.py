@@ -117,6 +117,21 @@ def our_keys(family: str, keys: Iterable[str], target_parameters: list[str]) -> 
     return out
 
 
+def _target_modules(adapters: Iterable[str], names: dict[str, str]) -> list[str]:
+    """peft's target_modules: the adapted linears' short names, except a numbered one (a child of an
+    nn.Sequential, as Zamba2's adapters): peft matches names as suffixes, so `0` would take `layers.0`, a
+    whole layer; those are named whole."""
+    targets = set()
+    for key in adapters:
+        module = _split(key)[0]
+        if _expert_param(module):
+            continue
+        leaf = module.rpartition(".")[2]
+        whole = names[key].removeprefix("base_model.model.").rpartition(".lora_")[0]
+        targets.add(whole if leaf.isdigit() else leaf)
+    return sorted(targets)
+
+
 def _target_parameters(family: str, adapters: Iterable[str]) -> list[str]:
     """peft's target_parameters for our fused experts adapters: each weight's HF path after the layer
     index (`mlp.experts.gate_up_proj`), which peft matches in every layer."""
@@ -144,7 +159,7 @@ def save_adapter(
     names = peft_keys(family, adapters)
     tensors = {names[k]: v.detach().float().contiguous().cpu() for k, v in adapters.items()}
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
-    targets = [t for t in adapted_leaves(adapters) if not t.startswith("experts.")]
+    targets = _target_modules(adapters, names)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

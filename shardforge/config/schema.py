@@ -75,6 +75,8 @@ class DataSection(Section):
     template: Literal["auto", "chatml"] = "auto"
     truncation: Literal["right", "error", "lf"] = "right"
     pt_blocks: bool = False  # pt: documents concatenated and cut in max_length blocks (LLaMA-Factory's)
+    default_system: str | None = None  # the system message of conversations that have none
+    mask_history: bool = False  # sft: targets on the last assistant turn only (LLaMA-Factory's)
     eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
     eval_count: int | None = Field(default=None, ge=1)  # hold out this many records instead (LF's val_size N)
     cache: bool = True  # tokenize once into memory-mapped arrays, reused by later runs and every rank
@@ -543,6 +545,16 @@ class Config(Section):
             raise ValueError(
                 f"model.adapter={self.model.adapter!r} starts from a LoRA adapter: set "
                 f"method.finetuning=lora (it is {self.method.finetuning})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _last_turn(self) -> Config:
+        if self.data.mask_history and (self.method.stage != "sft" or self.data.train_on_prompt):
+            raise ValueError(
+                f"data.mask_history trains on the last assistant turn of a conversation: stage sft only, "
+                f"without data.train_on_prompt (it is stage {self.method.stage}, train_on_prompt "
+                f"{self.data.train_on_prompt})"
             )
         return self
 

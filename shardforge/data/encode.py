@@ -21,6 +21,7 @@ from shardforge.data.examples import Encoder, EncodeStats
 from shardforge.data.formats import Record
 from shardforge.data.store import ExampleStore
 from shardforge.data.truncate import cut_each, cut_shared_prompt, cut_turns
+from shardforge.data.truncate import last_reply_only as last_reply_only_of
 from shardforge.errors import DataError
 
 # A spawned worker starts in about 2-3 s (torch, the tokenizer): with fewer records each, it costs more than
@@ -81,11 +82,14 @@ def encode_all(
     group_size: int = 1,
     workers: int = 1,
     shared_prompt: bool = False,
+    last_reply_only: bool = False,
 ) -> tuple[ExampleStore, EncodeStats]:
     """Tokenize records into groups of `group_size` sequences (consecutive in the result); cut sequences
     longer than max_length (counted, or an error when truncation=error; `lf`: prompt and reply each, as
-    LLaMA-Factory does, truncate.py, a group's replies after one prompt when `shared_prompt`). A group with
-    a sequence left without any target is dropped whole, so groups never lose a member."""
+    LLaMA-Factory does, truncate.py, a group's replies after one prompt when `shared_prompt`);
+    `last_reply_only`: a conversation's targets on its last reply alone (data.mask_history, whose `lf` cut
+    keeps the last turns first). A group with a sequence left without any target is dropped whole, so
+    groups never lose a member."""
     stats = EncodeStats(records=len(records))
     tokens, flags, lengths, targets, tags = [], [], [], [], []
     for record, group in zip(records, _encoded(records, encode, workers), strict=True):
@@ -94,7 +98,7 @@ def encode_all(
         if truncation == "lf" and any(len(ids) > max_length for ids, _ in group):
             before = sum(len(ids) for ids, _ in group)
             if group_size == 1:
-                group = [cut_turns(group[0], max_length)]
+                group = [cut_turns(group[0], max_length, last_first=last_reply_only)]
             elif shared_prompt:
                 group = cut_shared_prompt(group, max_length)
             else:
@@ -102,6 +106,8 @@ def encode_all(
             stats.truncated += 1
             stats.tokens_cut += before - sum(len(ids) for ids, _ in group)
         kept = []
+        if last_reply_only:
+            group = [last_reply_only_of(seq) for seq in group]
         for ids, trained in group:
             if len(ids) > max_length:
                 if truncation == "error":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +31,7 @@ class Reading:
     reader: Reader
     stage: str
     stages: tuple[tuple[str, str], ...] = ()  # (reader, "dpo or rm"): who trains on such records
+    system: str | None = None  # data.default_system: the system message of conversations that have none
 
     def serving(self, reader: Reader) -> str:
         """The stages that read records of `reader`, as a message names them."""
@@ -306,7 +307,15 @@ def _iter_parquet(path: Path, start: int = 0) -> Iterator[tuple[str, Any, FilePo
 
 
 def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, how: Reading) -> Record:
-    """One decoded object (or .txt line) as a record of format `fmt`, as `how.reader` takes it."""
+    """One decoded object (or .txt line) as a record of format `fmt`, as `how.reader` takes it; a
+    conversation without a system message gets `how.system` (LLaMA-Factory's default_system)."""
+    record = _parse_record(obj, src, fmt, f, how)
+    if how.system and record.messages and record.messages[0]["role"] != "system":
+        record = replace(record, messages=({"role": "system", "content": how.system}, *record.messages))
+    return record
+
+
+def _parse_record(obj: Any, src: str, fmt: str, f: FieldMap, how: Reading) -> Record:
     if fmt == "text" and isinstance(obj, str):  # a line of a .txt file
         return Record(src, None, obj)
     if not isinstance(obj, dict):

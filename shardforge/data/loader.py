@@ -255,5 +255,6 @@ def _encode(
     shared_prompt: bool = False,
 ) -> tuple[ExampleStore, EncodeStats]:
     return encode_all(
-        records, encoder, data.max_length, data.truncation, what, group_size, workers, shared_prompt
-    )
+        records, encoder, data.max_length, data.truncation, what, group_size, workers, shared_prompt,
+        data.mask_history,
+    )  # fmt: skip

@@ -166,7 +166,10 @@ class StreamSource:
             return None
         records = [record for record, _ in read]
         what = f"training stream (window {index} of epoch {epoch}, from {records[0].source})"
-        store, stats = encode_all(records, self.encoder, self.data.max_length, self.data.truncation, what)
+        store, stats = encode_all(
+            records, self.encoder, self.data.max_length, self.data.truncation, what,
+            last_reply_only=self.data.mask_history,
+        )  # fmt: skip
         rows = lay_out(store, stats, self.data, self.seed + index, 1)
         gen = torch.Generator().manual_seed(self.seed + epoch + ORDER_STRIDE * index)
         order = torch.randperm(rows.num_groups, generator=gen).numpy()

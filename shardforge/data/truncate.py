@@ -53,16 +53,33 @@ def _take(seq: Sequence, spans: list[tuple[int, int]]) -> Sequence:
     return ids[keep], trained[keep]
 
 
-def cut_turns(seq: Sequence, cutoff: int) -> Sequence:
-    """A conversation cut turn by turn within `cutoff` (LF's supervised processor)."""
-    spans, total = [], 0
-    for prompt, reply, end in _turns(seq[1]):
+def cut_turns(seq: Sequence, cutoff: int, last_first: bool = False) -> Sequence:
+    """A conversation cut turn by turn within `cutoff` (LF's supervised processor); `last_first`: from the
+    last turn back (LF's mask_history), so the turns kept are the last ones."""
+    turns, kept, total = _turns(seq[1]), {}, 0
+    for i in reversed(range(len(turns))) if last_first else range(len(turns)):
         if total >= cutoff:
             break
-        source, target = infer_seqlen(reply - prompt, end - reply, cutoff - total)
-        spans += [(prompt, prompt + source), (reply, reply + target)]
-        total += source + target
+        prompt, reply, end = turns[i]
+        kept[i] = infer_seqlen(reply - prompt, end - reply, cutoff - total)
+        total += sum(kept[i])
+    spans = []
+    for i in sorted(kept):
+        prompt, reply, _ = turns[i]
+        spans += [(prompt, prompt + kept[i][0]), (reply, reply + kept[i][1])]
     return _take(seq, spans)
+
+
+def last_reply_only(seq: Sequence) -> Sequence:
+    """Targets on the last reply alone (LF's mask_history): earlier replies become context."""
+    ids, trained = seq
+    if not trained.any():
+        return seq
+    end = len(trained) - int(np.argmax(trained[::-1]))
+    start = end - int(np.argmin(trained[:end][::-1])) if not trained[:end].all() else 0
+    flags = np.zeros_like(trained)
+    flags[start:end] = True
+    return ids, flags
 
 
 def cut_shared_prompt(group: list[Sequence], cutoff: int) -> list[Sequence]:

@@ -33,14 +33,14 @@ def score_labels(method: MethodSection) -> int:
     return build_objective(method).traits.score_head
 
 
-def reading_of(objective: Objective) -> Reading:
+def reading_of(objective: Objective, system: str | None = None) -> Reading:
     """How the data readers take records for `objective`, with the stages that read each kind of record
-    (for messages that name the stage a data set belongs to)."""
+    (for messages that name the stage a data set belongs to); `system`: data.default_system."""
     serving: dict[str, list[str]] = {}
     for stage in STAGES:
         serving.setdefault(objective_class(stage).traits.reader, []).append(stage)
     stages = tuple((reader, " or ".join(sorted(names))) for reader, names in serving.items())
-    return Reading(objective.traits.reader, objective.name, stages)
+    return Reading(objective.traits.reader, objective.name, stages, system)
 
 
 def reading_for(stage: str) -> Reading:

@@ -93,7 +93,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         layout = resolved.estimate.layout
         log.info(f"parallel: auto chose {layout.describe()} ({' '.join(layout.overrides())})")
     objective = objective or build_objective(cfg.method)
-    how, precision = reading_of(objective), Precision(cfg.train.precision, device)
+    how, precision = reading_of(objective, cfg.data.default_system), Precision(cfg.train.precision, device)
     train_rows, eval_rows = build_data(cfg, tokenizer, objective, how)
     policy = build_policy(cfg, tokenizer, objective.traits.score_head, dims=dims, mesh=ws.mesh, plan=plan,
                           device=device)  # fmt: skip

@@ -19,7 +19,7 @@ def preview_records(config: Config, count: int = 3) -> list[list[tuple[str, bool
     encoder = objective.encoder(tokenizer, config.data)
     spec = config.data.train[0].model_copy(update={"max_samples": count})
     out = []
-    for record in read_dataset(spec, reading_of(objective))[:count]:
+    for record in read_dataset(spec, reading_of(objective, config.data.default_system))[:count]:
         ids, trained = encoder(record)[0]
         ids, trained = list(ids)[: config.data.max_length], list(trained)[: config.data.max_length]
         runs: list[tuple[list[int], bool]] = []

@@ -1,7 +1,7 @@
 """Run by LLaMA-Factory's own Python (the reference environment, tests/lf/reference_env.py).
 
     python lf_reference.py parse cases.json out.json
-    python lf_reference.py preprocess STAGE DATASET CUTOFF TOKENIZER out.json   (in LF's source folder)
+    python lf_reference.py preprocess ARGS.json TOKENIZER out.json   (in LF's source folder)
 
 parse: each case's YAML mapping through LF 0.9.5's argument parser, answered with the resolved value of
 every key the converter reads and the learning rate transformers' scheduler gives at each step, as LF's
@@ -10,8 +10,9 @@ trainer would build it. cases.json: {"keys": [...], "steps": N, "cases": {name: 
 machine are set aside first (deepspeed: the package is not installed; the converter reads the JSON itself)
 and `use_cpu` is added (no GPU here).
 
-preprocess: LF's own data pipeline (`get_dataset`, with its chatml template) on one of its demo data sets,
-answered with each encoded column (input_ids, labels, and chosen_ / rejected_ / kl_ ones)."""
+preprocess: LF's own data pipeline (`get_dataset`) on the data set its arguments name (ARGS.json: stage,
+dataset, cutoff_len, template, dataset_dir, ...), answered with each encoded column (input_ids, labels, and
+chosen_ / rejected_ / kl_ ones)."""
 
 import enum
 import importlib.machinery
@@ -71,13 +72,13 @@ def resolve(mapping: dict, keys: list[str], steps: int) -> dict:
     return {"args": out, "lr": lrs}
 
 
-def preprocess(stage: str, dataset: str, cutoff: int, tokenizer_path: str) -> dict:
+def preprocess(lf_args: dict, tokenizer_path: str) -> dict:
     from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
     from transformers import AutoTokenizer
 
-    args = {"model_name_or_path": "unused", "stage": stage, "dataset": dataset, "template": "chatml",
-            "cutoff_len": cutoff, "output_dir": "lf_reference_out", "use_cpu": True, "do_train": True,
-            "overwrite_cache": True, "preprocessing_num_workers": 1}  # fmt: skip
+    args = {"model_name_or_path": "unused", "output_dir": "lf_reference_out", "use_cpu": True,
+            "do_train": True, "overwrite_cache": True, "preprocessing_num_workers": 1, **lf_args}  # fmt: skip
+    stage = args["stage"]
     model_args, data_args, training_args, _, _ = _parse_train_args(args)
     data_args.packing = data_args.packing if data_args.packing is not None else stage == "pt"
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -90,7 +91,8 @@ def preprocess(stage: str, dataset: str, cutoff: int, tokenizer_path: str) -> di
 
 def main() -> None:
     if sys.argv[1] == "preprocess":
-        answer = preprocess(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        with open(sys.argv[2]) as f:
+            answer = preprocess(json.load(f), sys.argv[3])
     else:
         with open(sys.argv[2]) as f:
             request = json.load(f)

@@ -37,12 +37,12 @@ class Reference:
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(answer.read_text())
 
-    def preprocess(self, stage: str, dataset: str, cutoff: int, tokenizer: Path, work: Path) -> dict:
-        """LF's own encoding of one of its demo data sets (tests/lf/lf_reference.py preprocess)."""
-        answer = work / f"lf_{stage}_{dataset}.json"
+    def preprocess(self, args: dict, tokenizer: Path, work: Path) -> dict:
+        """LF's own encoding of the data set its arguments name (tests/lf/lf_reference.py preprocess)."""
+        request, answer = work / "lf_args.json", work / "lf_encoded.json"
+        request.write_text(json.dumps({"template": "chatml", **args}))
         proc = subprocess.run(
-            [str(self.python), str(SCRIPT), "preprocess", stage, dataset, str(cutoff), str(tokenizer),
-             str(answer)],
+            [str(self.python), str(SCRIPT), "preprocess", str(request), str(tokenizer), str(answer)],
             capture_output=True, text=True, timeout=900, cwd=self.src,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]

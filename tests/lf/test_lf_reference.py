@@ -340,23 +340,57 @@ def test_pretraining_blocks_are_lf_s_token_for_token(lf_cases, tmp_path, monkeyp
     objective = build_objective(config.method)
     train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
     ours = train.examples.tokens.tolist()
-    theirs = [
-        i for block in ref.preprocess("pt", "c4_demo", 256, TOKENIZER, tmp_path)["input_ids"] for i in block
-    ]
+    blocks = ref.preprocess({"stage": "pt", "dataset": "c4_demo", "cutoff_len": 256}, TOKENIZER, tmp_path)
+    theirs = [i for block in blocks["input_ids"] for i in block]
     assert len(ours) == len(theirs) and len(ours) % 256 == 0 and len(ours) > 100 * 256 and ours == theirs
 
 
-@pytest.mark.parametrize(
-    ("stage", "dataset"),
-    [("sft", "alpaca_en_demo"), ("sft", "identity"), ("dpo", "dpo_en_demo"), ("rm", "dpo_en_demo"),
-     ("kto", "kto_en_demo")],
-)  # fmt: skip
-def test_lf_s_demo_data_encodes_as_lf_encodes_it_record_for_record(
-    lf_cases, tmp_path, monkeypatch, stage, dataset
-):
-    """LF's demo data sets read through its dataset_info.json and encoded by both with the chatml template
-    and LF's truncation at a cutoff most examples exceed: the same token ids and the same targets (LF's
-    labels), sequence for sequence, a preference pair's chosen and rejected, a KTO example and its KL pair."""
+def _multi_turn(folder: Path) -> Path:
+    """A sharegpt data set of 3-turn conversations, some with a system message, some long: what LF's
+    mask_history and default_system act on (its demo sets are single-turn)."""
+    rows = []
+    for i in range(12):
+        turns = []
+        for t in range(3):
+            question = f"question {i}.{t} " + "word " * (3 + 7 * ((i + t) % 3))
+            answer = f"answer {i}.{t} " + "reply " * (2 + 9 * ((i * t) % 4))
+            turns += [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+        row = {"conversations": turns}
+        if i % 4 == 0:
+            row["system"] = f"system prompt {i}"
+        rows.append(row)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "multi.json").write_text(json.dumps(rows))
+    info = {"multi": {"file_name": "multi.json", "formatting": "sharegpt",
+                      "columns": {"messages": "conversations", "system": "system"}}}  # fmt: skip
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    return folder
+
+
+CASES = {  # (LF's arguments, our data section's) beyond stage, dataset and cutoff
+    "sft-alpaca": ("sft", "alpaca_en_demo", {}, {}),
+    "sft-identity": ("sft", "identity", {}, {}),
+    "dpo": ("dpo", "dpo_en_demo", {}, {}),
+    "rm": ("rm", "dpo_en_demo", {}, {}),
+    "kto": ("kto", "kto_en_demo", {}, {}),
+    "default_system": (
+        "sft",
+        "alpaca_en_demo",
+        {"default_system": "Be brief."},
+        {"default_system": "Be brief."},
+    ),
+    "multi-turn": ("sft", "multi", {}, {}),
+    "mask_history": ("sft", "multi", {"mask_history": True}, {"mask_history": True}),
+    "multi-system": ("sft", "multi", {"default_system": "Be kind."}, {"default_system": "Be kind."}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lf_s_data_encodes_as_lf_encodes_it_record_for_record(lf_cases, tmp_path, monkeypatch, case):
+    """LF's demo data sets (and multi-turn conversations) read through a dataset_info.json and encoded by
+    LF's own pipeline and ours, with the chatml template and LF's truncation at a cutoff most examples
+    exceed: the same token ids and the same targets (LF's labels), sequence for sequence, a preference
+    pair's chosen and rejected, a KTO example and its KL pair; default_system and mask_history as LF's."""
     from shardforge.config import load_config
     from shardforge.data.build import build_data
     from shardforge.models.build import model_source
@@ -364,26 +398,29 @@ def test_lf_s_demo_data_encodes_as_lf_encodes_it_record_for_record(
     from tests.conftest import TOKENIZER
 
     ref, _, _ = lf_cases
-    theirs = ref.preprocess(stage, dataset, 96, TOKENIZER, tmp_path)
-    monkeypatch.chdir(ref.src)
+    stage, dataset, lf_extra, our_extra = CASES[case]
+    folder = _multi_turn(tmp_path / "data") if dataset == "multi" else ref.src / "data"
+    lf_args = {"stage": stage, "dataset": dataset, "cutoff_len": 96, "dataset_dir": str(folder), **lf_extra}
+    theirs = ref.preprocess(lf_args, TOKENIZER, tmp_path)
     config = load_config(None, base={
         "model": {"preset": "tiny-llama", "tokenizer": str(TOKENIZER)}, "method": {"stage": stage},
-        "data": {"train": [{"name": dataset, "dataset_info": "data/dataset_info.json"}], "template": "chatml",
-                 "max_length": 96, "truncation": "lf", "packing": False, "cache": False, "workers": 1},
+        "data": {"train": [{"name": dataset, "dataset_info": str(folder / "dataset_info.json")}],
+                 "template": "chatml", "max_length": 96, "truncation": "lf", "packing": False, "cache": False,
+                 "workers": 1, **our_extra},
         "output_dir": str(tmp_path / "run"),
     })  # fmt: skip
     objective = build_objective(config.method)
-    train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
+    how = reading_of(objective, config.data.default_system)
+    train, _ = build_data(config, model_source(config.model)[1], objective, how, True)
     ours = [train.examples[i] for i in range(len(train.examples))]
-    columns = {"dpo": ("chosen_", "rejected_"), "rm": ("chosen_", "rejected_"), "kto": ("", "kl_")}
-    prefixes = columns.get(stage, ("",))
+    prefixes = {"dpo": ("chosen_", "rejected_"), "rm": ("chosen_", "rejected_"), "kto": ("", "kl_")}.get(
+        stage, ("",)
+    )
     assert len(ours) == len(prefixes) * len(theirs[f"{prefixes[0]}input_ids"]) > 0
     for k, prefix in enumerate(prefixes):
-        for i, (ids, labels) in enumerate(
-            zip(theirs[f"{prefix}input_ids"], theirs[f"{prefix}labels"], strict=True)
-        ):
+        pairs = zip(theirs[f"{prefix}input_ids"], theirs[f"{prefix}labels"], strict=True)
+        for i, (ids, labels) in enumerate(pairs):
             example = ours[len(prefixes) * i + k]
             assert list(example.input_ids) == ids, (prefix, i)
-            assert [
-                t if f else -100 for t, f in zip(example.input_ids, example.trained, strict=True)
-            ] == labels
+            ours_labels = [t if f else -100 for t, f in zip(example.input_ids, example.trained, strict=True)]
+            assert ours_labels == labels, (prefix, i)

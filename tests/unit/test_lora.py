@@ -20,6 +20,7 @@ from shardforge.config import load_config
 from shardforge.config.schema import FreezeSection, LoraSection
 from shardforge.errors import ConfigError
 from shardforge.models.io import hf_state_dict
+from tests.conftest import REPO
 
 BASE = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2)
 SHAPES = {
@@ -383,3 +384,32 @@ def test_adapters_on_the_fused_experts_are_refused_where_peft_or_the_layout_cann
     for parallel in ({"tp": 2}, {"ep": 2, "zero_stage": 3}):
         with pytest.raises(ConfigError, match=r"experts\.gate_up_proj with parallel\.[te]p=2: adapters on"):
             load_config(None, base={**base, "method": method, "parallel": parallel})
+
+
+def test_numbered_linears_are_named_whole_for_peft(tmp_path):
+    """Zamba2's adapters are nn.Sequential children (`...adapter_list.0.0`): as the short name `0`, peft
+    would take every module whose name ends in `.0` (`layers.0`, a whole layer) and fail; they are written
+    as full names, and peft reloads the adapter with our logits."""
+    import sys
+
+    from peft import PeftModel
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import family_sweep
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(family_sweep.tiny_config("zamba2")).eval()
+    hf.save_pretrained(tmp_path / "base")
+    ours = load_model(tmp_path / "base").eval()
+    section = LoraSection(rank=2)
+    add_lora(ours, section, seed=0)
+    _trained_adapters(ours)
+    adapters = {k: v for k, v in ours.state_dict().items() if ".lora_" in k}
+    out = save_adapter(tmp_path / "adapter", ours.config.family, adapters, section, str(tmp_path / "base"))
+    targets = json.loads((out / "adapter_config.json").read_text())["target_modules"]
+    assert "0" not in targets and any(t.endswith("adapter_list.0.0") for t in targets), targets
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    peft_model = PeftModel.from_pretrained(base, out).eval()
+    ids = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (peft_model(ids).logits - ours(ids)).abs().max().item() < 1e-4
