@@ -117,18 +117,21 @@ def our_keys(family: str, keys: Iterable[str], target_parameters: list[str]) -> 
     return out
 
 
-def _target_modules(adapters: Iterable[str], names: dict[str, str]) -> list[str]:
-    """peft's target_modules: the adapted linears' short names, except a numbered one (a child of an
-    nn.Sequential, as Zamba2's adapters): peft matches names as suffixes, so `0` would take `layers.0`, a
-    whole layer; those are named whole."""
-    targets = set()
+def _target_modules(adapters: Iterable[str], names: dict[str, str], others: set[str]) -> list[str]:
+    """peft's target_modules: the adapted linears' short names, except where peft, which matches names as
+    suffixes, would take more: a numbered one (a child of an nn.Sequential, as Zamba2's adapters: `0` would
+    take `layers.0`, a whole layer) or one that also ends a module without an adapter (`others`); those are
+    named whole."""
+    leaves: dict[str, set[str]] = defaultdict(set)
     for key in adapters:
         module = _split(key)[0]
-        if _expert_param(module):
-            continue
-        leaf = module.rpartition(".")[2]
-        whole = names[key].removeprefix("base_model.model.").rpartition(".lora_")[0]
-        targets.add(whole if leaf.isdigit() else leaf)
+        if not _expert_param(module):
+            whole = names[key].removeprefix("base_model.model.").rpartition(".lora_")[0]
+            leaves[module.rpartition(".")[2]].add(whole)
+    targets = set()
+    for leaf, wholes in leaves.items():
+        clash = leaf.isdigit() or any(o == leaf or o.endswith(f".{leaf}") for o in others)
+        targets |= wholes if clash else {leaf}
     return sorted(targets)
 
 
@@ -152,14 +155,17 @@ def save_adapter(
     base: str | None,
     tokenizer: Any = None,
     fan_in_fan_out: bool = False,
+    others: Iterable[str] = (),
 ) -> Path:
     """Write `adapters` (our names: `<module>.lora_A` ...) as a PEFT adapter folder. `fan_in_fan_out`: the
-    adapted layers are transformers' Conv1D (GPT-2), as peft records them."""
+    adapted layers are transformers' Conv1D (GPT-2), as peft records them. `others`: the HF names of the
+    model's modules with weights that carry no adapter (a short name that also ends one of them is written
+    as full names, so that peft adapts exactly ours)."""
     folder.mkdir(parents=True, exist_ok=True)
     names = peft_keys(family, adapters)
     tensors = {names[k]: v.detach().float().contiguous().cpu() for k, v in adapters.items()}
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
-    targets = _target_modules(adapters, names)
+    targets = _target_modules(adapters, names, set(others))
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

@@ -25,6 +25,7 @@ from shardforge.errors import CheckpointError
 from shardforge.models import load_model, save_model
 from shardforge.models.build import build_model, load_tokenizer
 from shardforge.models.head import attach_critic
+from shardforge.models.spec import spec_for
 from shardforge.objectives import score_labels
 from shardforge.objectives.rl import critic_folder, load_critic
 from shardforge.parallel.tensor_parallel import pad_vocab, strip_vocab_padding
@@ -54,7 +55,8 @@ def write_model_folder(
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
         conv = any(isinstance(m, LoRALinear) and m.fan_in_fan_out for m in model.modules())  # GPT-2's Conv1D
         lora, base = config.method.lora, config.model.path
-        save_adapter(to, model.config.family, adapters, lora, base, tokenizer, fan_in_fan_out=conv)
+        others = plain_modules(model.config.family, state)
+        save_adapter(to, model.config.family, adapters, lora, base, tokenizer, conv, others)
         return "LoRA adapter (PEFT format)" + beside
     if config.method.finetuning == "lora":
         state = merged_state(model, state)
@@ -63,6 +65,17 @@ def write_model_folder(
     )
     merged = ", adapters merged" if config.method.finetuning == "lora" else ""
     return f"model (HF format{merged})" + beside
+
+
+def plain_modules(family: str, state: dict[str, torch.Tensor]) -> list[str]:
+    """The HF names of the modules in a full state (our names) that hold a weight and carry no adapter."""
+    adapted = {k.rpartition(".lora_")[0] for k in state if is_adapter_key(k)}
+    key_to_hf = spec_for(family).key_to_hf
+    return [
+        key_to_hf(k).removesuffix(".weight")
+        for k in state
+        if k.endswith(".weight") and k.removesuffix(".weight") not in adapted
+    ]
 
 
 def export_checkpoint(path: Path, to: Path, merge: bool = False) -> tuple[Path, Path, str]:

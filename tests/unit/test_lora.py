@@ -413,3 +413,22 @@ def test_numbered_linears_are_named_whole_for_peft(tmp_path):
     ids = torch.randint(0, 1024, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (peft_model(ids).logits - ours(ids)).abs().max().item() < 1e-4
+
+
+def test_a_short_name_that_ends_a_module_without_an_adapter_is_written_whole(tmp_path):
+    """peft matches target_modules as suffixes: a short name that also ends a module we did not adapt
+    (here a made-up `vision.q_proj`) would give that module a fresh adapter in peft, so such names are
+    written whole; the others stay short."""
+    from shardforge.checkpoint.export import plain_modules
+    from shardforge.models import build_preset
+
+    model = build_preset("tiny-llama", vocab_size=50)
+    section = LoraSection(rank=2, targets=["q_proj", "v_proj"])
+    add_lora(model, section, seed=0)
+    state = model.state_dict()
+    others = plain_modules(model.config.family, state)
+    assert "model.layers.0.self_attn.k_proj" in others and "model.layers.0.self_attn.q_proj" not in others
+    adapters = {k: v for k, v in state.items() if ".lora_" in k}
+    out = save_adapter(tmp_path / "a", "llama", adapters, section, None, others=[*others, "vision.q_proj"])
+    targets = json.loads((out / "adapter_config.json").read_text())["target_modules"]
+    assert targets == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj", "v_proj"]
