@@ -58,6 +58,8 @@ LF_DEFAULTS: dict[str, Any] = {
     "max_samples": None,
     "template": None,
     "default_system": None,
+    "mix_strategy": "concat",
+    "interleave_probs": None,
     "mask_history": False,
     "cutoff_len": 2048,
     "packing": None,  # pretraining packs, the other stages do not
@@ -130,8 +132,7 @@ WANTS = {
     "image_max_pixels": "multimodal data", "video_max_pixels": "multimodal data",
     "freeze_vision_tower": "multimodal models", "use_unsloth": "Unsloth kernels",
     "shift_attn": "S^2-attention", "rope_scaling": "RoPE scaling at load", "use_kt": "KTransformers",
-    "tokenized_path": "LF's pre-tokenized datasets", "mix_strategy": "dataset mixing strategies",
-    "interleave_probs": "dataset mixing strategies", "enable_thinking": "LF's thinking switch",
+    "tokenized_path": "LF's pre-tokenized datasets", "enable_thinking": "LF's thinking switch",
     "new_special_tokens": "added special tokens",
     "ppo_buffer_size": "LF's PPO options", "ppo_epochs": "LF's PPO options", "ppo_target": "LF's PPO options",
     "ppo_score_norm": "LF's PPO options", "ppo_whiten_rewards": "LF's PPO options",
@@ -387,6 +388,17 @@ def _packing(value: Any, lf: dict, out: Converted) -> None:
         )
 
 
+def _mixing(value: Any, lf: dict, out: Converted) -> None:
+    if value not in ("concat", "interleave_under", "interleave_over"):
+        mixes = "concat, interleave_under, interleave_over"
+        out.unsupported.append(f"mix_strategy: {value} (shardforge mixes {mixes})")
+        return
+    _put(out.config, "data.mix", value)
+    probs = lf["interleave_probs"]
+    if probs is not None:
+        _put(out.config, "data.mix_probs", [_cast("interleave_probs", float, p) for p in _names(probs)])
+
+
 def _val_size(value: Any, lf: dict, out: Converted) -> None:
     size = float(value)
     if size >= 1:
@@ -552,6 +564,7 @@ RULES: dict[str, Rule] = {
     "report_to": _report_to,
     "run_name": _optional("run_name", "log.run_name", str),
     "default_system": _optional("default_system", "data.default_system", str),
+    "mix_strategy": _mixing,
     "num_train_epochs": _length,
     "lr_scheduler_type": _schedule,
     "warmup_steps": _warmup,
@@ -572,6 +585,7 @@ READ_WITH = frozenset({
     "quantization_method", "quantization_type", "dataset_dir", "max_samples", "neat_packing", "save_steps",
     "save_total_limit", "max_steps", "lr_scheduler_kwargs", "warmup_ratio", "adam_beta1", "adam_beta2",
     "adam_epsilon", "fp16", "eval_steps", "resume_from_checkpoint", "reward_model_type", "deepspeed",
+    "interleave_probs",
 })  # fmt: skip
 
 

@@ -76,6 +76,8 @@ class DataSection(Section):
     truncation: Literal["right", "error", "lf"] = "right"
     pt_blocks: bool = False  # pt: documents concatenated and cut in max_length blocks (LLaMA-Factory's)
     default_system: str | None = None  # the system message of conversations that have none
+    mix: Literal["concat", "interleave_under", "interleave_over"] = "concat"  # several data sets (mixing.py)
+    mix_probs: list[float] | None = None  # interleaving: each data set's chance per record (None: in turn)
     mask_history: bool = False  # sft: targets on the last assistant turn only (LLaMA-Factory's)
     eval_fraction: float = Field(default=0.0, ge=0.0, lt=1.0)
     eval_count: int | None = Field(default=None, ge=1)  # hold out this many records instead (LF's val_size N)
@@ -84,6 +86,20 @@ class DataSection(Section):
     workers: int | None = Field(default=None, ge=1)  # encoding processes; None: the cores (shared by a node)
     streaming: bool = False  # read, tokenize and pack the training files on the fly (too large to cache)
     stream_window: int = Field(default=4096, ge=1)  # records shuffled and packed together when streaming
+
+    @model_validator(mode="after")
+    def _mixing(self) -> DataSection:
+        probs = self.mix_probs
+        if probs is None:
+            return self
+        if self.mix == "concat":
+            raise ValueError("data.mix_probs: only with data.mix interleave_under or interleave_over")
+        for what, sets in (("train", self.train), ("eval", self.eval)):
+            if sets and len(sets) != len(probs):
+                raise ValueError(f"data.mix_probs has {len(probs)} values for {len(sets)} data.{what} sets")
+        if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+            raise ValueError(f"data.mix_probs {probs}: chances of at least 0 that sum to 1")
+        return self
 
 
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ from shardforge.data.dataset_info import resolve_entry
 from shardforge.data.encode import encode_all
 from shardforge.data.examples import EncodeStats
 from shardforge.data.formats import FieldMap, Reading, Record, default_fields, detect_format, read_records
+from shardforge.data.mixing import interleaved, split_order
 from shardforge.data.packing import Rows, pack_rows, single_rows
 from shardforge.data.store import ExampleStore
 from shardforge.data.truncate import pretraining_blocks
@@ -91,11 +91,14 @@ def read_dataset(spec: DatasetSpec, how: Reading) -> list[Record]:
     return read_records(path, fmt, how, fields, spec.max_samples)
 
 
-def _read_all(specs: list[DatasetSpec], how: Reading) -> list[Record]:
-    records: list[Record] = []
-    for spec in specs:
-        records.extend(read_dataset(spec, how))
-    return records
+def _read_all(specs: list[DatasetSpec], how: Reading, data: DataSection, seed: int) -> list[Record]:
+    """The data sets' records, one after the other or interleaved (`data.mix`, mixing.py)."""
+    sets = [read_dataset(spec, how) for spec in specs]
+    records = [r for records in sets for r in records]
+    if data.mix == "concat" or len(sets) < 2:
+        return records
+    order = interleaved([len(s) for s in sets], data.mix_probs, seed, data.mix == "interleave_over")
+    return [records[i] for i in order]
 
 
 def lay_out(store: ExampleStore, stats: EncodeStats, data: DataSection, seed: int, group_size: int) -> RowSet:
@@ -141,7 +144,8 @@ def build_datasets(
     def encode() -> Splits:
         train_records, eval_records = _split_records(data, how, seed)
         if how.reader == "labelled":
-            train_records = kto_examples(train_records, "training data", both_labels=True)
+            both_labels(train_records, "training data")
+            train_records = kto_examples(train_records, "training data")
             eval_records = kto_examples(eval_records, "evaluation data") if eval_records else []
         pair = how.reader == "pair"  # a preference pair's replies share its prompt
         if data.pt_blocks and how.reader == "text":
@@ -186,38 +190,44 @@ def build_datasets(
 
 
 def _split_records(data: DataSection, how: Reading, seed: int) -> tuple[list[Record], list[Record]]:
-    train_records = _read_all(data.train, how)
-    eval_records = _read_all(data.eval, how) if data.eval else []
+    """The training and evaluation records: read, mixed, then `eval_fraction` / `eval_count` held out of
+    training as `train_test_split` holds them out (both parts in its permutation's order, as LLaMA-Factory
+    then encodes and pairs them)."""
+    train_records = _read_all(data.train, how, data, seed)
+    eval_records = _read_all(data.eval, how, data, seed) if data.eval else []
     if data.eval_fraction > 0 or data.eval_count:
-        order = list(range(len(train_records)))
-        random.Random(seed).shuffle(order)
-        count = data.eval_count or max(1, int(len(order) * data.eval_fraction))
-        held = set(order[:count])
-        if len(held) >= len(train_records):
-            what = f"eval_count={count}" if data.eval_count else f"eval_fraction={data.eval_fraction}"
+        held, kept = split_order(len(train_records), data.eval_count or data.eval_fraction, seed)
+        if not kept:
+            what = (
+                f"eval_count={data.eval_count}" if data.eval_count else f"eval_fraction={data.eval_fraction}"
+            )
             raise DataError(f"data.{what} leaves no training record (of {len(train_records)})")
-        eval_records += [r for i, r in enumerate(train_records) if i in held]
-        train_records = [r for i, r in enumerate(train_records) if i not in held]
+        eval_records += [train_records[i] for i in held]
+        train_records = [train_records[i] for i in kept]
     return train_records, eval_records
 
 
 KL_CHUNK = 1000  # LLaMA-Factory's preprocessing_batch_size, within which it pairs KTO's KL completions
 
 
-def kto_examples(records: list[Record], what: str, both_labels: bool = False) -> list[Record]:
-    """KTO's examples, each given the previous example's completion as its mismatched completion for the KL
-    estimate, within consecutive chunks of KL_CHUNK records (a chunk's first takes its last): LLaMA-Factory's
-    pairing (its preprocessing batches; TRL shifts the same way within its batches), fixed whatever the
-    encoding's chunks or the sampler's order. Training needs desirable and undesirable examples both."""
-    if len(records) < 2:
-        raise DataError(f"{what}: KTO needs at least 2 examples (each is paired with another's completion)")
+def both_labels(records: list[Record], what: str) -> None:
+    """KTO trains on desirable and undesirable examples both."""
     desirable = sum(bool(r.label) for r in records)
-    if both_labels and desirable in (0, len(records)):
+    if desirable in (0, len(records)):
         kind = "desirable (label true)" if desirable else "undesirable (label false)"
         raise DataError(
             f"{what}: all {len(records)} KTO examples are {kind} (e.g. {records[0].source}); KTO needs both "
             f"desirable and undesirable examples"
         )
+
+
+def kto_examples(records: list[Record], what: str) -> list[Record]:
+    """KTO's examples, each given the previous example's completion as its mismatched completion for the KL
+    estimate, within consecutive chunks of KL_CHUNK records (a chunk's first takes its last): LLaMA-Factory's
+    pairing (its preprocessing batches; TRL shifts the same way within its batches), fixed whatever the
+    encoding's chunks or the sampler's order."""
+    if len(records) < 2:
+        raise DataError(f"{what}: KTO needs at least 2 examples (each is paired with another's completion)")
     completions = [r.messages[-1]["content"] if r.messages else "" for r in records]
     paired = []
     for i, r in enumerate(records):

@@ -12,7 +12,7 @@ and `use_cpu` is added (no GPU here).
 
 preprocess: LF's own data pipeline (`get_dataset`) on the data set its arguments name (ARGS.json: stage,
 dataset, cutoff_len, template, dataset_dir, ...), answered with each encoded column (input_ids, labels, and
-chosen_ / rejected_ / kl_ ones)."""
+chosen_ / rejected_ / kl_ ones) of its train and eval splits."""
 
 import enum
 import importlib.machinery
@@ -85,8 +85,12 @@ def preprocess(lf_args: dict, tokenizer_path: str) -> dict:
     template = get_template_and_fix_tokenizer(tokenizer, data_args)
     lf_stage = "rm" if stage == "dpo" else stage  # LF's DPO workflow reads its data as stage rm
     module = get_dataset(template, model_args, data_args, training_args, lf_stage, tokenizer=tokenizer)
-    data = module["train_dataset"]
-    return {c: list(data[c]) for c in data.column_names if c.endswith(("input_ids", "labels"))}
+    out = {}
+    for split in ("train", "eval"):
+        data = module.get(f"{split}_dataset")
+        if data is not None:
+            out[split] = {c: list(data[c]) for c in data.column_names if c.endswith(("input_ids", "labels"))}
+    return out
 
 
 def main() -> None:

@@ -341,7 +341,7 @@ def test_pretraining_blocks_are_lf_s_token_for_token(lf_cases, tmp_path, monkeyp
     train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
     ours = train.examples.tokens.tolist()
     blocks = ref.preprocess({"stage": "pt", "dataset": "c4_demo", "cutoff_len": 256}, TOKENIZER, tmp_path)
-    theirs = [i for block in blocks["input_ids"] for i in block]
+    theirs = [i for block in blocks["train"]["input_ids"] for i in block]
     assert len(ours) == len(theirs) and len(ours) % 256 == 0 and len(ours) > 100 * 256 and ours == theirs
 
 
@@ -367,6 +367,11 @@ def _multi_turn(folder: Path) -> Path:
     return folder
 
 
+def lf_labels(example: Any) -> list[int]:
+    """An example's targets as LF writes its labels: the token where trained, -100 elsewhere."""
+    return [t if f else -100 for t, f in zip(example.input_ids, example.trained, strict=True)]
+
+
 CASES = {  # (LF's arguments, our data section's) beyond stage, dataset and cutoff
     "sft-alpaca": ("sft", "alpaca_en_demo", {}, {}),
     "sft-identity": ("sft", "identity", {}, {}),
@@ -382,6 +387,20 @@ CASES = {  # (LF's arguments, our data section's) beyond stage, dataset and cuto
     "multi-turn": ("sft", "multi", {}, {}),
     "mask_history": ("sft", "multi", {"mask_history": True}, {"mask_history": True}),
     "multi-system": ("sft", "multi", {"default_system": "Be kind."}, {"default_system": "Be kind."}),
+    "mix-probs": (
+        "sft",
+        "alpaca_en_demo,identity",
+        {"mix_strategy": "interleave_under", "interleave_probs": "0.7,0.3"},
+        {"mix": "interleave_under", "mix_probs": [0.7, 0.3]},
+    ),
+    "mix-over": (
+        "sft",
+        "identity,alpaca_en_demo",
+        {"mix_strategy": "interleave_over"},
+        {"mix": "interleave_over"},
+    ),
+    "val_size": ("sft", "alpaca_en_demo", {"val_size": 0.1}, {"eval_fraction": 0.1}),
+    "val_count": ("kto", "kto_en_demo", {"val_size": 25}, {"eval_count": 25}),
 }
 
 
@@ -402,25 +421,28 @@ def test_lf_s_data_encodes_as_lf_encodes_it_record_for_record(lf_cases, tmp_path
     folder = _multi_turn(tmp_path / "data") if dataset == "multi" else ref.src / "data"
     lf_args = {"stage": stage, "dataset": dataset, "cutoff_len": 96, "dataset_dir": str(folder), **lf_extra}
     theirs = ref.preprocess(lf_args, TOKENIZER, tmp_path)
+    specs = [{"name": n, "dataset_info": str(folder / "dataset_info.json")} for n in dataset.split(",")]
     config = load_config(None, base={
         "model": {"preset": "tiny-llama", "tokenizer": str(TOKENIZER)}, "method": {"stage": stage},
-        "data": {"train": [{"name": dataset, "dataset_info": str(folder / "dataset_info.json")}],
-                 "template": "chatml", "max_length": 96, "truncation": "lf", "packing": False, "cache": False,
-                 "workers": 1, **our_extra},
+        "data": {"train": specs, "template": "chatml", "max_length": 96, "truncation": "lf", "packing": False,
+                 "cache": False, "workers": 1, **our_extra},
+        "train": {"seed": 42},  # LF's default seed: its mixing and its val_size split draw from it
         "output_dir": str(tmp_path / "run"),
     })  # fmt: skip
     objective = build_objective(config.method)
     how = reading_of(objective, config.data.default_system)
-    train, _ = build_data(config, model_source(config.model)[1], objective, how, True)
-    ours = [train.examples[i] for i in range(len(train.examples))]
-    prefixes = {"dpo": ("chosen_", "rejected_"), "rm": ("chosen_", "rejected_"), "kto": ("", "kl_")}.get(
-        stage, ("",)
-    )
-    assert len(ours) == len(prefixes) * len(theirs[f"{prefixes[0]}input_ids"]) > 0
-    for k, prefix in enumerate(prefixes):
-        pairs = zip(theirs[f"{prefix}input_ids"], theirs[f"{prefix}labels"], strict=True)
-        for i, (ids, labels) in enumerate(pairs):
-            example = ours[len(prefixes) * i + k]
-            assert list(example.input_ids) == ids, (prefix, i)
-            ours_labels = [t if f else -100 for t, f in zip(example.input_ids, example.trained, strict=True)]
-            assert ours_labels == labels, (prefix, i)
+    splits = build_data(config, model_source(config.model)[1], objective, how, True)
+    prefixes = {"dpo": ("chosen_", "rejected_"), "rm": ("chosen_", "rejected_"), "kto": ("", "kl_")}
+    prefixes = prefixes.get(stage, ("",))
+    assert set(theirs) == {"train", "eval"} if case.startswith("val") else {"train"}
+    for (split, columns), rows in zip(theirs.items(), splits, strict=False):
+        ours = [rows.examples[i] for i in range(len(rows.examples))]
+        labelled = [(list(e.input_ids), lf_labels(e)) for e in ours]
+        groups = [tuple(labelled[j : j + len(prefixes)]) for j in range(0, len(labelled), len(prefixes))]
+        lf_groups = [
+            tuple((columns[f"{p}input_ids"][i], columns[f"{p}labels"][i]) for p in prefixes)
+            for i in range(len(columns[f"{prefixes[0]}input_ids"]))
+        ]
+        assert len(groups) == len(lf_groups) > 0, split
+        first = next((i for i, (a, b) in enumerate(zip(groups, lf_groups, strict=True)) if a != b), None)
+        assert first is None, (split, first)
