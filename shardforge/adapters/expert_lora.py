@@ -28,6 +28,8 @@ EXPERT_PARAMS = tuple(t.removeprefix("experts.") for t in EXPERT_TARGETS)
 
 
 class ParamLoRA(AdapterLayer, nn.Module):
+    """The adapter of one fused experts weight `param_name` of the module it is attached to."""
+
     def __init__(
         self, param: nn.Parameter, name: str, rank: int, alpha: float, rslora: bool, transposed: bool
     ):
@@ -40,6 +42,7 @@ class ParamLoRA(AdapterLayer, nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank * experts, self.in_features, **factory))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank * experts, **factory))
         self._held: list[nn.Parameter] = []  # the parameter while W + delta stands in (a list: unregistered)
+        self._hooks: tuple = ()
 
     def reset_adapter(self, name: str, seed: int) -> None:
         """A kaiming-uniform over [r E, in] (peft's init), B zero; seeded by the name as LoRALinear is."""
