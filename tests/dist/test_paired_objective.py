@@ -17,6 +17,7 @@ from shardforge.config.schema import DataSection
 from shardforge.data.batching import GlobalOrder
 from shardforge.data.formats import Record
 from shardforge.data.loader import read_dataset
+from shardforge.data.mixing import split_order
 from shardforge.data.templates import encode_text
 from shardforge.models import build_preset
 from shardforge.objectives import reading_for
@@ -100,12 +101,9 @@ def test_paired_objective_is_the_same_on_one_process_and_two_ranks(tmp_path, dat
         logits = model(x)[0, :-1]
         return torch.log_softmax(logits, -1).gather(1, x[0, 1:, None]).sum()
 
-    import random
-
-    order = list(range(len(records)))
-    random.Random(config.train.seed).shuffle(order)  # eval_fraction's held-out records, as the loader does
-    eval_ids = set(order[: int(len(order) * 0.2)])
-    train_records = [r for i, r in enumerate(records) if i not in eval_ids]
+    # eval_fraction's held-out records and the training ones, in the order the loader keeps them
+    _, kept = split_order(len(records), 0.2, config.train.seed)
+    train_records = [records[i] for i in kept]
     step_groups = GlobalOrder(len(train_records), config.train.seed).take(4)
     with torch.no_grad():
         losses = []
