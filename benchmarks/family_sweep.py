@@ -65,6 +65,28 @@ SIZES: list[tuple[tuple[str, ...], Any]] = [
     (("rotary_dim",), 8),
     (("sliding_window",), 16),
 ]
+# Inkling 2's LM head is unpadded_vocab_size wide; its sliding layers size their heads apart
+INKLING2 = {
+    "unpadded_vocab_size": VOCAB,
+    "swa_num_attention_heads": 4,
+    "swa_num_key_value_heads": 2,
+    "swa_head_dim": 16,
+    "sliding_window_size": 16,
+    "n_layers_per_attn_res_block": 1,
+}
+# Qwen4-exp's indexed-attention layers need their (QSA) indexer set; its linear-attention heads shrunk
+QWEN4_INDEXED = {
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 8,
+    "indexer_compress_ratio": 4,
+    "hc_lowrank": 16,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
 # What some families need beyond the shrunk sizes (their configs validate combinations)
 TINY: dict[str, dict[str, Any]] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 16},
@@ -133,55 +155,21 @@ TINY: dict[str, dict[str, Any]] = {
             "shared_experts_intermediate_size": 32,
         }
     },
-    # the LM head is unpadded_vocab_size wide; the sliding layers size their heads apart
-    "inkling2_text": {
-        "unpadded_vocab_size": VOCAB,
-        "swa_num_attention_heads": 4,
-        "swa_num_key_value_heads": 2,
-        "swa_head_dim": 16,
-        "sliding_window_size": 16,
-        "n_layers_per_attn_res_block": 1,
-    },
+    "inkling2_text": INKLING2,
     "inkling2_loop_text": {
-        "unpadded_vocab_size": VOCAB,
-        "swa_num_attention_heads": 4,
-        "swa_num_key_value_heads": 2,
-        "swa_head_dim": 16,
-        "sliding_window_size": 16,
-        "n_layers_per_attn_res_block": 1,  # the loop's bounds are multiples of it
+        **INKLING2,  # n_layers_per_attn_res_block: the loop's bounds are multiples of it
         "loop_layer_index_start": 1,
         "loop_layer_index_end": 2,
         "loop_num_passes": 2,
         "loop_gate_rank": 8,
     },
-    # the indexed-attention layers need their (QSA) indexer set; linear-attention heads shrunk
-    "qwen4_exp_text": {
-        "indexer_n_heads": 4,
-        "indexer_kv_heads": 1,
-        "indexer_head_dim": 16,
-        "indexer_budget": 8,
-        "indexer_compress_ratio": 4,
-        "hc_lowrank": 16,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-    },
+    "qwen4_exp_text": QWEN4_INDEXED,
     "qwen4_exp": {
         "text_config": {
             "num_hidden_layers": 2,
             "layer_types": ["linear_attention", "indexed_attention"],
             "head_dim": 16,
-            "indexer_n_heads": 4,
-            "indexer_kv_heads": 1,
-            "indexer_head_dim": 16,
-            "indexer_budget": 8,
-            "indexer_compress_ratio": 4,
-            "hc_lowrank": 16,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
+            **QWEN4_INDEXED,
         }
     },
     # the mLSTM's query/key width (hidden * qk_dim_factor) a multiple of 64, as its state assumes
