@@ -61,6 +61,7 @@ LF_DEFAULTS: dict[str, Any] = {
     "mix_strategy": "concat",
     "interleave_probs": None,
     "mask_history": False,
+    "enable_thinking": True,
     "cutoff_len": 2048,
     "packing": None,  # pretraining packs, the other stages do not
     "neat_packing": False,
@@ -132,13 +133,15 @@ WANTS = {
     "image_max_pixels": "multimodal data", "video_max_pixels": "multimodal data",
     "freeze_vision_tower": "multimodal models", "use_unsloth": "Unsloth kernels",
     "shift_attn": "S^2-attention", "rope_scaling": "RoPE scaling at load", "use_kt": "KTransformers",
-    "tokenized_path": "LF's pre-tokenized datasets", "enable_thinking": "LF's thinking switch",
+    "tokenized_path": "LF's pre-tokenized datasets",
+    "tool_format": "a tool format other than the model's chat template's own",
+    "preserve_thinking": "earlier turns' thoughts kept (the model's chat template decides)",
     "new_special_tokens": "added special tokens",
     "ppo_buffer_size": "LF's PPO options", "ppo_epochs": "LF's PPO options", "ppo_target": "LF's PPO options",
     "ppo_score_norm": "LF's PPO options", "ppo_whiten_rewards": "LF's PPO options",
 }  # fmt: skip
-# LF's "off" for the keys above where it is not False / None (enable_thinking is on unless false)
-OFF = {"mix_strategy": "concat", "enable_thinking": True, "image_max_pixels": 768 * 768,
+# LF's "off" for the keys above where it is not False / None
+OFF = {"mix_strategy": "concat", "image_max_pixels": 768 * 768,
        "video_max_pixels": 256 * 256, "ppo_buffer_size": 1, "ppo_epochs": 4, "ppo_target": 6.0}  # fmt: skip
 
 SCHEDULES = {
@@ -530,6 +533,7 @@ RULES: dict[str, Rule] = {
             "cutoff_len": ("data.max_length", int),
             "train_on_prompt": ("data.train_on_prompt", bool),
             "mask_history": ("data.mask_history", bool),
+            "enable_thinking": ("data.enable_thinking", bool),
             "output_dir": ("output_dir", str),
             "logging_steps": ("train.log_every", int),
             "plot_loss": ("log.plot", bool),

@@ -76,6 +76,9 @@ class DataSection(Section):
     truncation: Literal["right", "error", "lf"] = "right"
     pt_blocks: bool = False  # pt: documents concatenated and cut in max_length blocks (LLaMA-Factory's)
     default_system: str | None = None  # the system message of conversations that have none
+    # passed to the chat template as enable_thinking (Qwen3-style: false puts an empty thought in the prompt
+    # and trains without the replies' thoughts; true trains on the thought); None: not passed
+    enable_thinking: bool | None = None
     mix: Literal["concat", "interleave_under", "interleave_over"] = "concat"  # several data sets (mixing.py)
     mix_probs: list[float] | None = None  # interleaving: each data set's chance per record (None: in turn)
     mask_history: bool = False  # sft: targets on the last assistant turn only (LLaMA-Factory's)

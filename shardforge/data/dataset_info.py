@@ -23,8 +23,9 @@ ALPACA_COLUMNS = {
     "response": "output",
     "system": "system",
     "history": "history",
+    "tools": "tools",
 }
-CHAT_COLUMNS = {"messages": "messages", "system": "system"}
+CHAT_COLUMNS = {"messages": "messages", "system": "system", "tools": "tools"}
 TAG_KEYS = (
     "role_tag",
     "content_tag",
@@ -116,13 +117,15 @@ def resolve_entry(name: str, info_path: str | Path, how: Reading, text_column: s
     if unknown:
         raise DataError(f"{where}: unsupported columns {unknown} for {fmt} (supported: {', '.join(allowed)})")
     fields = replace(default_fields(fmt, text_column), **{allowed[k]: v for k, v in columns.items()})
+    if "tools" not in columns:  # LF reads a tools column only where the entry names one
+        fields = replace(fields, tools=None)
     if tags and fmt == "alpaca":
         raise DataError(f"{where}: tags only apply to sharegpt/openai formatting, not alpaca")
     return ResolvedEntry(path, fmt, _apply_tags(fields, tags, where))
 
 
 def _apply_tags(fields: FieldMap, tags: dict[str, str], where: str) -> FieldMap:
-    """A given user/assistant/system tag replaces our lenient defaults; LF's tool tags only sharpen errors."""
+    """A given tag replaces our lenient defaults for that role."""
     unknown = sorted(set(tags) - set(TAG_KEYS))
     if unknown:
         raise DataError(f"{where}: unknown tags {unknown} (supported: {', '.join(TAG_KEYS)})")
@@ -134,11 +137,11 @@ def _apply_tags(fields: FieldMap, tags: dict[str, str], where: str) -> FieldMap:
         ("user_tag", "user_roles"),
         ("assistant_tag", "assistant_roles"),
         ("system_tag", "system_roles"),
+        ("observation_tag", "observation_roles"),
+        ("function_tag", "function_roles"),
     ):
         if key in tags:
             changes[attr] = (tags[key],)
-    extra_tools = tuple(tags[k] for k in ("observation_tag", "function_tag") if k in tags)
-    changes["tool_roles"] = fields.tool_roles + extra_tools
     return replace(fields, **changes)
 
 

@@ -42,7 +42,8 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")  # .txt: plain text, one docu
 CHAT_FORMATS = ("alpaca", "sharegpt", "openai")
 FORMATS = (*CHAT_FORMATS, "text")
 
-Message = dict[str, str]
+Message = dict[str, Any]  # {"role", "content"}; an assistant's function calls also have "tool_calls"
+Tool = dict[str, Any]  # a function's definition as chat templates take it: {"type": "function", "function"}
 RawRow = tuple[str, Any]  # (source, decoded object)
 
 
@@ -60,6 +61,7 @@ class Record:
     label: bool | None = None  # KTO: True = desirable
     mismatched: str | None = None
     answer: str | None = None  # RL: the reference answer of a prompt (verifiable rewards)
+    tools: tuple[Tool, ...] = ()  # the functions the conversation may call (the template shows them)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ class FieldMap:
     user_roles: tuple[str, ...] = ("human", "user")
     assistant_roles: tuple[str, ...] = ("gpt", "assistant", "model")
     system_roles: tuple[str, ...] = ("system",)
-    tool_roles: tuple[str, ...] = ("function_call", "observation", "tool", "function", "ipython")
+    function_roles: tuple[str, ...] = ("function_call",)  # an assistant's function call (a JSON value)
+    observation_roles: tuple[str, ...] = ("observation", "tool")  # a function's result, on the user's side
+    tools: str | None = "tools"  # the functions' definitions: a JSON list (LLaMA-Factory: a string of one)
     text: str = "text"
     chosen: str = "chosen"
     rejected: str = "rejected"
@@ -310,6 +314,8 @@ def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, how: Reading) -> Rec
     """One decoded object (or .txt line) as a record of format `fmt`, as `how.reader` takes it; a
     conversation without a system message gets `how.system` (LLaMA-Factory's default_system)."""
     record = _parse_record(obj, src, fmt, f, how)
+    if isinstance(obj, dict) and fmt != "text" and how.reader != "text":
+        record = replace(record, tools=_tools(obj.get(f.tools) if f.tools else None, src, fmt, f))
     if how.system and record.messages and record.messages[0]["role"] != "system":
         record = replace(record, messages=({"role": "system", "content": how.system}, *record.messages))
     return record
@@ -423,20 +429,19 @@ def _conversation(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> list[
                 f'expected an object with "{f.role}" and "{f.content}"'
             )
         role = _role(turn.get(f.role), src, i, fmt, f)
+        side = SIDES[role]
         if role == "system" and i > 0:
             raise DataError(f"{src}: {fmt} turn {i} is a system turn; a system turn is only allowed first")
         if role != "system":
-            if role != expect:
+            if side != expect:
                 raise DataError(
-                    f"{src}: {fmt} turn {i} is a {role} turn where a {expect} turn was expected; "
-                    "roles must alternate user/assistant after an optional leading system turn"
+                    f"{src}: {fmt} turn {i} is a {role} turn where a {expect} turn was expected; roles must "
+                    "alternate user (or a function's result) / assistant (or its function call) after an "
+                    "optional leading system turn"
                 )
-            expect = "assistant" if role == "user" else "user"
-        content = turn.get(f.content)
-        if not isinstance(content, str):
-            raise DataError(f'{src}: {fmt} turn {i} "{f.content}" is {_kind(content)}; expected a string')
-        msgs.append({"role": role, "content": content})
-    if msgs[-1]["role"] != "assistant":
+            expect = "assistant" if side == "user" else "user"
+        msgs.append(_message(turn, role, src, i, fmt, f))
+    if SIDES[msgs[-1]["role"]] != "assistant":
         raise DataError(
             f"{src}: {fmt} conversation ends with a {msgs[-1]['role']} turn; "
             "it must end with an assistant turn"
@@ -495,7 +500,10 @@ def _kto(obj: dict[str, Any], src: str, fmt: str, f: FieldMap) -> tuple[list[Mes
             f"{src}: KTO record {what}; expected true (a desirable completion) or false (an undesirable one)"
         )
     if f.completion not in obj:
-        return (_alpaca(obj, src, f) if fmt == "alpaca" else _conversation(obj, src, fmt, f)), label
+        msgs = _alpaca(obj, src, f) if fmt == "alpaca" else _conversation(obj, src, fmt, f)
+        if "tool_calls" in msgs[-1]:
+            raise DataError(f"{src}: a KTO completion is a text reply; this one is a function call")
+        return msgs, label
     completion = _reply(obj[f.completion], f.completion, src, fmt, f)
     return _prompt_and_reply(obj, completion, src, fmt, f, "KTO"), label
 
@@ -532,11 +540,102 @@ def _reply(value: Any, key: str, src: str, fmt: str, f: FieldMap) -> str:
     return value
 
 
+# Our role of a turn -> the side of the conversation it is on (a function call is the assistant's turn, its
+# result answers it on the user's side, as LLaMA-Factory and chat templates alternate them)
+SIDES = {
+    "user": "user",
+    "tool": "user",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "system": "system",
+}
+
+
 def _role(value: Any, src: str, i: int, fmt: str, f: FieldMap) -> str:
-    for role, names in (("user", f.user_roles), ("assistant", f.assistant_roles), ("system", f.system_roles)):
+    named = (
+        ("user", f.user_roles),
+        ("assistant", f.assistant_roles),
+        ("system", f.system_roles),
+        ("function_call", f.function_roles),
+        ("tool", f.observation_roles),
+    )
+    for role, names in named:
         if value in names:
             return role
-    allowed = ", ".join(f.user_roles + f.assistant_roles + f.system_roles)
-    hint = "; tool/function-call turns are not supported yet" if value in f.tool_roles else ""
+    allowed = ", ".join(name for _, names in named for name in names)
     what = f'has no "{f.role}"' if value is None else f'has "{f.role}" {_show(value)}'
-    raise DataError(f"{src}: {fmt} turn {i} {what}{hint}; allowed: {allowed} (system only first)")
+    raise DataError(f"{src}: {fmt} turn {i} {what}; allowed: {allowed} (system only first)")
+
+
+def _message(turn: dict[str, Any], role: str, src: str, i: int, fmt: str, f: FieldMap) -> Message:
+    """A turn as chat templates take it: a function call (LLaMA-Factory's function_call turn, whose content
+    is the call as JSON, or an OpenAI assistant turn with `tool_calls`) becomes an assistant turn with
+    `tool_calls`; a function's result a `tool` turn."""
+    content = turn.get(f.content)
+    native = turn.get("tool_calls") if role == "assistant" else None
+    if native is not None:  # OpenAI's form: the calls beside an optional text
+        calls = _calls(native, src, f"{fmt} turn {i} tool_calls")
+        return {"role": "assistant", "content": _optional_str(turn, f.content, src, fmt), "tool_calls": calls}
+    if not isinstance(content, str):
+        raise DataError(f'{src}: {fmt} turn {i} "{f.content}" is {_kind(content)}; expected a string')
+    if role != "function_call":
+        return {"role": role, "content": content}
+    try:
+        value = json.loads(content)
+    except json.JSONDecodeError as e:
+        raise DataError(
+            f'{src}: {fmt} turn {i} is a function call whose "{f.content}" is not JSON ({e.msg}); expected '
+            '{"name": ..., "arguments": {...}} or a list of such calls'
+        ) from None
+    return {"role": "assistant", "content": "", "tool_calls": _calls(value, src, f"{fmt} turn {i}")}
+
+
+def _calls(value: Any, src: str, where: str) -> list[dict[str, Any]]:
+    """Function calls ({"name", "arguments"}, or OpenAI's {"type": "function", "function": {...}}) in the
+    form chat templates read: arguments as a JSON value (OpenAI's JSON string decoded)."""
+    calls = value if isinstance(value, list) else [value]
+    out = []
+    for n, call in enumerate(calls):
+        call = call.get("function", call) if isinstance(call, dict) else call
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call):
+            raise DataError(
+                f'{src}: {where} call {n} is {_show(call)}; expected {{"name": "...", "arguments": {{...}}}}'
+            )
+        arguments = call["arguments"]
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise DataError(
+                    f"{src}: {where} call {n}: arguments {_show(arguments)} are not JSON"
+                ) from None
+        out.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
+    if not out:
+        raise DataError(f"{src}: {where} has no function call")
+    return out
+
+
+def _tools(value: Any, src: str, fmt: str, f: FieldMap) -> tuple[Tool, ...]:
+    """The functions a conversation may call: a JSON list of definitions, or a string holding one (how
+    LLaMA-Factory's tool data keeps them), each wrapped as {"type": "function", "function": ...}."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f'{src}: {fmt} "{f.tools}" is not JSON ({e.msg}); expected a list of functions'
+            ) from None
+    if not isinstance(value, list):
+        raise DataError(f'{src}: {fmt} "{f.tools}" is {_kind(value)}; expected a list of functions')
+    tools = []
+    for n, tool in enumerate(value):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else tool
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise DataError(
+                f'{src}: {fmt} "{f.tools}" item {n} is {_show(tool)}; expected a function definition '
+                '{"name": ..., "description": ..., "parameters": {...}}'
+            )
+        tools.append(tool if function is not tool else {"type": "function", "function": tool})
+    return tuple(tools)

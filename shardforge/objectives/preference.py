@@ -30,7 +30,7 @@ from shardforge.config.schema import DataSection, MethodSection
 from shardforge.data.batching import IGNORE, Batch, collate, row_tags
 from shardforge.data.examples import Encoder, Example, Sequence_
 from shardforge.data.formats import Record
-from shardforge.data.templates import encode_pairs, resolve_template
+from shardforge.data.templates import ChatTemplate, encode_pairs, resolve_template
 from shardforge.errors import ConfigError
 from shardforge.models import load_model
 from shardforge.objectives.base import BindContext, CausalLM, Normalizer, Traits, sequence_logprob_sums
@@ -44,14 +44,14 @@ class PairEncoder:
     the prompt's tokens. A plain object, so encoding worker processes can receive it."""
 
     tokenizer: Any
-    template: str
+    template: ChatTemplate
     second: str = "rejected"  # the Record field of the second reply ("mismatched" for KTO)
 
     def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
         return encode_pairs(
             self.tokenizer,
             self.template,
-            [(list(r.messages or ()), getattr(r, self.second) or "", r.source) for r in records],
+            [(list(r.messages or ()), getattr(r, self.second) or "", r.tools, r.source) for r in records],
         )
 
     def __call__(self, record: Record) -> list[Sequence_]:
@@ -198,7 +198,7 @@ class DPOObjective(ReferencedObjective):
         return self.pref.loss not in REFERENCE_FREE and self.pref.ref != "none"
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
-        return PairEncoder(tokenizer, resolve_template(tokenizer, data.template))
+        return PairEncoder(tokenizer, resolve_template(tokenizer, data.template, data.enable_thinking))
 
     def loss(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         logps, ref = self.group_logps(output, batch)
@@ -247,7 +247,8 @@ class KTOObjective(ReferencedObjective):
         return super().bind(ctx)
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
-        return PairEncoder(tokenizer, resolve_template(tokenizer, data.template), second="mismatched")
+        template = resolve_template(tokenizer, data.template, data.enable_thinking)
+        return PairEncoder(tokenizer, template, second="mismatched")
 
     @staticmethod
     def collate(

@@ -38,7 +38,7 @@ class RewardObjective(CausalLM):
     metrics = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
 
     def encoder(self, tokenizer: Any, data: Any) -> Encoder:
-        return PairEncoder(tokenizer, resolve_template(tokenizer, data.template))
+        return PairEncoder(tokenizer, resolve_template(tokenizer, data.template, data.enable_thinking))
 
     @staticmethod
     def collate(

@@ -60,9 +60,9 @@ def load_prompts(data: DataSection, tokenizer: Any, room: int, how: Reading) -> 
     """The training prompts rendered with the chat template's generation prompt, and how many were left out
     because they leave fewer than max_new_tokens of data.max_length (`room` tokens is the most a prompt
     may have)."""
-    template = resolve_template(tokenizer, data.template)
+    template = resolve_template(tokenizer, data.template, data.enable_thinking)
     records = [r for spec in data.train for r in read_dataset(spec, how)]
-    texts = [render(tokenizer, template, list(r.messages or ()), generation_prompt=True) for r in records]
+    texts = [render(tokenizer, template, list(r.messages or ()), True, r.tools) for r in records]
     prompts, too_long = [], 0
     for record, text, (ids, _) in zip(records, texts, tokenize(tokenizer, texts), strict=True):
         if len(ids) > room:

@@ -8,7 +8,7 @@ from typing import Any
 from shardforge.config.schema import DataSection
 from shardforge.data.examples import Encoder, Sequence_
 from shardforge.data.formats import Record
-from shardforge.data.templates import encode_chats, resolve_template
+from shardforge.data.templates import ChatTemplate, encode_chats, resolve_template
 from shardforge.objectives.base import CausalLM
 
 
@@ -18,11 +18,11 @@ class ChatEncoder:
     processes can receive it."""
 
     tokenizer: Any
-    template: str
+    template: ChatTemplate
     train_on_prompt: bool
 
     def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
-        conversations = [(list(r.messages or ()), r.source) for r in records]
+        conversations = [(list(r.messages or ()), r.tools, r.source) for r in records]
         encoded = encode_chats(self.tokenizer, self.template, conversations, self.train_on_prompt)
         return [[sequence] for sequence in encoded]
 
@@ -34,4 +34,5 @@ class SFTObjective(CausalLM):
     name = "sft"
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
-        return ChatEncoder(tokenizer, resolve_template(tokenizer, data.template), data.train_on_prompt)
+        template = resolve_template(tokenizer, data.template, data.enable_thinking)
+        return ChatEncoder(tokenizer, template, data.train_on_prompt)

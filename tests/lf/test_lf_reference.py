@@ -21,6 +21,7 @@ from shardforge.config import load_config
 from shardforge.config.lf_convert import LF_DEFAULTS, convert_lf, is_training
 from shardforge.errors import ConfigError
 from shardforge.train.optim import lr_factor
+from tests.chat_templates import QWEN3_THINKING, QWEN_TOOLS, tokenizer_with
 from tests.conftest import REPO
 from tests.lf.reference_env import reference
 
@@ -64,6 +65,7 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "neat": {"neat_packing": True},
     "prompt": {"train_on_prompt": True, "cutoff_len": 1024},
     "chatml": {"template": "chatml"},
+    "no_thinking": {"template": "qwen3", "enable_thinking": False},
     "fp16": {"fp16": True},
     "no_checkpointing": {"disable_gradient_checkpointing": True},
     "report": {"report_to": ["wandb", "tensorboard"], "run_name": "exp"},
@@ -81,10 +83,11 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "hub_data": {"dataset_dir": "ONLINE"},
     "ppo_without_reward": {"stage": "ppo"},
     "ppo_lora_reward": {"stage": "ppo", "reward_model": "saves/rm"},
+    "tool_format": {"tool_format": "glm4"},
 }  # fmt: skip
 REFUSED = {
     "ipo_smoothing", "galore", "int8", "hqq", "fp4", "kto_pair", "oft", "alpaca_template", "polynomial",
-    "adafactor", "epoch_saving", "hub_data", "ppo_without_reward", "ppo_lora_reward",
+    "adafactor", "epoch_saving", "hub_data", "ppo_without_reward", "ppo_lora_reward", "tool_format",
 }  # fmt: skip
 EXAMPLE_FOLDERS = ("train_lora", "train_full", "train_qlora", "extras")
 
@@ -106,6 +109,7 @@ def expected(lf: dict[str, Any]) -> dict[str, Any]:
         "data.train_on_prompt": lf["train_on_prompt"], "data.truncation": "lf",
         "data.pt_blocks": bool(stage == "pt" and packing and not lf["neat_packing"]),
         "data.template": "chatml" if lf["template"] == "chatml" else "auto",
+        "data.enable_thinking": lf["enable_thinking"],
         "train.micro_batch": lf["per_device_train_batch_size"],
         "train.grad_accum": lf["gradient_accumulation_steps"], "train.lr": lf["learning_rate"],
         "train.weight_decay": lf["weight_decay"], "train.clip": lf["max_grad_norm"] or None,
@@ -367,6 +371,25 @@ def _multi_turn(folder: Path) -> Path:
     return folder
 
 
+def _thoughts(folder: Path) -> Path:
+    """An alpaca data set whose replies are a reasoning model's: a thought, then the answer (or, for some,
+    the answer alone), what LF's enable_thinking keeps or removes."""
+    rows = []
+    for i in range(16):
+        answer = f"answer {i} " + "so " * (1 + 5 * (i % 3))
+        thought = f"<think>\nthinking {i} " + "hmm " * (2 + 4 * (i % 4)) + "\n</think>\n\n"
+        rows.append(
+            {
+                "instruction": f"question {i} " + "why " * (i % 5),
+                "output": (thought if i % 3 else "") + answer,
+            }
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "thoughts.json").write_text(json.dumps(rows))
+    (folder / "dataset_info.json").write_text(json.dumps({"thoughts": {"file_name": "thoughts.json"}}))
+    return folder
+
+
 def lf_labels(example: Any) -> list[int]:
     """An example's targets as LF writes its labels: the token where trained, -100 elsewhere."""
     return [t if f else -100 for t, f in zip(example.input_ids, example.trained, strict=True)]
@@ -401,7 +424,42 @@ CASES = {  # (LF's arguments, our data section's) beyond stage, dataset and cuto
     ),
     "val_size": ("sft", "alpaca_en_demo", {"val_size": 0.1}, {"eval_fraction": 0.1}),
     "val_count": ("kto", "kto_en_demo", {"val_size": 25}, {"eval_count": 25}),
+    # the model's own chat template (tests/chat_templates.py) against LF's template of that family
+    "tools": ("sft", "glaive_toolcall_en_demo", {"template": "qwen"}, {"template": "auto"}),
+    "tools-zh": ("sft", "glaive_toolcall_zh_demo", {"template": "qwen"}, {"template": "auto"}),
+    "tools-mask_history": (
+        "sft",
+        "glaive_toolcall_en_demo",
+        {"template": "qwen", "mask_history": True},
+        {"template": "auto", "mask_history": True},
+    ),
+    "thinking": (
+        "sft",
+        "alpaca_en_demo",
+        {"template": "qwen3"},
+        {"template": "auto", "enable_thinking": True},
+    ),
+    "no-thinking": (
+        "sft",
+        "alpaca_en_demo",
+        {"template": "qwen3", "enable_thinking": False},
+        {"template": "auto", "enable_thinking": False},
+    ),
+    "thoughts": ("sft", "thoughts", {"template": "qwen3"}, {"template": "auto", "enable_thinking": True}),
+    "thoughts-off": (
+        "sft",
+        "thoughts",
+        {"template": "qwen3", "enable_thinking": False},
+        {"template": "auto", "enable_thinking": False},
+    ),
+    "dpo-no-thinking": (
+        "dpo",
+        "dpo_en_demo",
+        {"template": "qwen3", "enable_thinking": False},
+        {"template": "auto", "enable_thinking": False},
+    ),
 }
+TEMPLATES = {"qwen": QWEN_TOOLS, "qwen3": QWEN3_THINKING}  # LF's template -> the family's own, in Jinja
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -418,12 +476,15 @@ def test_lf_s_data_encodes_as_lf_encodes_it_record_for_record(lf_cases, tmp_path
 
     ref, _, _ = lf_cases
     stage, dataset, lf_extra, our_extra = CASES[case]
-    folder = _multi_turn(tmp_path / "data") if dataset == "multi" else ref.src / "data"
+    made = {"multi": _multi_turn, "thoughts": _thoughts}
+    folder = made[dataset](tmp_path / "data") if dataset in made else ref.src / "data"
+    template = lf_extra.get("template")
+    tokenizer = tokenizer_with(TEMPLATES[template], tmp_path / "tok") if template in TEMPLATES else TOKENIZER
     lf_args = {"stage": stage, "dataset": dataset, "cutoff_len": 96, "dataset_dir": str(folder), **lf_extra}
-    theirs = ref.preprocess(lf_args, TOKENIZER, tmp_path)
+    theirs = ref.preprocess(lf_args, tokenizer, tmp_path)
     specs = [{"name": n, "dataset_info": str(folder / "dataset_info.json")} for n in dataset.split(",")]
     config = load_config(None, base={
-        "model": {"preset": "tiny-llama", "tokenizer": str(TOKENIZER)}, "method": {"stage": stage},
+        "model": {"preset": "tiny-llama", "tokenizer": str(tokenizer)}, "method": {"stage": stage},
         "data": {"train": specs, "template": "chatml", "max_length": 96, "truncation": "lf", "packing": False,
                  "cache": False, "workers": 1, **our_extra},
         "train": {"seed": 42},  # LF's default seed: its mixing and its val_size split draw from it

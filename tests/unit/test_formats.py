@@ -209,10 +209,13 @@ def test_bad_parquet_row(tmp_path: Path) -> None:
         ([{"chat": []}], ':1: sharegpt record has no "conversations"'),
         (
             [{"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "f"}]}],
+            ':1: sharegpt turn 1 is a function call whose "value" is not JSON',
+        ),
+        (
+            [{"conversations": [{"from": "human", "value": "q"}, {"from": "wizard", "value": "f"}]}],
             (
-                ':1: sharegpt turn 1 has "from" "function_call"; '
-                "tool/function-call turns are not supported yet; "
-                "allowed: human, user, gpt, assistant, model, system (system only first)"
+                ':1: sharegpt turn 1 has "from" "wizard"; allowed: human, user, gpt, assistant, model, '
+                "system, function_call, observation, tool (system only first)"
             ),
         ),
         (
@@ -323,11 +326,11 @@ def test_dataset_info_pretraining_text(tmp_path: Path) -> None:
     assert [r.text for r in read_dataset(spec, reading_for("pt"))] == ["doc one", "doc two"]
 
 
-def test_dataset_info_sharegpt_tool_turn_rejected(tmp_path: Path) -> None:
+def test_dataset_info_tool_tags_name_the_tool_turns(tmp_path: Path) -> None:
     rows = [{"conversations": [{"from": "human", "value": "q"}, {"from": "obs", "value": "x"}]}]
     write(tmp_path / "s.jsonl", rows)
     entry = {"file_name": "s.jsonl", "formatting": "sharegpt", "tags": {"observation_tag": "obs"}}
-    with pytest.raises(DataError, match=r's\.jsonl:1: sharegpt turn 1 has "from" "obs"; tool/function-call'):
+    with pytest.raises(DataError, match=r"s\.jsonl:1: sharegpt turn 1 is a tool turn where a assistant turn"):
         read_dataset(info_spec(tmp_path, {"s": entry}, "s"), reading_for("sft"))
 
 

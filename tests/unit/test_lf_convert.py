@@ -126,6 +126,21 @@ def test_dpo_and_qlora_kto():
         convert_lf({**kto, "stage": "grpo"})
 
 
+def test_thinking_switch_and_tool_format():
+    lf = {
+        "model_name_or_path": "m",
+        "stage": "sft",
+        "dataset": "glaive_toolcall_en_demo",
+        "template": "qwen3",
+    }
+    assert load_config(None, base=convert_lf(lf).config).data.enable_thinking is True  # LF's default
+    off = load_config(None, base=convert_lf({**lf, "enable_thinking": False}).config)
+    assert off.data.enable_thinking is False
+    assert convert_lf({**lf, "tool_format": "glm4"}).unsupported == [
+        "tool_format: a tool format other than the model's chat template's own"
+    ]
+
+
 def test_report_to_names_the_trackers_and_lists_the_rest():
     lf = {"model_name_or_path": "m", "stage": "sft", "dataset": "d", "run_name": "exp-7"}
     out = convert_lf({**lf, "report_to": "wandb,mlflow,comet_ml"})
