@@ -45,25 +45,31 @@ class ParallelDims:
                     f"{world_size} are running (launch with --nproc N)"
                 )
         replicate, shard = parallel.dp_replicate, parallel.dp_shard
-        if parallel.zero_stage < 2:
-            if shard > 1:
-                raise ConfigError(
-                    f"parallel.zero_stage={parallel.zero_stage} keeps a full model replica per rank: use "
-                    f"parallel.dp_replicate for its data-parallel degree "
-                    f"(parallel.dp_shard={shard} must be 1 or -1)"
-                )
+        if shard == -1 and parallel.zero_stage < 2:  # no sharding: the rest of the world replicates
             shard = 1
-            if parallel.dp_replicate == 1 and parallel.dp_shard == -1:
+            if parallel.dp_replicate == 1:
                 replicate = max(1, world_size // rest)
         elif shard == -1:
             if world_size % (replicate * rest):
                 raise ConfigError(
                     f"{world_size} processes cannot be split evenly: dp_replicate ({replicate}) x cp "
                     f"({parallel.cp}) x tp ({parallel.tp}) x pp ({parallel.pp}) = {replicate * rest} "
-                    f"does not "
-                    f"divide {world_size}"
+                    f"does not divide {world_size}"
                 )
             shard = world_size // (replicate * rest)
+        product = replicate * shard * rest  # first: every other rule reads the degrees
+        if product != world_size:
+            raise ConfigError(
+                f"parallel degrees do not multiply to the world size: dp_replicate ({replicate}) x dp_shard "
+                f"({shard}) x cp ({parallel.cp}) x tp ({parallel.tp}) x pp ({parallel.pp}) = {product}, "
+                f"but {world_size} processes are running"
+            )
+        if parallel.zero_stage < 2 and shard > 1:
+            raise ConfigError(
+                f"parallel.zero_stage={parallel.zero_stage} keeps a full model replica per rank: use "
+                f"parallel.dp_replicate for its data-parallel degree "
+                f"(parallel.dp_shard={shard} must be 1 or -1)"
+            )
         # Context-parallel ranks join the sharding (FSDP2 over dp_shard x cp).
         if parallel.zero_stage >= 2 and rest == world_size > 1 and parallel.cp == 1:
             raise ConfigError(
@@ -106,13 +112,6 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.ep={parallel.ep} must divide dp_shard ({shard}) x cp ({parallel.cp}): "
                 f"expert parallel reuses the data-parallel ranks"
-            )
-        product = replicate * shard * rest
-        if product != world_size:
-            raise ConfigError(
-                f"parallel degrees do not multiply to the world size: dp_replicate ({replicate}) x dp_shard "
-                f"({shard}) x cp ({parallel.cp}) x tp ({parallel.tp}) x pp ({parallel.pp}) = {product}, "
-                f"but {world_size} processes are running"
             )
         return dims
 

@@ -143,17 +143,22 @@ class Planner:
             layout = replace(layout, pp_layers=cfg.parallel.pp_layers, pp_microbatches=plan.microbatches)
         stages = plan.layers if plan is not None else None
         memory = self.memory.estimate(layout, stages, self.cluster.device.name != "cpu")
-        where = self.topology(layout)
         candidate = Candidate(layout, memory)
+        problems = []  # every one, so fixing the first never uncovers another
+        where = self.topology(layout)
         if where is not None:
-            candidate.rejected, candidate.kind = where, "topology"
-        elif memory.device_bytes > self.cluster.memory_bytes:
+            problems.append(("topology", where))
+        if memory.device_bytes > self.cluster.memory_bytes:
             need, have = memory.device_bytes / GIB, self.cluster.device.memory_gib
-            candidate.rejected, candidate.kind = f"needs {need:.1f} GiB per device of {have:.1f}", "memory"
-        elif memory.states.on_host > self.cluster.host_bytes_per_device:
+            problems.append(("memory", f"needs {need:.1f} GiB per device of {have:.1f}"))
+        if memory.states.on_host > self.cluster.host_bytes_per_device:
             need, have = memory.states.on_host / GIB, self.cluster.host_bytes_per_device / GIB
-            candidate.rejected = f"offloads {need:.1f} GiB per device to a host with {have:.1f} per device"
-            candidate.kind = "memory"
+            problems.append(
+                ("memory", f"offloads {need:.1f} GiB per device to a host with {have:.1f} per device")
+            )
+        if problems:
+            candidate.kind = problems[0][0]
+            candidate.rejected = "; ".join(text for _, text in problems)
         batch = layout.micro_batch * layout.grad_accum * layout.dp * self.memory.group  # rows per step
         candidate.time = self.timing.estimate(layout, memory.states, batch)
         return candidate
@@ -249,34 +254,43 @@ def _complexity(layout: Layout) -> int:
 
 
 def check_memory(layout: Layout, planner: Planner) -> Candidate:
-    """An explicit layout against the device's memory: a ConfigError saying what it needs, and the smallest
-    change that makes it fit (checkpointing, a smaller micro-batch, a higher ZeRO stage, offload)."""
+    """An explicit layout against the cluster: a ConfigError naming everything that stops it (placement and
+    memory together), with the memory it needs and, when that is too much, the smallest change that makes it
+    fit (checkpointing, a smaller micro-batch, a higher ZeRO stage, offload)."""
     c = planner.evaluate(layout)
-    if c.kind != "memory":
+    if c.fits or c.memory is None:  # fits, or broke a rule check_layout reports
         return c
-    tries = [("parallel.activation_checkpoint", "full", {"activation_checkpoint": "full"})]
-    if layout.micro_batch > 1:
-        rows = layout.grad_accum * layout.micro_batch
-        tries.append(
-            ("train.micro_batch", "1", {"micro_batch": 1, "grad_accum": rows, "pp_microbatches": None})
-        )
-    if layout.dp_shard * layout.cp > 1 and layout.zero_stage < 3:
-        tries.append(("parallel.zero_stage", "3", {"zero_stage": 3}))
-    if layout.zero_stage >= 2:
-        tries.append(("parallel.offload", "optimizer", {"offload": "optimizer"}))
+    cluster = planner.cluster
     hints = []
-    for key, value, change in tries:
-        other = planner.evaluate(replace(layout, **change))
-        if other.memory is not None and other.kind != "rules":
-            fits = other.memory.device_bytes <= planner.cluster.memory_bytes
-            hints.append(
-                f"with {key}={value} it needs {other.memory.device_bytes / GIB:.1f}"
-                + (" (fits)" if fits else "")
+    if (
+        c.memory.device_bytes > cluster.memory_bytes
+        or c.memory.states.on_host > cluster.host_bytes_per_device
+    ):
+        tries = [("parallel.activation_checkpoint", "full", {"activation_checkpoint": "full"})]
+        if layout.micro_batch > 1:
+            rows = layout.grad_accum * layout.micro_batch
+            tries.append(
+                ("train.micro_batch", "1", {"micro_batch": 1, "grad_accum": rows, "pp_microbatches": None})
             )
+        if layout.dp_shard * layout.cp > 1 and layout.zero_stage < 3:
+            tries.append(("parallel.zero_stage", "3", {"zero_stage": 3}))
+        if layout.zero_stage >= 2:
+            tries.append(("parallel.offload", "optimizer", {"offload": "optimizer"}))
+        for key, value, change in tries:
+            other = planner.evaluate(replace(layout, **change))
+            if other.memory is not None and other.kind != "rules":
+                fits = other.memory.device_bytes <= cluster.memory_bytes
+                hints.append(
+                    f"with {key}={value} it needs {other.memory.device_bytes / GIB:.1f}"
+                    + (" (fits)" if fits else "")
+                )
+        hints = hints or ["use more devices"]
+    else:
+        hints = [f"its memory fits ({c.memory.device_bytes / GIB:.1f} GiB per device)"]
     raise ConfigError(
-        f"the layout will not fit: it {c.rejected} ({planner.cluster.device.name}); "
-        + "; ".join(hints or ["use more devices"])
-        + ". `shardforge plan` ranks the layouts that fit; `parallel: auto` picks one"
+        f"the layout will not run on {cluster.describe()}: {c.rejected}; "
+        + "; ".join(hints)
+        + ". `shardforge plan` ranks the layouts that run; `parallel: auto` picks one"
     )
 
 

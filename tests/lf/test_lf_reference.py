@@ -381,6 +381,7 @@ def _thoughts(folder: Path) -> Path:
         rows.append(
             {
                 "instruction": f"question {i} " + "why " * (i % 5),
+                "input": "",
                 "output": (thought if i % 3 else "") + answer,
             }
         )
