@@ -7,6 +7,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from rich.console import Console
 from rich.text import Text
@@ -89,7 +90,10 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     shape = planning_shape(config.model)  # no weights needed
     hardware = config.hardware
     world = hardware.nodes * (hardware.devices_per_node or args.nproc)
-    plan = Planner(config, shape, cluster_for(hardware, world)).search(keep=args.top)
+    planner = Planner(config, shape, cluster_for(hardware, world))
+    if args.estimate:
+        return _estimate(planner, world, args.json, console)
+    plan = planner.search(keep=args.top)
     if args.json:
         print(json.dumps(as_json(plan), indent=1))
     elif not plan.ranked:
@@ -100,6 +104,29 @@ def _cmd_plan(args: argparse.Namespace, console: Console) -> int:
     else:
         table(plan, console)
     return 0 if plan.ranked else 1
+
+
+def _estimate(planner: Any, world: int, as_json: bool, console: Console) -> int:
+    """`plan --estimate`: the config's explicit layout on the planned cluster (its rules first), and where
+    it ranks among the searched layouts."""
+    import json
+
+    from shardforge.planner.layout import layout_of
+    from shardforge.planner.report import candidate_json, estimate_table, standing
+
+    if planner.cfg.parallel.auto:
+        raise ConfigError("plan --estimate: the config says parallel: auto; give it a layout to estimate")
+    estimate = planner.evaluate(layout_of(planner.cfg, world))
+    if estimate.kind == "rules":
+        raise ConfigError(f"the config's layout breaks a rule: {estimate.rejected}")
+    plan = planner.search(keep=10**9)  # every layout that fits, to rank this one among
+    if as_json:
+        answer = {"estimate": candidate_json(estimate), "standing": standing(estimate, plan),
+                  "best": candidate_json(plan.best) if plan.ranked else None}  # fmt: skip
+        print(json.dumps(answer, indent=1))
+    else:
+        estimate_table(estimate, plan, console)
+    return 0 if estimate.fits else 1
 
 
 def _cmd_export(args: argparse.Namespace, console: Console) -> int:
@@ -443,6 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--nproc", type=_at_least(1), default=1, help="processes here, without --nodes")
     p_plan.add_argument("--top", type=_at_least(1), default=5, help="layouts shown")
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
+    p_plan.add_argument(
+        "--estimate",
+        action="store_true",
+        help="estimate the config's own parallel layout (memory and time by part) and rank it among the rest",
+    )
     p_plan.add_argument("--list-hardware", action="store_true", help="the device presets and their figures")
     p_plan.set_defaults(func=_cmd_plan)
     p_export = sub.add_parser(

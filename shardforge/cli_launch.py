@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from rich.console import Console
 
-from shardforge.errors import ShardforgeError
+from shardforge.errors import ModelError, ShardforgeError
 
 
 def add_launch_parser(
@@ -63,6 +64,31 @@ def add_launch_parser(
     p_launch.set_defaults(func=cmd_launch)
 
 
+def _preflight(config_path: str, spec: Any, console: Console) -> list[str]:
+    """The job's layout through the preflight the ranks will run (degrees, shape rules, placement and memory
+    on its nodes; `parallel: auto` resolved), before anything is written; the model's config.json is read
+    where it is reachable from here, and the degrees are checked even where it is not (a warning says so)."""
+    from shardforge.config import load_config
+    from shardforge.models.build import planning_shape
+    from shardforge.parallel.dims import ParallelDims
+    from shardforge.planner.preflight import preflight
+
+    config = load_config(config_path, list(spec.overrides))  # with the job's nodes and devices per node
+    world = spec.nodes * spec.procs_per_node
+    ParallelDims.from_config(config.parallel, world)
+    try:
+        shape = planning_shape(config.model)
+    except ModelError as exc:
+        return [
+            f"the layout's shape rules and memory were not checked here (the model is not readable: {exc})"
+        ]
+    config, dims, _, _, estimate = preflight(config, world, shape, measure=False)
+    chosen = f"{estimate.layout.describe()}, " if estimate is not None else ""
+    memory = f"{estimate.memory.device_bytes / 2**30:.1f} GiB per device, " if estimate is not None else ""
+    console.print(f"preflight: {chosen}{memory}{dims.describe()}", highlight=False, markup=False)
+    return []
+
+
 def cmd_launch(args: argparse.Namespace, console: Console) -> int:
     """A multi-node job file for the config (SLURM batch script or Kubernetes manifest), written, and with
     --submit given to sbatch. Every input is checked before anything is written."""
@@ -93,7 +119,7 @@ def cmd_launch(args: argparse.Namespace, console: Console) -> int:
         max_restarts=args.max_restarts,
         rdzv_port=args.rdzv_port,
     )
-    warnings = restart_warnings(config, spec.max_restarts)
+    warnings = restart_warnings(config, spec.max_restarts) + _preflight(args.config, spec, console)
     if args.submit:
         slurm.require_sbatch()
 

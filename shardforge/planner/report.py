@@ -44,33 +44,67 @@ def reason(plan: Plan) -> str:
     return "; ".join(parts)
 
 
-def table(plan: Plan, console: Console) -> None:
-    """The ranked layouts as numbered lines, then one column per layout: memory and time by part."""
-    cluster = plan.cluster
+def _heading(plan: Plan) -> str:
     unit = f"groups ({plan.batch * plan.group} rows)" if plan.group > 1 else "rows"
-    what = f"planning for {cluster.describe()}, global batch {plan.batch} {unit}"
-    console.print(f"{what}; searched in {plan.seconds:.2f} s", highlight=False)
-    for i, c in enumerate(plan.ranked, 1):
-        console.print(f"  #{i}  {c.layout.describe()}", highlight=False)
+    return f"planning for {plan.cluster.describe()}, global batch {plan.batch} {unit}"
+
+
+def _parts(candidates: list[Candidate], names: list[str]) -> Table:
+    """One column per layout: memory and time by part."""
     t = Table(title="per device (GiB) and per step (seconds)", title_justify="left")
     t.add_column("")
-    for i in range(len(plan.ranked)):
-        t.add_column(f"#{i + 1}", justify="right")
+    for name in names:
+        t.add_column(name, justify="right")
     memory_keys = ["params", "grads", "optimizer", "activations", "reference", "buffers", "rollout", "margin",
                    "host"]  # fmt: skip
-    breakdowns = [c.memory.breakdown() for c in plan.ranked]
-    t.add_row("memory GiB", *[_gib(c.memory.device_bytes) for c in plan.ranked], style="bold")
+    breakdowns = [c.memory.breakdown() for c in candidates]
+    t.add_row("memory GiB", *[_gib(c.memory.device_bytes) for c in candidates], style="bold")
     for k in memory_keys:
         if any(b[k] for b in breakdowns):
             t.add_row(f"  {k}", *[_gib(b[k]) for b in breakdowns])
-    t.add_row("step s", *[f"{c.time.total:.3g}" for c in plan.ranked], style="bold")
-    for k in sorted({k for c in plan.ranked for k in c.time.parts}):
-        t.add_row(f"  {k}", *[f"{c.time.parts.get(k, 0):.3g}" for c in plan.ranked])
-    t.add_row("tokens/s", *[f"{c.time.tokens_per_s:,.0f}" for c in plan.ranked])
-    t.add_row("MFU", *[f"{c.time.mfu:.1%}" for c in plan.ranked])
-    console.print(t)
+    t.add_row("step s", *[f"{c.time.total:.3g}" for c in candidates], style="bold")
+    for k in sorted({k for c in candidates for k in c.time.parts}):
+        t.add_row(f"  {k}", *[f"{c.time.parts.get(k, 0):.3g}" for c in candidates])
+    t.add_row("tokens/s", *[f"{c.time.tokens_per_s:,.0f}" for c in candidates])
+    t.add_row("MFU", *[f"{c.time.mfu:.1%}" for c in candidates])
+    return t
+
+
+def table(plan: Plan, console: Console) -> None:
+    """The ranked layouts as numbered lines, then one column per layout: memory and time by part."""
+    console.print(f"{_heading(plan)}; searched in {plan.seconds:.2f} s", highlight=False)
+    for i, c in enumerate(plan.ranked, 1):
+        console.print(f"  #{i}  {c.layout.describe()}", highlight=False)
+    console.print(_parts(plan.ranked, [f"#{i + 1}" for i in range(len(plan.ranked))]))
     console.print(f"chosen: {reason(plan)}", highlight=False)
     console.print("run it with: " + " ".join(plan.best.layout.overrides()), highlight=False)
+
+
+def standing(estimate: Candidate, plan: Plan) -> str:
+    """Where a given layout ranks among the searched ones that fit."""
+    if not plan.ranked:
+        return "no searched layout fits"
+    faster = sum(c.time.total < estimate.time.total for c in plan.ranked)
+    where = (
+        f"it ranks #{faster + 1} among the {len(plan.ranked)} searched layouts that fit"
+        if estimate.fits
+        else "it does not fit, so it is not among the searched layouts"
+    )
+    best = plan.best
+    return (
+        f"{where}; the best, {best.layout.describe()}, takes {best.time.total:.3g} s a step against its "
+        f"{estimate.time.total:.3g} s ({estimate.time.total / best.time.total:.3f}x)"
+    )
+
+
+def estimate_table(estimate: Candidate, plan: Plan, console: Console) -> None:
+    """`plan --estimate`: the config's own layout, memory and time by part, and where it ranks."""
+    console.print(_heading(plan), highlight=False)
+    console.print(f"the config's layout: {estimate.layout.describe()}", highlight=False)
+    console.print(_parts([estimate], ["estimate"]))
+    if estimate.rejected:
+        console.print(f"[red]will not run[/]: {estimate.rejected}", highlight=False)
+    console.print(standing(estimate, plan), highlight=False)
 
 
 def candidate_json(c: Candidate) -> dict[str, Any]:

@@ -4,6 +4,7 @@ bash and by the Kubernetes client's object models), its errors, and `train`'s mu
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -403,3 +404,28 @@ def test_a_node_agent_is_never_a_rank_itself(config_file, monkeypatch, capsys):
         assert cli.main(["train", str(config_file), *bad]) == 2
         err = capsys.readouterr().err
         assert message in err and "MASTER_ADDR" not in err, (bad, err)
+
+
+LLAMA_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 5e5,
+             "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "tie_word_embeddings": False}  # fmt: skip
+
+
+def test_the_job_runs_the_preflight_before_anything_is_written(config_file, tmp_path, capsys):
+    """The ranks' own preflight, run by `launch` first: degrees that do not multiply to the job's world, and
+    a layout whose tensor parallel spans nodes *and* whose memory does not fit, both named at once; nothing
+    written. A layout that runs is written, with what the preflight found."""
+    out_file = tmp_path / "job.sbatch"
+    launch = ["launch", str(config_file), "--slurm", "--out", str(out_file)]
+    assert cli.main([*launch, "--nodes", "2", "--gpus-per-node", "3", "parallel.tp=4"]) == 2
+    assert "degrees do not multiply to the world size" in capsys.readouterr().err.replace("\n", " ")
+    (tmp_path / "70b").mkdir()
+    (tmp_path / "70b" / "config.json").write_text(json.dumps(LLAMA_70B))
+    big = [f"model.path={tmp_path / '70b'}", "model.preset=null", "hardware.preset=h100",
+           "hardware.peak_flops=null", "parallel.tp=8", "data.max_length=4096"]  # fmt: skip
+    assert cli.main([*launch, "--nodes", "2", "--gpus-per-node", "4", *big]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "tp=8 does not fit in a node of 4 devices; needs" in err and "GiB per device of 80.0" in err, err
+    assert not out_file.exists()
+    assert cli.main([*launch, "--nodes", "2", "--gpus-per-node", "2"]) == 0
+    assert "preflight: " in capsys.readouterr().out and out_file.exists()

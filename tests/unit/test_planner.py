@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import yaml
 
 from shardforge.cli import main
 from shardforge.config import load_config
@@ -486,3 +487,29 @@ def test_any_preset_figure_can_be_overridden_by_name():
         cluster_for(HardwareSection(preset="h100", figures={"nvlink": 1.0}), 8)
     with pytest.raises(ConfigError, match=r"hardware.nodes=2 x hardware.devices_per_node=8 = 16 devices"):
         cluster_for(HardwareSection(preset="h100", nodes=2, devices_per_node=8), 8)
+
+
+def test_plan_estimate_gives_the_config_s_own_layout_and_its_rank(model_dirs, tmp_path, capsys):
+    """`shardforge plan --estimate`: the explicit layout's memory and time by part (the planner's own figures
+    for it), where it ranks among the searched layouts, and a layout that cannot run said so (exit 1)."""
+    config = {
+        "model": {"path": str(model_dirs["llama3-70b"])},
+        "data": {"train": [{"path": "x.jsonl", "format": "alpaca"}], "max_length": 4096},
+        "train": {"precision": "bf16", "global_batch": 512, "micro_batch": 8},
+        "parallel": {"tp": 8, "pp": 4, "zero_stage": 2, "dp_shard": -1},
+        "hardware": {"preset": "h100", "nodes": 8, "devices_per_node": 8},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["plan", str(path), "--estimate", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    cfg = Config(**config)
+    ours = Planner(cfg, check_model_source(cfg.model, weights=False), _h100s(64)).evaluate(layout_of(cfg, 64))
+    assert answer["estimate"]["memory_bytes"]["total"] == ours.memory.device_bytes
+    assert answer["estimate"]["step_seconds"]["total"] == pytest.approx(ours.time.total)
+    assert re.match(r"it ranks #\d+ among the \d+ searched layouts that fit; the best, ", answer["standing"])
+    assert answer["best"]["step_seconds"]["total"] <= ours.time.total
+    replicas = ["parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=1"]  # a 70B copy on every device
+    assert main(["plan", str(path), "--estimate", *replicas]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "will not run: needs" in out and "it does not fit, so it is not among the searched layouts" in out
