@@ -299,7 +299,7 @@ def check_context_parallel(cfg, dims, parallel, max_length: int, whole_sequences
         )
     if parallel.cp_mode == "ulysses":
         try:
-            check_ulysses(cfg.num_heads // dims.tp, cfg.num_kv_heads // dims.tp, dims.cp)
+            check_ulysses(cfg.num_heads // dims.tp, int(cfg.kv_heads_per_rank(dims.tp)), dims.cp)
         except ValueError as exc:
             raise ConfigError(
                 str(exc) + (f" (per tp rank: tp={dims.tp} splits the heads first)" if dims.tp > 1 else "")

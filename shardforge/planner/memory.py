@@ -30,6 +30,7 @@ from shardforge.parallel.pipeline_plan import PipelinePlan
 from shardforge.parallel.tensor_parallel import matches_plan_key
 from shardforge.planner.layout import Layout, critic_shape, sequences_per_group, traits_of
 from shardforge.sharding.lora_styles import ADAPTER, COLWISE, ROWWISE
+from shardforge.sharding.styles import KVColwiseParallel
 
 GIB = 1 << 30
 STEP_BYTES = 4  # AdamW's per-tensor step counter (fp32)
@@ -51,21 +52,26 @@ class ParamSpec:
     itemsize: float  # bytes per element (an NF4 weight: its codes and scales per element)
     trained: bool
     tp_dim: int | None  # the dimension tensor parallel splits; None: whole on every tp rank
+    kv_heads: int | None  # a key / value projection's: whole on every rank when tp exceeds them
     expert: bool  # dimension 0 split over ep
     vocab: bool  # dimension 0 padded to a multiple of tp
     layer: int | None  # its decoder layer; None: embedding (first stage) or final norm / head (last)
     first: bool  # on the first pipeline stage (embedding) rather than the last (final norm, head)
 
 
-def _tp_dims(model: torch.nn.Module, plan: dict) -> dict[str, int | None]:
-    """Parameter name -> the dimension its module's TP style splits (the styles the family plans use)."""
+def _tp_dims(model: torch.nn.Module, plan: dict) -> tuple[dict[str, int | None], set[str]]:
+    """Parameter name -> the dimension its module's TP style splits (the styles the family plans use), and
+    the key / value projections' parameters (split by kv heads)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     dims: dict[str, int | None] = {}
+    kv: set[str] = set()
     for mod_name, module in model.named_modules():
         style = next((s for k, s in plan.items() if matches_plan_key(k, mod_name)), None)
         if not isinstance(style, ColwiseParallel | RowwiseParallel):
             continue
+        if isinstance(style, KVColwiseParallel):
+            kv |= {f"{mod_name}.{pname}" for pname, _ in module.named_parameters(recurse=False)}
         colwise = isinstance(style, ColwiseParallel)
         if hasattr(module, ADAPTER):
             table = {
@@ -78,7 +84,7 @@ def _tp_dims(model: torch.nn.Module, plan: dict) -> dict[str, int | None]:
             table = {"weight": 0 if colwise else 1, "bias": 0 if colwise else None}
         for pname, _ in module.named_parameters(recurse=False):
             dims[f"{mod_name}.{pname}"] = table.get(pname)
-    return dims
+    return dims, kv
 
 
 def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
@@ -91,7 +97,7 @@ def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
         model = spec.build(shape)
         apply_finetuning(model, cfg.method, cfg.train.seed, None)
     plan = spec.tp_plan(shape, 1, True) if spec.tp_plan is not None else {}
-    tp_dims = _tp_dims(model, plan)
+    tp_dims, kv_params = _tp_dims(model, plan)
     itemsize = DTYPE_BYTES[cfg.model.dtype]
     nf4 = cfg.model.quantize == "nf4"
     out = []
@@ -107,7 +113,16 @@ def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
         first = parts[0] == "embed_tokens"
         out.append(
             ParamSpec(
-                name, tuple(p.shape), size, p.requires_grad, split, "experts" in parts, vocab, layer, first
+                name,
+                tuple(p.shape),
+                size,
+                p.requires_grad,
+                split,
+                shape.num_kv_heads if name in kv_params else None,
+                "experts" in parts,
+                vocab,
+                layer,
+                first,
             )
         )
     if shape.tie_embeddings:  # a pipeline's last stage holds its own copy of the head
@@ -206,7 +221,7 @@ class StateCounter:
         shape = list(p.shape)
         if p.vocab and layout.tp > 1:
             shape[0] = math.ceil(shape[0] / layout.tp) * layout.tp
-        if p.tp_dim is not None and layout.tp > 1:
+        if p.tp_dim is not None and layout.tp > 1 and not (p.kv_heads and layout.tp > p.kv_heads):
             shape[p.tp_dim] //= layout.tp
         if p.expert and layout.ep > 1:
             shape[0] //= layout.ep
@@ -369,7 +384,7 @@ class MemoryModel:
         ):
             return 0.0
         s = self.shape
-        kv = s.num_kv_heads * s.head_dim / layout.tp
+        kv = s.kv_heads_per_rank(layout.tp) * s.head_dim
         tokens = rows * self.cfg.data.max_length
         return s.num_layers * 2 * kv * self.act_dtype_bytes * tokens * (1 - 1 / layout.cp)
 
@@ -446,7 +461,7 @@ class MemoryModel:
         slots = (
             sequences * math.ceil(self.cfg.data.max_length / ROLLOUT_BLOCK) * ROLLOUT_BLOCK + ROLLOUT_BLOCK
         )
-        kv_heads = s.num_kv_heads // layout.tp
+        kv_heads = int(s.kv_heads_per_rank(layout.tp))
         sharded = layout.zero_stage >= 2 and layout.dp_shard * layout.cp > 1
         whole = dataclasses.replace(layout, zero_stage=0)
         worst = 0.0

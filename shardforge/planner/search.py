@@ -122,19 +122,21 @@ class Planner:
         cfg = layout.apply(self.cfg)
         return cfg, check_layout(cfg, layout.world, self.shape)[2]
 
-    def topology(self, layout: Layout) -> str | None:
-        """Placement: the collectives of every layer (TP, CP, EP) stay inside a node."""
+    def topology(self, layout: Layout, searching: bool = False) -> str | None:
+        """Placement: the collectives of every layer (TP and CP) stay inside a node. The search keeps expert
+        parallel's all-to-alls inside one too; a layout given explicitly may send them across nodes (the
+        time model prices the inter-node links), as Megatron lets it."""
         per_node = self.cluster.devices_per_node
         inner = layout.tp * layout.cp
         if self.cluster.nodes > 1 and (per_node % layout.tp or layout.tp > per_node):
             return f"tp={layout.tp} does not fit in a node of {per_node} devices"
         if self.cluster.nodes > 1 and inner > per_node:
             return f"tp x cp = {inner} spans nodes (a node has {per_node} devices)"
-        if self.cluster.nodes > 1 and layout.ep * layout.tp > per_node:
+        if searching and self.cluster.nodes > 1 and layout.ep * layout.tp > per_node:
             return f"ep x tp = {layout.ep * layout.tp} spans nodes (a node has {per_node} devices)"
         return None
 
-    def evaluate(self, layout: Layout) -> Candidate:
+    def evaluate(self, layout: Layout, searching: bool = False) -> Candidate:
         try:
             cfg, plan = self.rules(layout)
         except ShardforgeError as exc:
@@ -145,7 +147,7 @@ class Planner:
         memory = self.memory.estimate(layout, stages, self.cluster.device.name != "cpu")
         candidate = Candidate(layout, memory)
         problems = []  # every one, so fixing the first never uncovers another
-        where = self.topology(layout)
+        where = self.topology(layout, searching)
         if where is not None:
             problems.append(("topology", where))
         if memory.device_bytes > self.cluster.memory_bytes:
@@ -170,7 +172,8 @@ class Planner:
         seq = self.cfg.data.max_length
         out = []
         experts = s.num_experts
-        for tp in [d for d in divisors(world) if d <= max(per_node, 1) and s.num_kv_heads % d == 0]:
+        kv = s.num_kv_heads  # tp divides the kv heads, or replicates them (a multiple of them)
+        for tp in [d for d in divisors(world) if d <= max(per_node, 1) and (kv % d == 0 or d % kv == 0)]:
             cps = [c for c in (1, 2, 4, 8, 16) if (world // tp) % c == 0 and seq % (2 * c * tp) == 0]
             for cp in [c for c in cps if c == 1 or seq >= MIN_CP_LENGTH]:
                 if cp > 1 and traits_of(self.cfg).whole_sequences:
@@ -223,7 +226,7 @@ class Planner:
         plan = Plan(self.cluster, batch, [], group=self.memory.group)
         for offload in (False, True):  # offload only when nothing fits in device memory without it
             for layout in self.layouts(batch, offload):
-                c = self.evaluate(layout)
+                c = self.evaluate(layout, searching=True)
                 if c.fits:
                     plan.ranked.append(c)
                     continue

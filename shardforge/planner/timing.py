@@ -118,6 +118,11 @@ class TimeModel:
         flops = (
             c.train_flops(tokens, tokens, pairs, self.trained) + recompute[layout.activation_checkpoint]
         ) / split
+        s = self.shape
+        if layout.tp > s.num_kv_heads:  # replicated kv heads: each tp rank projects all of them
+            runs = 4 if layout.activation_checkpoint == "full" else 3  # forward (again), two in backward
+            kv_total = runs * 2 * tokens * s.hidden_size * 2 * s.num_kv_heads * s.head_dim * s.num_layers
+            flops += kv_total * (layout.tp - 1) / layout.world
         m = layout.pipeline_microbatches if layout.pp > 1 else 1
         mb_tokens = batch / layout.dp / layout.grad_accum / m * seq / layout.cp  # tokens a forward pass runs
         width = self.shape.moe_intermediate_size if self.moe_share else self.shape.intermediate_size
@@ -183,7 +188,7 @@ class TimeModel:
             out["tp_comm"] = (collectives + dispatch) * layers * repeat * passes
         if layout.cp > 1:
             cross = _span(layout, ("cp",), cl)
-            kv = s.num_kv_heads * s.head_dim / layout.tp
+            kv = s.kv_heads_per_rank(layout.tp) * s.head_dim
             if self.cfg.parallel.cp_mode == "allgather":  # K and V gathered, their gradients reduce-scattered
                 per = _ring(cl, layout.cp, 2 * kv * mb_tokens * layout.cp * self.act, cross, 1.0)
             else:  # q, k, v to heads and the output back: four all-to-alls

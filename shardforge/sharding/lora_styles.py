@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from shardforge.sharding.styles import ReplicatedKVHeads
+
 ADAPTER = "lora_A"  # a module with this parameter carries an adapter
 
 COLWISE: dict[str, Placement] = {
@@ -52,7 +54,10 @@ class LoRARowwiseParallel(RowwiseParallel):
 
 def for_adapter(style: ParallelStyle) -> ParallelStyle:
     """The same style (its layouts kept) for a linear that carries an adapter."""
-    kind = {ColwiseParallel: LoRAColwiseParallel, RowwiseParallel: LoRARowwiseParallel}.get(type(style))
+    if isinstance(style, ReplicatedKVHeads):  # every parameter replicated: the adapter's too
+        return style
+    kinds = ((ColwiseParallel, LoRAColwiseParallel), (RowwiseParallel, LoRARowwiseParallel))
+    kind = next((adapted for base, adapted in kinds if isinstance(style, base)), None)
     if kind is None:
         raise NotImplementedError(f"no adapter-aware version of {type(style).__name__}")
     adapted = kind.__new__(kind)

@@ -1,4 +1,5 @@
-"""A ParallelStyle torch does not ship: a module run whole on every TP rank, with DTensor parameters."""
+"""ParallelStyles torch does not ship: a module run whole on every TP rank with DTensor parameters, and the
+key / value projections of grouped-query attention under tp above the kv heads."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
 
 class ReplicateParallel(ParallelStyle):
@@ -82,3 +83,39 @@ class WholeSequenceParallel(ParallelStyle):
         module.register_forward_pre_hook(lambda m, inputs: self._prepare_input(m, inputs, device_mesh))
         module.register_forward_hook(lambda m, inputs, out: self._prepare_output(m, out, device_mesh))
         return module
+
+
+class KVColwiseParallel(ColwiseParallel):
+    """The key / value projections split by heads, as ColwiseParallel splits them (tp divides the kv heads).
+    A type of its own so the planner knows these weights are whole on every rank when tp exceeds the kv heads
+    (`ReplicatedKVHeads`)."""
+
+
+class ReplicatedKVHeads(ParallelStyle):
+    """Key / value projections when tp exceeds the kv heads (grouped-query attention, Megatron's kv-head
+    replication): the weights are replicated, every rank computes all kv heads and keeps the one its query
+    heads read (rank r of tp holds query heads r*nq/tp...; with tp = g x kv, kv head r // g). The kept slice's
+    gradient leaves as a Partial DTensor (this rank's share of the whole), so the replicated weights'
+    gradients are the sum over ranks: each replica's use counted once, as in one process."""
+
+    def __init__(self, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+
+    @staticmethod
+    def _prepare_input(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        x = inputs[0]  # the attention input: whole on every rank (gathered under sequence parallel)
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        return (x, *inputs[1:])
+
+    def _prepare_output(self, module: nn.Module, output: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        whole = output.to_local(grad_placements=(Partial(),))
+        group = mesh.size() // self.kv_heads  # ranks per kv head
+        head = mesh.get_local_rank() // group
+        return whole[..., head * self.head_dim : (head + 1) * self.head_dim].contiguous()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, input_fn=self._prepare_input, output_fn=self._prepare_output
+        )

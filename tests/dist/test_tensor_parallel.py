@@ -138,6 +138,9 @@ def four_ranks(tmp_path_factory, data, mha_odd_vocab, tied_odd_vocab):
     tmp = tmp_path_factory.mktemp("tp_four")
     layouts = {
         "tp4_sp": ("mha", mha_odd_vocab, dict(tp=4), 4),
+        # tp 4 over 2 kv heads: the kv heads replicated (with Qwen3's q/k norms; with qkv bias, tied, padded)
+        "kv_replicated_qwen3_sp": ("qwen3", _preset("tiny-qwen3"), dict(tp=4), 4),
+        "kv_replicated_tied_padded": ("tied_odd", tied_odd_vocab, dict(tp=4, sequence_parallel=False), 4),
         "fsdp2x_tp2": ("llama", _preset("tiny-llama"), dict(tp=2, zero_stage=3), 2),
         "zero2x_tp2_tied_padded": (
             "tied_odd",
@@ -165,8 +168,12 @@ def _four_rank_jobs(configs: list[dict], export: dict) -> tuple[list[dict], dict
     return runs, {"folder": result.final_model, "ids": ids, "logits": logits}
 
 
-def test_tp4_matches_single_process(four_ranks, reference):
-    family, runs = four_ranks["tp4_sp"]
+@pytest.mark.parametrize("name", ["tp4_sp", "kv_replicated_qwen3_sp", "kv_replicated_tied_padded"])
+def test_tp4_matches_single_process(four_ranks, reference, name):
+    """tp 4: heads split four ways, or, over 2 kv heads, the kv heads replicated (each rank keeps the one its
+    query heads read; the replicas' gradients summed): the same losses and weights as one process."""
+    family, runs = four_ranks[name]
+    assert "tp=4" in runs[0]["layout"]
     assert_same(runs[0], reference[family])
 
 
@@ -266,11 +273,10 @@ def _setup_error(cfg: dict) -> str:
 
 
 def test_bad_tensor_parallel_shapes_fail_before_training(tmp_path, data):
-    """tiny-llama has 2 kv heads: tp=4 cannot split them (GQA rule), checked before any training."""
-    cfg = _cfg(tmp_path, "bad", data, _preset("tiny-llama"), mb=1, tp=4)
-    message = run_ranks(_setup_error, 4, cfg)[0]
-    assert "parallel.tp=4 does not divide the model's num_kv_heads" in message
-    assert "allows tp up to 2" in message
+    """tiny-llama has 4 query heads: tp=3 cannot split them, checked before any training."""
+    cfg = _cfg(tmp_path, "bad", data, _preset("tiny-llama"), mb=1, tp=3)
+    message = run_ranks(_setup_error, 3, cfg)[0]
+    assert "parallel.tp=3 does not divide the model's num_heads (query heads) = 4" in message
 
 
 def test_tp_larger_than_world_and_ddp_with_tp_are_refused():
@@ -302,6 +308,11 @@ def test_shape_rules(shape, what):
     )
     with pytest.raises(ConfigError, match=f"parallel.tp=4 does not divide the model's {what}"):
         check_tensor_parallel(DecoderConfig(**(base | shape)), 4)
+    # above the kv heads, tp must be a multiple of them (each rank's query heads read one kv head)
+    gqa = DecoderConfig(**(base | dict(num_heads=12, num_kv_heads=4, hidden_size=96, intermediate_size=192)))
+    check_tensor_parallel(gqa, 12)  # 3 ranks per kv head
+    with pytest.raises(ConfigError, match="tp=6 is above the model's 4 kv heads and not a multiple of them"):
+        check_tensor_parallel(gqa, 6)
 
 
 def test_export_from_fsdp_x_tp_reloads_in_transformers_with_the_same_logits(four_ranks):

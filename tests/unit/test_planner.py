@@ -513,3 +513,29 @@ def test_plan_estimate_gives_the_config_s_own_layout_and_its_rank(model_dirs, tm
     assert main(["plan", str(path), "--estimate", *replicas]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "will not run: needs" in out and "it does not fit, so it is not among the searched layouts" in out
+
+
+def test_qwen3_235b_at_tp8_over_4_kv_heads_is_judged_on_memory_only(model_dirs):
+    """The seed document's Qwen3-235B-A22B layout, TP8 x PP8 x EP8 on 1024 A100s: tp 8 over its 4 kv heads
+    replicates them (each rank keeps the one its query heads read), so the layout is accepted or refused for
+    memory alone, with the figure; the replicated k/v projections are counted whole on every rank."""
+    cfg = _config(
+        model_dirs["qwen3-235b-a22b"], global_batch=1024, train={"micro_batch": 8},
+        parallel={"tp": 8, "pp": 8, "ep": 8, "zero_stage": 3, "dp_shard": -1},
+        hardware={"preset": "a100-80", "nodes": 128, "devices_per_node": 8},
+    )  # fmt: skip
+    shape = check_model_source(cfg.model, weights=False)
+    try:
+        _, dims, _, _, estimate = preflight(cfg, 1024, shape, measure=False)
+        verdict = f"accepted: {estimate.memory.device_bytes / GIB:.1f} GiB per device"
+        assert (dims.tp, dims.pp, dims.ep) == (8, 8, 8)
+    except ConfigError as exc:
+        verdict = str(exc)
+        assert "GiB per device of 80.0" in verdict and "kv heads" not in verdict, verdict
+    print(f"\nQwen3-235B-A22B TP8 x PP8 x EP8 on 1024 A100-80: {verdict}")
+    k = next(p for p in inventory(shape, cfg) if p.name == "layers.0.attn.k_proj.weight")
+    layout = layout_of(cfg, 1024)
+    # whole over tp (the kv heads replicated), then a ZeRO-3 shard over dp_shard = 1024 / (tp 8 x pp 8) = 16
+    assert (
+        k.kv_heads == 4 and StateCounter.local_numel(k, layout, coords_of(layout, 0)) == 4 * 128 * 4096 // 16
+    )

@@ -54,6 +54,10 @@ class DecoderConfig:
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_moe(i)]
 
+    def kv_heads_per_rank(self, tp: int) -> float:
+        """The kv heads one tensor-parallel rank holds: its share, or one (replicated) above them."""
+        return self.num_kv_heads / tp if tp <= self.num_kv_heads else 1.0
+
     def with_score_head(self, num_labels: int) -> DecoderConfig:
         return replace(self, num_labels=num_labels, tie_embeddings=False)
 

@@ -60,8 +60,9 @@ def activation_bytes(
 ) -> ActivationBytes:
     """Bytes kept per token (and per scored token) on one rank; `b` is the activation dtype's size."""
     h, d, vocab = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
-    heads, kv_heads = cfg.num_heads / tp, cfg.num_kv_heads / tp
+    heads, kv_heads = cfg.num_heads / tp, cfg.kv_heads_per_rank(tp)
     q, kv, inner = heads * d, kv_heads * d, cfg.intermediate_size / tp
+    kv_out = cfg.num_kv_heads * d if tp > cfg.num_kv_heads else kv  # replicated kv: projected whole
     split = tp if sequence_parallel else 1
     stream = h / split  # the residual stream's elements per token on this rank
 
@@ -96,7 +97,7 @@ def activation_bytes(
         if mode == "full":  # each block keeps only its input, the stream
             return b * stream
         if mode == "selective":  # matmul and collective outputs, and the block input
-            matmuls = b * (q + 2 * kv) + b * h + mlp_selective(moe)  # o/down outputs: whole partial sums
+            matmuls = b * (q + 2 * kv_out) + b * h + mlp_selective(moe)  # o/down outputs: whole partial sums
             # Under SP the reduce-scatters' outputs and the all-gathered inputs, else the all-reduces'.
             collectives = 2 * b * (stream + h) if sequence_parallel else 2 * b * h * (tp > 1)
             return matmuls + collectives + b * stream

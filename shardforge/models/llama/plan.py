@@ -3,6 +3,8 @@
 Megatron's layout: q/k/v and gate/up are split by output columns (attention heads, MLP channels), o and down
 by input rows, so each block needs one reduction after attention and one after the MLP. The embedding and
 the LM head are split over the vocabulary (cross-entropy runs on the sharded logits under `loss_parallel`).
+With tp above the kv heads (grouped-query attention), the key / value projections are replicated and each rank
+keeps the kv head its query heads read (Megatron's kv-head replication, `ReplicatedKVHeads`).
 
 With sequence parallel the residual stream between those reductions is split over the sequence (Shard(1)):
 the reductions become reduce-scatters, the norms run on 1/tp of the tokens, and each attention / MLP input
@@ -22,29 +24,32 @@ from torch.distributed.tensor.parallel import (
 
 from shardforge.errors import ConfigError
 from shardforge.models.common.config import DecoderConfig
-from shardforge.sharding.styles import ReplicateParallel, WholeSequenceParallel
+from shardforge.sharding.styles import (
+    KVColwiseParallel,
+    ReplicatedKVHeads,
+    ReplicateParallel,
+    WholeSequenceParallel,
+)
 
 
 def check_tensor_parallel(cfg: DecoderConfig, tp: int) -> None:
     """Shapes the plan can split evenly; anything else is an error before training, never a wrong result."""
-    rules = {
-        "num_heads (query heads)": cfg.num_heads,
-        "num_kv_heads (key/value heads)": cfg.num_kv_heads,
-        "hidden_size": cfg.hidden_size,
-    }
+    rules = {"num_heads (query heads)": cfg.num_heads, "hidden_size": cfg.hidden_size}
+    if tp <= cfg.num_kv_heads:  # kv heads split; above them replicated (each rank's query heads read one)
+        rules["num_kv_heads (key/value heads)"] = cfg.num_kv_heads
     if len(cfg.moe_layers) < cfg.num_layers:  # dense MLPs are split by channels
         rules["intermediate_size (MLP width)"] = cfg.intermediate_size
     if cfg.shared_expert_intermediate_size and cfg.moe_layers:  # so is an MoE layer's shared expert
         rules["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     for what, value in rules.items():
         if value % tp:
-            hint = ""
-            if what.startswith("num_kv_heads") and tp > value:
-                hint = (
-                    f"; tensor parallel splits key/value heads across ranks and does not replicate them "
-                    f"(grouped-query attention with {value} kv heads allows tp up to {value})"
-                )
-            raise ConfigError(f"parallel.tp={tp} does not divide the model's {what} = {value}{hint}")
+            raise ConfigError(f"parallel.tp={tp} does not divide the model's {what} = {value}")
+    if tp > cfg.num_kv_heads and tp % cfg.num_kv_heads:
+        raise ConfigError(
+            f"parallel.tp={tp} is above the model's {cfg.num_kv_heads} kv heads and not a multiple of them: "
+            f"kv heads are replicated so that each rank's query heads read one (tp a divisor or a multiple "
+            f"of {cfg.num_kv_heads})"
+        )
 
 
 def tensor_parallel_plan(cfg: DecoderConfig, tp: int, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -55,6 +60,11 @@ def tensor_parallel_plan(cfg: DecoderConfig, tp: int, sequence_parallel: bool) -
     def norm() -> ParallelStyle:
         return SequenceParallel() if sequence_parallel else ReplicateParallel()
 
+    def kv_style() -> ParallelStyle:
+        if tp > cfg.num_kv_heads:
+            return ReplicatedKVHeads(cfg.num_kv_heads, cfg.head_dim)
+        return KVColwiseParallel()
+
     def gather_input(n_args: int) -> ParallelStyle:
         """All-gather the (sequence-split) first argument; the others are not tensors of the stream."""
         rest = (None,) * (n_args - 1)
@@ -64,8 +74,8 @@ def tensor_parallel_plan(cfg: DecoderConfig, tp: int, sequence_parallel: bool) -
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         "layers.*.input_norm": norm(),
         "layers.*.attn.q_proj": ColwiseParallel(),
-        "layers.*.attn.k_proj": ColwiseParallel(),
-        "layers.*.attn.v_proj": ColwiseParallel(),
+        "layers.*.attn.k_proj": kv_style(),
+        "layers.*.attn.v_proj": kv_style(),
         "layers.*.attn.o_proj": RowwiseParallel(output_layouts=stream),
         "layers.*.post_attn_norm": norm(),
         **_mlp_plan(cfg, stream),
