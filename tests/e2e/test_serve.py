@@ -464,20 +464,22 @@ def test_chat_in_a_terminal(model_dir, flags):
             os.waitpid(pid, 0)
 
 
-def test_generate_under_tp2_equals_one_process(model_dir, tmp_path):
-    """`--tp 2`: two ranks, the training TP plan, rank 0 driving; greedy tokens equal one process's."""
+def test_generate_under_tp_equals_one_process(model_dir, tmp_path):
+    """`--tp 2`: two ranks, the training TP plan, rank 0 driving; `--tp 4` over the model's 2 kv heads, which
+    each pair of ranks replicates: greedy tokens equal one process's."""
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt_ids": list(range(5 + 7 * i, 20 + 9 * i))} for i in range(4)]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     outputs = []
-    for flags in ([], ["--tp", "2"]):
-        out = tmp_path / f"out{len(flags)}.jsonl"
+    for flags in ([], ["--tp", "2"], ["--tp", "4"]):
+        out = tmp_path / f"out{'-'.join(flags)}.jsonl"
         cmd = [sys.executable, "-m", "shardforge", "generate", str(model_dir), "--prompts", str(prompts)]
         cmd += ["--out", str(out), "--temperature", "0", "--max-tokens", "12", *flags]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=ENV)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert ("over 2 tensor-parallel ranks" in proc.stdout) == bool(flags)
+        ranks = f"over {flags[-1]} tensor-parallel ranks" if flags else "tensor-parallel ranks"
+        assert (ranks in proc.stdout) == bool(flags)
         outputs.append(
             [json.loads(line)["completions"][0]["tokens"] for line in out.read_text().splitlines()]
         )
-    assert outputs[0] == outputs[1] and all(len(t) >= 1 for t in outputs[0])
+    assert outputs[0] == outputs[1] == outputs[2] and all(len(t) >= 1 for t in outputs[0])
