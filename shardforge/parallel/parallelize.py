@@ -54,7 +54,8 @@ def parallelize(
     experts_mesh = apply_expert_parallel(model, dims, mesh)
     apply_context_parallel(model, dims, mesh, parallel.cp_mode)
     for net in towers:
-        apply_activation_checkpointing(net, parallel.activation_checkpoint)
+        sequence_parallel = parallel.sequence_parallel and dims.tp > 1
+        apply_activation_checkpointing(net, parallel.activation_checkpoint, sequence_parallel)
         if config.train.compile:
             for block in net.blocks():
                 block.compile()

@@ -24,6 +24,8 @@ from shardforge.errors import ConfigError
 from shardforge.models.spec import spec_for
 from shardforge.parallel.dims import ParallelDims
 from shardforge.sharding.lora_styles import ADAPTER, for_adapter
+from shardforge.sharding.regather import keep_input_sharded
+from shardforge.sharding.styles import GatherStream
 
 _VOCAB_KEYS = ("embed_tokens.weight", "lm_head.weight")
 
@@ -50,6 +52,11 @@ def apply_tensor_parallel(
         model.lm_head.register_forward_hook(_mask_padded_logits(cfg.vocab_size))
     if parallel.sequence_parallel:
         model.register_forward_pre_hook(_require_even_split(dims.tp), with_kwargs=True)
+        if parallel.activation_checkpoint == "none":  # a checkpoint's hooks must see what its block saves
+            for name, module in model.named_modules():
+                style = next((s for k, s in plan.items() if matches_plan_key(k, name)), None)
+                if isinstance(style, GatherStream):
+                    keep_input_sharded(module)
     return model
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput
 
 
 class ReplicateParallel(ParallelStyle):
@@ -83,6 +83,11 @@ class WholeSequenceParallel(ParallelStyle):
         module.register_forward_pre_hook(lambda m, inputs: self._prepare_input(m, inputs, device_mesh))
         module.register_forward_hook(lambda m, inputs, out: self._prepare_output(m, out, device_mesh))
         return module
+
+
+class GatherStream(PrepareModuleInput):
+    """The attention / MLP input all-gathered from the sequence-split stream (sequence parallel). A type of
+    its own so `apply_tensor_parallel` can keep that input sharded for the backward (sharding/regather.py)."""
 
 
 class KVColwiseParallel(ColwiseParallel):

@@ -14,6 +14,7 @@ from shardforge.config.schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.models import build_preset
 from shardforge.models.common.config import DecoderConfig
+from shardforge.models.spec import spec_for
 from shardforge.parallel import activation_report, apply_activation_checkpointing
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel, loss_context
@@ -219,18 +220,21 @@ def _activation_bytes(batch) -> dict[str, dict]:
     mesh = dims.build_mesh("cpu")
     out = {}
     for sp in (False, True):
-        parallel = ParallelSection(tp=2, sequence_parallel=sp)
         for mode in ("none", "selective", "full"):
+            parallel = ParallelSection(tp=2, sequence_parallel=sp, activation_checkpoint=mode)
             model = build_preset("tiny-llama", vocab_size=1024, seed=1)
             apply_tensor_parallel(model, dims, mesh, parallel)
-            apply_activation_checkpointing(model, mode)
+            apply_activation_checkpointing(model, mode, sp)
             with loss_context(dims):  # the forward ends in the vocabulary-parallel log-probabilities
                 report = activation_report(model, partial(causal_lm_forward, model, batch))
                 loss = causal_lm_loss_sum(model, batch)
                 loss.backward()
             grads = [p.grad.to_local() for p in model.parameters()]
+            costs = spec_for(model.config.family).costs(model.config)
+            estimate = costs.activation_bytes(mode, 4, 2, sp)
             out[f"sp={sp}/{mode}"] = {
                 "total": report.total_bytes,
+                "estimate": estimate.total(batch.input_ids.numel(), batch.num_targets),
                 "grads": grads,
                 "norms": report.bytes_where(lambda t: t.module.endswith("_norm")),
                 "norm_seq": {t.shape[1] for t in report.tensors if t.module.endswith("_norm")},
@@ -250,12 +254,15 @@ def test_activation_memory_by_checkpoint_mode_and_sequence_parallel():
     for sp in (False, True):
         none, sel, full = (r[f"sp={sp}/{m}"] for m in ("none", "selective", "full"))
         assert full["total"] < sel["total"] < none["total"], r
+        for mode, got in (("none", none), ("selective", sel), ("full", full)):  # the planner's count
+            print(f"tp=2 sp={sp} {mode}: measured {got['total']}, estimated {got['estimate']:.0f}")
+            assert got["estimate"] == pytest.approx(got["total"], rel=0.02), (sp, mode)
         assert none["loss"] == pytest.approx(sel["loss"], rel=1e-6) == pytest.approx(full["loss"], rel=1e-6)
         for other in (sel, full):  # recomputation (with its TP collectives) gives the same gradients
             for grad, ref in zip(other["grads"], none["grads"], strict=True):
                 torch.testing.assert_close(grad, ref, rtol=0, atol=1e-6)
-    # What the blocks' norms keep is split over the sequence by SP: each tensor holds 32 of the 64 positions.
-    # Their outputs are not kept at all under SP (the matmuls keep the all-gathered copy instead), so the
+    # What the blocks' norms keep is split over the sequence by SP: each tensor holds 32 of the 64 positions
+    # (their outputs, the matmuls' inputs, are kept as those shards and gathered again in backward), so the
     # norms hold at most 1/tp of their non-SP bytes.
     no_sp, sp = r["sp=False/none"], r["sp=True/none"]
     assert no_sp["norm_seq"] == {64} and sp["norm_seq"] == {32}

@@ -2,12 +2,13 @@
 
 Activation bytes follow what this code's autograd graph keeps (measured by `activation_report`, one process),
 in the spirit of Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", adapted
-to these modules: RMSNorm computed in fp32 (an fp32 copy of a low-precision input, an fp32 rsqrt per row),
+to these modules: RMSNorm computed in fp32 but keeping its input in its own dtype and an fp32 rsqrt per row,
 SwiGLU (gate, SiLU, up and product outputs), RoPE (q and k after rotation), grouped-query K/V kept at their
 own head count (SDPA's enable_gqa), no dropout, and flash-style SDPA, which keeps the output and a fp32
 logsumexp per (token, head), never the s x s scores: so the sequence length does not enter. Under tensor
 parallel, heads and MLP channels are split; the residual stream and the norms only with sequence parallel,
-whose all-gathered attention / MLP inputs are kept whole, as DTensor's matmuls save them.
+whose all-gathered attention / MLP inputs are kept as their 1/tp shard and gathered again in backward
+(sharding/regather.py, Megatron's way; selective recomputes them and the row-parallel partial sums).
 Not modelled: packed rows' per-document gather copies (attention_per_document), K/V repeated per query head
 (CUDA with a mask: models/common/attention.py `sdpa`), masks or score matrices of non-flash kernels, the TP
 embedding's masking temporaries, and transient peaks (only what is kept for backward).
@@ -67,9 +68,9 @@ def activation_bytes(
     stream = h / split  # the residual stream's elements per token on this rank
 
     def norm(width: float, rows: float) -> float:
-        """An RMSNorm's own saved tensors: its input in fp32 (the input itself, or the fp32 copy of a
-        low-precision one, which is then all that is kept of it), the per-row rsqrt, the normalized input."""
-        return (FP32 + b) * width + FP32 * rows
+        """An RMSNorm's own saved tensors: its input, in its own dtype, and the fp32 rsqrt per row
+        (models/common/elementwise.py)."""
+        return b * width + FP32 * rows
 
     k, experts, width = cfg.experts_per_token, cfg.num_experts, cfg.moe_intermediate_size
     shared = cfg.shared_expert_intermediate_size / tp
@@ -98,15 +99,17 @@ def activation_bytes(
             return b * stream
         if mode == "selective":  # matmul and collective outputs, and the block input
             matmuls = b * (q + 2 * kv_out) + b * h + mlp_selective(moe)  # o/down outputs: whole partial sums
-            # Under SP the reduce-scatters' outputs and the all-gathered inputs, else the all-reduces'.
-            collectives = 2 * b * (stream + h) if sequence_parallel else 2 * b * h * (tp > 1)
+            if sequence_parallel:  # less the whole partial sums and the all-gathered inputs (recomputed)
+                matmuls -= b * h * (1 + (not moe or shared > 0))
+                return matmuls + 2 * b * stream + b * stream  # the reduce-scatters' outputs, the block input
+            collectives = 2 * b * h * (tp > 1)  # the all-reduces' outputs
             return matmuls + collectives + b * stream
         attention = b * (2 * q + 2 * kv) + FP32 * heads  # q, k after RoPE, v, the output; logsumexp
         if cfg.qk_norm:  # the q/k norms over head_dim (their inputs: the q/k projections' outputs)
             attention += norm(q, heads) + norm(kv, kv_heads)
         # Both norms take the stream (the block input, the residual after attention); the matmuls after
-        # them keep their (all-gathered) output whole.
-        norms = 2 * (norm(stream, 1 / split) + b * h)
+        # them keep their output: under SP the sequence-split one, gathered again in backward.
+        norms = 2 * (norm(stream, 1 / split) + b * stream)
         return norms + attention + mlp_kept(moe)
 
     rope = 2 * b * d  # cos and sin, shared by all layers

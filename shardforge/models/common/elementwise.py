@@ -5,15 +5,42 @@ module that runs its element-wise work through `self.ops` declares it by derivin
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / rms(x) over the last dimension, computed in fp32 (as HF's Llama norm)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """HF's Llama norm, keeping for its backward the input in its own dtype and the fp32 reciprocal rms per
+    row: autograd of the same ops would keep an fp32 copy of a low-precision input (and the normalized one),
+    where Megatron keeps the input alone. The backward follows those ops' dtypes: the gradient reaching the
+    normalized input rounded to the input's dtype, the rest in fp32."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed.to(x.dtype)).sum(dim=tuple(range(grad.ndim - 1))).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            g = (grad * weight).to(x.dtype).float()  # the normalized input's gradient, in its dtype
+            grad_x = (rstd * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_weight, None
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -25,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 from shardforge.errors import ConfigError
 from shardforge.models.common.config import DecoderConfig
 from shardforge.sharding.styles import (
+    GatherStream,
     KVColwiseParallel,
     ReplicatedKVHeads,
     ReplicateParallel,
@@ -68,7 +68,7 @@ def tensor_parallel_plan(cfg: DecoderConfig, tp: int, sequence_parallel: bool) -
     def gather_input(n_args: int) -> ParallelStyle:
         """All-gather the (sequence-split) first argument; the others are not tensors of the stream."""
         rest = (None,) * (n_args - 1)
-        return PrepareModuleInput(input_layouts=(stream, *rest), desired_input_layouts=(Replicate(), *rest))
+        return GatherStream(input_layouts=(stream, *rest), desired_input_layouts=(Replicate(), *rest))
 
     plan: dict[str, ParallelStyle] = {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
