@@ -113,12 +113,16 @@ class TimeModel:
         tokens, pairs = batch * seq, batch * causal_pairs([seq])
         body = tokens * sum(c.layer_flops) + pairs * sum(c.pair_flops)
         recompute = {"none": 0.0, "full": body, "selective": pairs * sum(c.pair_flops)}
+        s = self.shape
+        if layout.sequence_parallel and layout.tp > 1:  # selective recomputes the row-parallel partial sums
+            o_proj = s.num_heads * s.head_dim * s.hidden_size * s.num_layers
+            down = s.intermediate_size * s.hidden_size * (s.num_layers - len(s.moe_layers))
+            recompute["selective"] += 2 * tokens * (o_proj + down)
         # MoE layers run whole on every tp rank (their experts are split by ep, not tp)
         split = layout.world / (1 + self.moe_share * (layout.tp - 1))
         flops = (
             c.train_flops(tokens, tokens, pairs, self.trained) + recompute[layout.activation_checkpoint]
         ) / split
-        s = self.shape
         if layout.tp > s.num_kv_heads:  # replicated kv heads: each tp rank projects all of them
             runs = 4 if layout.activation_checkpoint == "full" else 3  # forward (again), two in backward
             kv_total = runs * 2 * tokens * s.hidden_size * 2 * s.num_kv_heads * s.head_dim * s.num_layers
@@ -185,7 +189,10 @@ class TimeModel:
             # and the DTensor dispatch of the layer's sharded ops
             collectives = 2 * _ring(cl, layout.tp, msg, cross, 2.0, 2 if layout.sequence_parallel else 1)
             dispatch = cl.device.dtensor_us * 1e-6
-            out["tp_comm"] = (collectives + dispatch) * layers * repeat * passes
+            # sequence parallel gathers the attention and MLP inputs again in backward (no checkpointing keeps
+            # them sharded, selective recomputes them): half a pass more
+            again = 0.5 if layout.sequence_parallel and layout.activation_checkpoint != "full" else 0.0
+            out["tp_comm"] = (collectives * (repeat + again) + dispatch * repeat) * layers * passes
         if layout.cp > 1:
             cross = _span(layout, ("cp",), cl)
             kv = s.kv_heads_per_rank(layout.tp) * s.head_dim
