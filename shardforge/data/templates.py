@@ -2,7 +2,8 @@
 
 The assistant spans are found by rendering growing prefixes of the conversation: the text added by an
 assistant turn is what the template renders for it, whatever the template looks like. Tokens whose first
-character lies inside such a span are trained on.
+character lies inside such a span are trained on. Tool use (the functions, the calls, their results) is the
+template's to render, in its family's tool format; a template that leaves any of it out is refused.
 """
 
 from __future__ import annotations

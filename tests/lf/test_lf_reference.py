@@ -396,6 +396,12 @@ def lf_labels(example: Any) -> list[int]:
     return [t if f else -100 for t, f in zip(example.input_ids, example.trained, strict=True)]
 
 
+def _qwen3(stage: str, dataset: str, thinking: bool) -> tuple:
+    """A case under LF's qwen3 template (its enable_thinking given when off) and ours, the model's own."""
+    lf = {"template": "qwen3"} | ({} if thinking else {"enable_thinking": False})
+    return stage, dataset, lf, {"template": "auto", "enable_thinking": thinking}
+
+
 CASES = {  # (LF's arguments, our data section's) beyond stage, dataset and cutoff
     "sft-alpaca": ("sft", "alpaca_en_demo", {}, {}),
     "sft-identity": ("sft", "identity", {}, {}),
@@ -434,31 +440,11 @@ CASES = {  # (LF's arguments, our data section's) beyond stage, dataset and cuto
         {"template": "qwen", "mask_history": True},
         {"template": "auto", "mask_history": True},
     ),
-    "thinking": (
-        "sft",
-        "alpaca_en_demo",
-        {"template": "qwen3"},
-        {"template": "auto", "enable_thinking": True},
-    ),
-    "no-thinking": (
-        "sft",
-        "alpaca_en_demo",
-        {"template": "qwen3", "enable_thinking": False},
-        {"template": "auto", "enable_thinking": False},
-    ),
-    "thoughts": ("sft", "thoughts", {"template": "qwen3"}, {"template": "auto", "enable_thinking": True}),
-    "thoughts-off": (
-        "sft",
-        "thoughts",
-        {"template": "qwen3", "enable_thinking": False},
-        {"template": "auto", "enable_thinking": False},
-    ),
-    "dpo-no-thinking": (
-        "dpo",
-        "dpo_en_demo",
-        {"template": "qwen3", "enable_thinking": False},
-        {"template": "auto", "enable_thinking": False},
-    ),
+    "thinking": _qwen3("sft", "alpaca_en_demo", True),
+    "no-thinking": _qwen3("sft", "alpaca_en_demo", False),
+    "thoughts": _qwen3("sft", "thoughts", True),
+    "thoughts-off": _qwen3("sft", "thoughts", False),
+    "dpo-no-thinking": _qwen3("dpo", "dpo_en_demo", False),
 }
 TEMPLATES = {"qwen": QWEN_TOOLS, "qwen3": QWEN3_THINKING}  # LF's template -> the family's own, in Jinja
 
