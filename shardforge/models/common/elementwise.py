@@ -31,15 +31,20 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        # autograd's own steps for the composite above, in its order (the same bits as before this Function)
         x, weight, rstd = ctx.saved_tensors
-        normed = x.float() * rstd
+        xf = x.float()
+        normed = xf * rstd
         grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed.to(x.dtype)).sum(dim=tuple(range(grad.ndim - 1))).to(weight.dtype)
+            grad_weight = (grad * normed.to(x.dtype)).sum(dim=tuple(range(grad.ndim - 1)))
         grad_x = None
         if ctx.needs_input_grad[0]:
             g = (grad * weight).to(x.dtype).float()  # the normalized input's gradient, in its dtype
-            grad_x = (rstd * (g - normed * (g * normed).mean(-1, keepdim=True))).to(x.dtype)
+            grad_rstd = (g * xf).sum(-1, keepdim=True)
+            grad_mean = -0.5 * grad_rstd * rstd.pow(3)  # rsqrt's backward
+            grad_square = grad_mean.expand_as(xf) / xf.shape[-1]  # mean's
+            grad_x = (g * rstd + grad_square * (2 * xf)).to(x.dtype)  # the product's, then pow's
         return grad_x, grad_weight, None
 
 
