@@ -233,7 +233,9 @@ def check_critic(cfg: Config, dims: ParallelDims) -> None:
 
 def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int, PipelinePlan | None]:
     """Degrees against the world size, the batch split, the model's TP shape rules (`shape`: the model's
-    config, from `model_source`) and the pipeline plan. Returns (dims, grad_accum, pipeline plan)."""
+    config, from `model_source`) and the pipeline plan. Returns (dims, grad_accum, pipeline plan). The degrees
+    come first (every other rule reads them); after them every rule runs and all that break are reported in
+    one ConfigError, so fixing one never uncovers the next."""
     if world < 1:
         raise ConfigError(f"--nproc {world}: a run needs at least one process")
     if world == 1 and cfg.parallel.offload != "none":
@@ -242,20 +244,38 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
             f"(--nproc N); a single process shards nothing"
         )
     dims = ParallelDims.from_config(cfg.parallel, world)
-    grad_accum = resolve_grad_accum(cfg, dims.dp)
+    broken: list[str] = []
+
+    def check(rule: Any, *args: Any) -> Any:
+        try:
+            return rule(*args)
+        except ConfigError as exc:
+            broken.append(str(exc))
+            return None
+
+    grad_accum = check(resolve_grad_accum, cfg, dims.dp)
     if str(shape.family).startswith("hf:"):
-        check_generic(cfg, dims, shape)
-    check_tensor_parallel(shape, cfg.parallel)
-    check_expert_parallel(shape, dims)
+        check(check_generic, cfg, dims, shape)
+    check(check_tensor_parallel, shape, cfg.parallel)
+    check(check_expert_parallel, shape, dims)
     traits, stage = traits_of(cfg), cfg.method.stage
-    check_context_parallel(shape, dims, cfg.parallel, cfg.data.max_length, traits.whole_sequences, stage)
+    check(
+        check_context_parallel, shape, dims, cfg.parallel, cfg.data.max_length, traits.whole_sequences, stage
+    )
     if traits.rollouts and dims.tp > 1 and cfg.parallel.sequence_parallel:
-        raise ConfigError(
+        broken.append(
             f"parallel.tp={dims.tp} with method.stage={stage}: the rollout engine's steps have any number of "
             f"tokens, which sequence parallel cannot split evenly; set parallel.sequence_parallel: false"
         )
-    check_critic(cfg, dims)
-    plan = plan_pipeline(shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
+    check(check_critic, cfg, dims)
+    plan = check(plan_pipeline, shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
+    if len(broken) == 1:
+        raise ConfigError(broken[0])
+    if broken:
+        raise ConfigError(
+            f"the layout breaks {len(broken)} rules: "
+            + "; ".join(f"({i}) {b}" for i, b in enumerate(broken, 1))
+        )
     return dims, grad_accum, plan
 
 

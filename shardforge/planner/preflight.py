@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardforge.config import Config
-from shardforge.errors import ConfigError
+from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.pipeline_plan import PipelinePlan
 from shardforge.planner.hardware import cluster_for
@@ -33,7 +33,10 @@ def preflight(
     if cfg.parallel.auto:  # the chosen layout was estimated (and fits) in the search
         cfg, searched = choose(cfg, shape, cluster, measure)
         estimate = searched.best
-    dims, grad_accum, plan = check_layout(cfg, world, shape)
+    try:
+        dims, grad_accum, plan = check_layout(cfg, world, shape)
+    except ConfigError as exc:  # the rules, and the memory the layout would need besides
+        raise ConfigError(f"{exc}{_memory_figure(cfg, world, shape, cluster, measure)}") from None
     if cluster is not None and estimate is None:
         layout = layout_of(cfg, world)
         if plan is not None:  # the split the launcher will use
@@ -41,6 +44,22 @@ def preflight(
                              pp_layers=",".join(str(len(s)) for s in plan.layers))  # fmt: skip
         estimate = check_memory(layout, Planner(cfg, shape, cluster, measure))
     return cfg, dims, grad_accum, plan, estimate
+
+
+def _memory_figure(cfg: Config, world: int, shape: Any, cluster: Any, measure: bool) -> str:
+    """What a layout that breaks a rule would need per device, where it can be estimated (its degrees and
+    batch split hold; a pipeline split by cost)."""
+    if cluster is None:
+        return ""
+    try:
+        planner = Planner(cfg, shape, cluster, measure)
+        memory = planner.memory.estimate(layout_of(cfg, world), None, cluster.device.name != "cpu")
+    except ShardforgeError:
+        return ""
+    return (
+        f" (and its memory: it would need {memory.device_bytes / 2**30:.1f} GiB per device of "
+        f"{cluster.device.memory_gib:.1f})"
+    )
 
 
 @dataclass(frozen=True)

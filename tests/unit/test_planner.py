@@ -601,3 +601,24 @@ def test_qwen3_235b_at_tp8_over_4_kv_heads_is_judged_on_memory_only(model_dirs):
     assert (
         k.kv_heads == 4 and StateCounter.local_numel(k, layout, coords_of(layout, 0)) == 4 * 128 * 4096 // 16
     )
+
+
+def test_preflight_reports_every_broken_rule_and_the_memory_together(model_dirs):
+    """Every rule runs after the degrees and all that break are listed in one error, with the memory the
+    layout would need: fixing the first never uncovers the second."""
+    cfg = _config(
+        model_dirs["llama3-70b"], global_batch=96, train={"micro_batch": 6},
+        parallel={"tp": 3, "pp": 4, "zero_stage": 2, "dp_shard": -1},
+        hardware={"preset": "h100", "nodes": 12, "devices_per_node": 8},
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg, 96, check_model_source(cfg.model, weights=False), measure=False)
+    message = str(err.value)
+    assert message.startswith(
+        "the layout breaks 2 rules: (1) parallel.tp=3 does not divide the model's num_heads"
+    )
+    assert (
+        "(2) parallel.pp_microbatches=4 (the default: pp x pp_virtual) must divide train.micro_batch=6"
+        in message
+    )
+    assert re.search(r"\(and its memory: it would need [\d.]+ GiB per device of 80\.0\)$", message), message
