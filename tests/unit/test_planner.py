@@ -622,3 +622,64 @@ def test_preflight_reports_every_broken_rule_and_the_memory_together(model_dirs)
         in message
     )
     assert re.search(r"\(and its memory: it would need [\d.]+ GiB per device of 80\.0\)$", message), message
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "m", "zero"), [(8, 1, None, 3), (8, 4, 8, 2), (4, 2, 16, 3), (2, 1, None, 2)]
+)
+def test_time_model_parts_equal_the_textbook_formulas(model_dirs, tp, pp, m, zero):
+    """Each part of the step time against a formula written here from first principles, on Llama-3-70B's
+    shape and H100 nodes: compute = 6 x (weights x tokens) + 12 x layers x heads x head_dim x causal pairs
+    (+ the head) at the GEMM's achievable rate, spread over the ranks; ring all-gather / reduce-scatter
+    (n-1)/n x bytes / bandwidth + (n-1) latencies (Patarasuk & Yuan), an all-reduce twice that; sequence
+    parallel's per-layer all-gather + reduce-scatter of the [tokens, h] stream for attention and MLP in the
+    forward, the backward and the backward's re-gathers; FSDP's gathers (ZeRO-3: forward and backward) and
+    reduce-scatter of fp32 gradients, exposed beyond the overlapped compute; the 1F1B bubble (p-1)/m of the
+    busy time (Narayanan et al.); the optimizer's 7 passes over the gradient bytes."""
+    devices, seq, batch = 64, 4096, 512
+    cfg = _config(
+        model_dirs["llama3-70b"], global_batch=batch, train={"micro_batch": m or 1},
+        parallel={"tp": tp, "pp": pp, "zero_stage": zero, "dp_shard": -1}
+        | ({"pp_microbatches": m} if pp > 1 else {}),
+        hardware={"preset": "h100", "nodes": 8, "devices_per_node": 8},
+    )  # fmt: skip
+    shape = check_model_source(cfg.model, weights=False)
+    cluster = _h100s(devices)
+    planner = Planner(cfg, shape, cluster, measure=False)
+    layout = layout_of(cfg, devices)
+    c = planner.evaluate(layout)
+    d, parts = cluster.device, c.time.parts
+    h, layers, vocab = shape.hidden_size, shape.num_layers, shape.vocab_size
+    q = shape.num_heads * shape.head_dim
+    dp = devices // (tp * pp)
+    tokens = batch * seq
+    weights = sum(planner.costs.params.attention) + sum(planner.costs.params.mlp)  # the layers' matmuls
+    flops = 6 * weights * tokens + 3 * 4 * q * layers * batch * seq * (seq + 1) / 2 + 6 * h * vocab * tokens
+    mb_tokens = (m or 1) / (m or 1) * seq  # one row per pipeline micro-batch, or one row a micro-step
+    gemm = 2 * mb_tokens * h * (shape.intermediate_size // tp)
+    assert parts["compute"] == pytest.approx(flops / devices / d.achievable("bf16", gemm), rel=1e-6)
+
+    bw, lat = d.intra_gbps * 1e9, d.intra_latency_us * 1e-6  # tp stays inside a node
+    forwards = batch // dp  # per rank: a forward of each of its layers per row
+    stream = mb_tokens * h * 2  # bf16
+    gather_scatter = 2 * ((tp - 1) / tp * stream / bw + (tp - 1) * lat)  # AG + RS, or one all-reduce
+    per_layer = 2 * gather_scatter * 2.5 + 2 * d.dtensor_us * 1e-6  # fwd, bwd, re-gathers; DTensor dispatch
+    assert parts["tp_comm"] == pytest.approx(per_layer * layers / pp * forwards, rel=1e-6)
+
+    n = dp  # FSDP over dp_shard
+    cross = dp * tp > 8  # the dp group (tp innermost) spans nodes of 8
+    bw_dp, lat_dp = (d.inter_gbps, d.inter_latency_us) if cross else (d.intra_gbps, d.intra_latency_us)
+    local = c.memory.states.params  # bytes of this rank's parameter shards (fp32)
+    units = layers / pp + 1
+    gathers = (2 if zero == 3 else 1) * layout.grad_accum
+    gather = (n - 1) / n * local / 4 * n * 2 / (bw_dp * 1e9) + units * (n - 1) * lat_dp * 1e-6
+    scatter = (n - 1) / n * c.memory.states.grads / 4 * n * 4 / (bw_dp * 1e9) + units * (
+        n - 1
+    ) * lat_dp * 1e-6
+    exposed = max(gather * gathers + scatter - d.overlap * parts["compute"], 0.0)
+    assert parts["dp_comm"] == pytest.approx(exposed, rel=1e-6, abs=1e-9)
+
+    if pp > 1:
+        busy = parts["compute"] + parts["elementwise"] + parts["overhead"]
+        assert parts["pp_bubble"] == pytest.approx(busy * (pp - 1) / m, rel=1e-9)
+    assert parts["optimizer"] == pytest.approx(7 * c.memory.states.grads / (d.memory_gbps * 1e9), rel=1e-9)
