@@ -88,7 +88,8 @@ def keep_input_sharded(module: nn.Module) -> None:
 
     def leave(mod: nn.Module, args: tuple, out: Any) -> None:
         state.pop("hooks").__exit__(None, None, None)
-        state.pop("key", None), state.pop("gathered", None)
+        for key in ("key", "gathered"):  # the handles the saved tensors hold live on; this forward's are done
+            state.pop(key, None)
 
     def remember_shard(mod: nn.Module, args: tuple) -> None:
         x = args[0]
