@@ -16,6 +16,9 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Literal
 
+from shardforge.data.tools import Tool, function_calls, tool_definitions
+from shardforge.data.values import kind as _kind
+from shardforge.data.values import show as _show
 from shardforge.errors import DataError
 
 # How an objective takes its records: plain text (pretraining), a conversation, a preference pair, a
@@ -43,7 +46,6 @@ CHAT_FORMATS = ("alpaca", "sharegpt", "openai")
 FORMATS = (*CHAT_FORMATS, "text")
 
 Message = dict[str, Any]  # {"role", "content"}; an assistant's function calls also have "tool_calls"
-Tool = dict[str, Any]  # a function's definition as chat templates take it: {"type": "function", "function"}
 RawRow = tuple[str, Any]  # (source, decoded object)
 
 
@@ -315,7 +317,9 @@ def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, how: Reading) -> Rec
     conversation without a system message gets `how.system` (LLaMA-Factory's default_system)."""
     record = _parse_record(obj, src, fmt, f, how)
     if isinstance(obj, dict) and fmt != "text" and how.reader != "text":
-        record = replace(record, tools=_tools(obj.get(f.tools) if f.tools else None, src, fmt, f))
+        record = replace(
+            record, tools=tool_definitions(obj.get(f.tools) if f.tools else None, src, fmt, f.tools)
+        )
     if how.system and record.messages and record.messages[0]["role"] != "system":
         record = replace(record, messages=({"role": "system", "content": how.system}, *record.messages))
     return record
@@ -351,16 +355,6 @@ def _parse_record(obj: Any, src: str, fmt: str, f: FieldMap, how: Reading) -> Re
     if how.reader == "text":
         return Record(src, None, "\n".join(m["content"] for m in msgs))
     return Record(src, tuple(msgs), None)
-
-
-def _kind(value: Any) -> str:
-    """The JSON name of a value's type, for messages written in the user's terms."""
-    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-    return names.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
-
-
-def _show(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, default=str)[:60]
 
 
 def _text(obj: dict[str, Any], src: str, f: FieldMap) -> str:
@@ -574,7 +568,7 @@ def _message(turn: dict[str, Any], role: str, src: str, i: int, fmt: str, f: Fie
     content = turn.get(f.content)
     native = turn.get("tool_calls") if role == "assistant" else None
     if native is not None:  # OpenAI's form: the calls beside an optional text
-        calls = _calls(native, src, f"{fmt} turn {i} tool_calls")
+        calls = function_calls(native, src, f"{fmt} turn {i} tool_calls")
         return {"role": "assistant", "content": _optional_str(turn, f.content, src, fmt), "tool_calls": calls}
     if not isinstance(content, str):
         raise DataError(f'{src}: {fmt} turn {i} "{f.content}" is {_kind(content)}; expected a string')
@@ -587,55 +581,4 @@ def _message(turn: dict[str, Any], role: str, src: str, i: int, fmt: str, f: Fie
             f'{src}: {fmt} turn {i} is a function call whose "{f.content}" is not JSON ({e.msg}); expected '
             '{"name": ..., "arguments": {...}} or a list of such calls'
         ) from None
-    return {"role": "assistant", "content": "", "tool_calls": _calls(value, src, f"{fmt} turn {i}")}
-
-
-def _calls(value: Any, src: str, where: str) -> list[dict[str, Any]]:
-    """Function calls ({"name", "arguments"}, or OpenAI's {"type": "function", "function": {...}}) in the
-    form chat templates read: arguments as a JSON value (OpenAI's JSON string decoded)."""
-    calls = value if isinstance(value, list) else [value]
-    out = []
-    for n, call in enumerate(calls):
-        call = call.get("function", call) if isinstance(call, dict) else call
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "arguments" in call):
-            raise DataError(
-                f'{src}: {where} call {n} is {_show(call)}; expected {{"name": "...", "arguments": {{...}}}}'
-            )
-        arguments = call["arguments"]
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                raise DataError(
-                    f"{src}: {where} call {n}: arguments {_show(arguments)} are not JSON"
-                ) from None
-        out.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
-    if not out:
-        raise DataError(f"{src}: {where} has no function call")
-    return out
-
-
-def _tools(value: Any, src: str, fmt: str, f: FieldMap) -> tuple[Tool, ...]:
-    """The functions a conversation may call: a JSON list of definitions, or a string holding one (how
-    LLaMA-Factory's tool data keeps them), each wrapped as {"type": "function", "function": ...}."""
-    if value is None or value == "":
-        return ()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f'{src}: {fmt} "{f.tools}" is not JSON ({e.msg}); expected a list of functions'
-            ) from None
-    if not isinstance(value, list):
-        raise DataError(f'{src}: {fmt} "{f.tools}" is {_kind(value)}; expected a list of functions')
-    tools = []
-    for n, tool in enumerate(value):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else tool
-        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
-            raise DataError(
-                f'{src}: {fmt} "{f.tools}" item {n} is {_show(tool)}; expected a function definition '
-                '{"name": ..., "description": ..., "parameters": {...}}'
-            )
-        tools.append(tool if function is not tool else {"type": "function", "function": tool})
-    return tuple(tools)
+    return {"role": "assistant", "content": "", "tool_calls": function_calls(value, src, f"{fmt} turn {i}")}
