@@ -69,6 +69,9 @@ def form_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[FormF
         if runtime:
             out.append(FormField(key, "choice", default, optional, runtime[0]()))
             continue
+        if optional and members == [bool]:  # three values: unset (None), true, false; a checkbox has two
+            out.append(FormField(key, "choice", default, optional, (None, True, False)))
+            continue
         out.append(FormField(key, _kind(members), default, optional, _choices(members)))
     return out
 

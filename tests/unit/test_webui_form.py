@@ -53,6 +53,16 @@ def test_fields_are_typed_from_the_schema():
     }
     assert by["data.train"].default is form.REQUIRED
     assert len({f.elem_id for f in form.FIELDS}) == len(form.FIELDS)
+    # a checkbox has two values: a key whose default is None (unset) is a three-way choice instead
+    assert not [f.key for f in form.FIELDS if f.kind == "bool" and (f.optional or f.default is None)]
+    thinking = by["data.enable_thinking"]
+    assert thinking.choices == (None, True, False)
+    assert [form.parse_value(thinking, form.widget_value(thinking, v)) for v in (None, True, False)] == [
+        None,
+        True,
+        False,
+    ]
+    assert form.tree_from_values({"data.enable_thinking": "None"}) == {}
 
 
 @pytest.mark.parametrize("example", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
