@@ -213,15 +213,15 @@ def test_each_family_matches_single_process_logits_under_tp2():
     assert max(diffs.values()) < 1e-5, diffs
 
 
-def _activation_bytes(batch) -> dict[str, dict]:
-    """Activation reports of the tiny model under TP2, with and without SP, for each checkpointing mode; and
-    the loss and gradients of each mode."""
-    dims = ParallelDims.from_config(ParallelSection(tp=2), 2)
+def _activation_bytes(batch, tp: int) -> dict[str, dict]:
+    """Activation reports of the tiny model under TP (on `tp` ranks), with and without SP, for each
+    checkpointing mode; and the loss and gradients of each mode."""
+    dims = ParallelDims.from_config(ParallelSection(tp=tp), tp)
     mesh = dims.build_mesh("cpu")
     out = {}
     for sp in (False, True):
         for mode in ("none", "selective", "full"):
-            parallel = ParallelSection(tp=2, sequence_parallel=sp, activation_checkpoint=mode)
+            parallel = ParallelSection(tp=tp, sequence_parallel=sp, activation_checkpoint=mode)
             model = build_preset("tiny-llama", vocab_size=1024, seed=1)
             apply_tensor_parallel(model, dims, mesh, parallel)
             apply_activation_checkpointing(model, mode, sp)
@@ -231,7 +231,7 @@ def _activation_bytes(batch) -> dict[str, dict]:
                 loss.backward()
             grads = [p.grad.to_local() for p in model.parameters()]
             costs = spec_for(model.config.family).costs(model.config)
-            estimate = costs.activation_bytes(mode, 4, 2, sp)
+            estimate = costs.activation_bytes(mode, 4, tp, sp)
             out[f"sp={sp}/{mode}"] = {
                 "total": report.total_bytes,
                 "estimate": estimate.total(batch.input_ids.numel(), batch.num_targets),
@@ -243,30 +243,31 @@ def _activation_bytes(batch) -> dict[str, dict]:
     return out
 
 
-def test_activation_memory_by_checkpoint_mode_and_sequence_parallel():
+@pytest.mark.parametrize("tp", [2, 4])  # 4: past the tiny model's 2 kv heads, which each rank then replicates
+def test_activation_memory_by_checkpoint_mode_and_sequence_parallel(tp):
     from shardforge.data.batching import collate
     from shardforge.data.examples import Example
 
     examples = [Example(tuple(range(5 + 3 * i, 69 + 3 * i)), (True,) * 64, "test") for i in range(2)]
-    batch = collate(examples, [[0], [1]], pad_id=0, multiple=2)
-    per_rank = run_ranks(_activation_bytes, 2, batch)
+    batch = collate(examples, [[0], [1]], pad_id=0, multiple=tp)
+    per_rank = run_ranks(_activation_bytes, tp, batch, tp)
     r = per_rank[0]
     for sp in (False, True):
         none, sel, full = (r[f"sp={sp}/{m}"] for m in ("none", "selective", "full"))
         assert full["total"] < sel["total"] < none["total"], r
         for mode, got in (("none", none), ("selective", sel), ("full", full)):  # the planner's count
-            print(f"tp=2 sp={sp} {mode}: measured {got['total']}, estimated {got['estimate']:.0f}")
+            print(f"tp={tp} sp={sp} {mode}: measured {got['total']}, estimated {got['estimate']:.0f}")
             assert got["estimate"] == pytest.approx(got["total"], rel=0.02), (sp, mode)
         assert none["loss"] == pytest.approx(sel["loss"], rel=1e-6) == pytest.approx(full["loss"], rel=1e-6)
         for other in (sel, full):  # recomputation (with its TP collectives) gives the same gradients
             for grad, ref in zip(other["grads"], none["grads"], strict=True):
                 torch.testing.assert_close(grad, ref, rtol=0, atol=1e-6)
-    # What the blocks' norms keep is split over the sequence by SP: each tensor holds 32 of the 64 positions
-    # (their outputs, the matmuls' inputs, are kept as those shards and gathered again in backward), so the
-    # norms hold at most 1/tp of their non-SP bytes.
+    # What the blocks' norms keep is split over the sequence by SP: each tensor holds 64 / tp of the 64
+    # positions (their outputs, the matmuls' inputs, are kept as those shards and gathered again in backward),
+    # so the norms hold at most 1/tp of their non-SP bytes.
     no_sp, sp = r["sp=False/none"], r["sp=True/none"]
-    assert no_sp["norm_seq"] == {64} and sp["norm_seq"] == {32}
-    assert 0 < sp["norms"] <= no_sp["norms"] / 2, r
+    assert no_sp["norm_seq"] == {64} and sp["norm_seq"] == {64 // tp}
+    assert 0 < sp["norms"] <= no_sp["norms"] / tp, r
     assert sp["total"] < no_sp["total"]
     assert per_rank[1]["sp=True/none"]["norms"] == sp["norms"]
 
