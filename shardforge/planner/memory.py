@@ -197,6 +197,7 @@ class StateCounter:
         self.tied = tied  # the head is the embedding (one tensor) unless a pipeline splits them
         # without a pipeline, a tied head is the embedding itself
         self.whole_model = [p for p in params if not (tied and p.name == "lm_head.weight")]
+        self._held: dict[tuple, list[ParamSpec]] = {}  # a search asks for the same few pipeline splits
 
     def stage_params(
         self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, pp_rank: int
@@ -204,6 +205,14 @@ class StateCounter:
         """The parameters a pipeline rank holds (all of them without a pipeline)."""
         if layout.pp == 1 or stages is None:
             return self.whole_model
+        key = (layout.pp, layout.pp_virtual, layout.pp_schedule, stages, pp_rank)
+        if key not in self._held:
+            self._held[key] = self._stage_params(layout, stages, pp_rank)
+        return self._held[key]
+
+    def _stage_params(
+        self, layout: Layout, stages: tuple[tuple[int, ...], ...], pp_rank: int
+    ) -> list[ParamSpec]:
         mine = _stages_of(layout, stages, pp_rank)
         layers = {i for s in mine for i in stages[s]}
         first, last = 0 in mine, len(stages) - 1 in mine
@@ -234,7 +243,13 @@ class StateCounter:
 
     def count(self, layout: Layout, coords: Coords, stages: tuple[tuple[int, ...], ...] | None) -> StateBytes:
         held = self.stage_params(layout, stages, coords.pp)
-        numel = [self.local_numel(p, layout, coords) for p in held]
+        split: dict[tuple, int] = {}  # every layer's tensors repeat the same few shapes
+        numel = []
+        for p in held:
+            kind = (p.shape, p.tp_dim, p.kv_heads, p.expert, p.vocab)
+            if kind not in split:
+                split[kind] = self.local_numel(p, layout, coords)
+            numel.append(split[kind])
         sizes = [n * p.itemsize for n, p in zip(numel, held, strict=True)]
         params = int(sum(sizes))
         frozen = int(sum(s for s, p in zip(sizes, held, strict=True) if not p.trained))

@@ -21,6 +21,9 @@ from shardforge.planner.memory import Memory, MemoryModel
 from shardforge.planner.timing import StepTime, TimeModel
 
 MAX_MICRO_BATCH = 64
+# Rows per pipeline micro-batch the search tries beyond one (Narayanan et al. 2021 sweep 1 to 8): a larger
+# one runs fuller GEMMs and fewer per-micro-batch hops at the price of a longer bubble.
+PIPELINE_ROWS = (2, 4, 8)
 # Context parallel is searched for long sequences only: below this, chunks of a few hundred tokens per rank
 # run attention kernels far below their efficiency and unbalanced, which the time model does not price
 # (Megatron's guidance is the same); TP and PP split the activations of shorter rows.
@@ -168,6 +171,15 @@ class Planner:
     # ---- the search ---------------------------------------------------------------------------------------
     def layouts(self, batch: int, offload: bool) -> list[Layout]:
         """Every layout of the cluster's world worth estimating for `batch` rows per step."""
+        return [layout for group in self.layout_groups(batch, offload) for chain in group for layout in chain]
+
+    def layout_groups(self, batch: int, offload: bool) -> list[list[list[Layout]]]:
+        """The layouts to estimate for `batch` rows per step, grouped: a group is one arrangement (degrees,
+        sharding, offload, checkpointing, schedule) over its micro-batch choices, as chains of one micro-batch
+        size (rows per pipeline micro-batch, or per micro-step without a pipeline) from the most micro-batches
+        to a micro-step to the fewest. Along a chain the step time never rises and the memory never falls
+        (the time model's GEMM size and per-pass costs stay, the bubble, hops and gathers shrink; 1F1B's
+        in-flight micro-batches never fall), so the search keeps the first that fits."""
         world, per_node, s = self.cluster.world, self.cluster.devices_per_node, self.shape
         seq = self.cfg.data.max_length
         out = []
@@ -197,10 +209,14 @@ class Planner:
             shardings = [(1, 1, 0)]
         ckpts = ("none", "selective", "full")
         offloads = ("optimizer", "params") if offload else ("none",)
-        micro = [m for m in divisors(rows) if m <= MAX_MICRO_BATCH]
+        chains = self._micro_chains(pp, rows)
+        if not chains:  # fewer rows than pipeline stages
+            return []
         schedules = [("1f1b", 1)]
         if pp > 1 and self.shape.num_layers >= 2 * pp:
             schedules.append(("interleaved_1f1b", 2))
+            if dp == cp == 1:  # zero-bubble schedules run without data parallel (zero_bubble_refusal)
+                schedules += [("zero_bubble", 2), ("zbv", 2)]
         out = []
         for rep, shard, zero in shardings:
             eps = [1]
@@ -211,35 +227,63 @@ class Planner:
                     if off != "none" and zero < 2:
                         continue
                     for ckpt in ckpts:
-                        for mb in micro:
-                            for name, v in schedules if pp > 1 else [("1f1b", 1)]:
-                                if pp > 1 and (mb < pp or mb % pp):
-                                    continue
-                                m = mb if pp > 1 else None
-                                out.append(Layout(rep, shard, tp, pp, cp, ep, zero, tp > 1, ckpt, off, mb,
-                                                  rows // mb, name, v, m))  # fmt: skip
+                        for name, v in schedules:
+                            out.append([
+                                [Layout(rep, shard, tp, pp, cp, ep, zero, tp > 1, ckpt, off, mb, rows // mb,
+                                        name, v, m) for mb, m in chain]
+                                for chain in chains
+                            ])  # fmt: skip
         return out
+
+    @staticmethod
+    def _micro_chains(pp: int, rows: int) -> list[list[tuple[int, int | None]]]:
+        """(rows per micro-step, pipeline micro-batches) for `rows` per data-parallel rank and step, as chains
+        of one micro-batch size, the most micro-batches per micro-step first. Without a pipeline: one chain,
+        micro-steps of up to 64 rows. With one: micro-batches of 1, 2, 4 or 8 rows (Narayanan et al. sweep
+        1 to 8), each any multiple of pp of them to a micro-step up to all the rows."""
+        if pp == 1:
+            return [[(mb, None) for mb in reversed(divisors(rows)) if mb <= MAX_MICRO_BATCH]]
+        chains = []
+        for size in (1, *PIPELINE_ROWS):
+            counts = [m for m in divisors(rows // size) if m % pp == 0] if rows % size == 0 else []
+            if counts:
+                chains.append([(size * m, m) for m in reversed(counts)])
+        return chains
 
     def search(self, batch: int | None = None, keep: int = 5) -> Plan:
         started = time.perf_counter()
         batch = batch or global_batch(self.cfg)
         plan = Plan(self.cluster, batch, [], group=self.memory.group)
         for offload in (False, True):  # offload only when nothing fits in device memory without it
-            for layout in self.layouts(batch, offload):
-                c = self.evaluate(layout, searching=True)
-                if c.fits:
-                    plan.ranked.append(c)
+            for group in self.layout_groups(batch, offload):
+                # the group's least memory (the shortest chain end of the smallest micro-batches) first:
+                # when that does not fit, none of the group does
+                if not self._consider(group[0][-1], plan):
                     continue
-                plan.rejected[c.kind] += 1
-                near = plan.examples.get(c.kind)
-                if near is None or _nearer(c, near):
-                    plan.examples[c.kind] = c
+                for chain in group:
+                    for layout in chain:
+                        if self._consider(layout, plan):
+                            break
             if plan.ranked:
                 break
         plan.ranked.sort(key=lambda c: (c.time.total, _complexity(c.layout)))
         del plan.ranked[keep:]
         plan.seconds = time.perf_counter() - started
         return plan
+
+    def _consider(self, layout: Layout, plan: Plan) -> bool:
+        """Estimate one layout into the plan (ranked once, or counted rejected); whether it fits."""
+        if any(c.layout == layout for c in plan.ranked[-1:]):
+            return True
+        c = self.evaluate(layout, searching=True)
+        if c.fits:
+            plan.ranked.append(c)
+            return True
+        plan.rejected[c.kind] += 1
+        near = plan.examples.get(c.kind)
+        if near is None or _nearer(c, near):
+            plan.examples[c.kind] = c
+        return False
 
 
 def _nearer(a: Candidate, b: Candidate) -> bool:

@@ -16,7 +16,7 @@ embedding's masking temporaries, and transient peaks (only what is kept for back
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 from typing import TYPE_CHECKING
 
 from shardforge.models.spec import ActivationBytes, CheckpointMode, CostModel, ParamCounts
@@ -143,5 +143,6 @@ def costs(cfg: DecoderConfig) -> CostModel:
         layer_flops=layers,
         pair_flops=(4.0 * cfg.num_heads * d,) * cfg.num_layers,  # QK^T and AV: 2 x 2 x head_dim per head
         head_flops=2.0 * h * cfg.vocab_size,  # the vocabulary projection dominates the norm and the loss
-        activations=partial(activation_bytes, cfg),
+        # memoized: the planner asks for a few (mode, tp, SP) thousands of times, each a pass over the layers
+        activations=cache(partial(activation_bytes, cfg)),
     )
