@@ -258,11 +258,12 @@ class Planner:
             for group in self.layout_groups(batch, offload):
                 # the group's least memory (the shortest chain end of the smallest micro-batches) first:
                 # when that does not fit, none of the group does
-                if not self._consider(group[0][-1], plan):
+                least = group[0][-1]
+                if not self._consider(least, plan):
                     continue
                 for chain in group:
                     for layout in chain:
-                        if self._consider(layout, plan):
+                        if layout is least or self._consider(layout, plan):
                             break
             if plan.ranked:
                 break
@@ -272,9 +273,7 @@ class Planner:
         return plan
 
     def _consider(self, layout: Layout, plan: Plan) -> bool:
-        """Estimate one layout into the plan (ranked once, or counted rejected); whether it fits."""
-        if any(c.layout == layout for c in plan.ranked[-1:]):
-            return True
+        """Estimate one layout into the plan (ranked, or counted rejected); whether it fits."""
         c = self.evaluate(layout, searching=True)
         if c.fits:
             plan.ranked.append(c)

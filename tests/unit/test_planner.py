@@ -299,6 +299,7 @@ def test_search_finds_the_fastest_layout_that_fits_every_one_estimated(model_dir
     assert plan.ranked and fits
     assert plan.best.time.total == min(c.time.total for c in fits)
     assert len(plan.ranked) < len(fits)  # the dominated ones were never estimated
+    assert len({c.layout for c in plan.ranked}) == len(plan.ranked)  # each estimated once
     piped = [c.layout for c in every if c.layout.pp > 1]
     rows = {layout.micro_batch // layout.pipeline_microbatches for layout in piped}
     assert rows == {1, 2, 4, 8}
