@@ -29,7 +29,7 @@ from shardforge.planner.hardware import PRESETS, Cluster  # noqa: E402
 from shardforge.planner.layout import layout_of  # noqa: E402
 from shardforge.planner.search import Planner  # noqa: E402
 
-SEQ, VOCAB, PEAK = 2048, 51200, 312e12  # A100 bf16 dense peak
+SEQ, VOCAB = 2048, 51200
 # name, heads, hidden, layers, tp, pp, GPUs, batch, reported teraFLOP/s per GPU (Table 1)
 ROWS = [
     ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
