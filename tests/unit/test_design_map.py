@@ -16,7 +16,7 @@ def _package_map() -> str:
 
 
 def test_every_package_is_on_the_map():
-    mapped = set(re.findall(r"^\s*((?:[a-z_]+/)+)\s", _package_map(), flags=re.MULTILINE))
+    mapped = set(re.findall(r"^\s*((?:[a-z0-9_]+/)+)\s", _package_map(), flags=re.MULTILINE))
     packages = {
         str(folder.relative_to(ROOT)) + "/"
         for folder in (ROOT / "shardforge").rglob("*")
@@ -41,5 +41,6 @@ def test_every_command_it_mentions_exists():
 
 
 def test_the_map_check_reads_nested_packages():
-    mapped = set(re.findall(r"^\s*((?:[a-z_]+/)+)\s", "  config/   schema.py\n  models/llama/   x\n", re.M))
-    assert mapped == {"config/", "models/llama/"}
+    text = "  config/   schema.py\n  models/qwen2_vl/   x\n"
+    mapped = set(re.findall(r"^\s*((?:[a-z0-9_]+/)+)\s", text, re.M))
+    assert mapped == {"config/", "models/qwen2_vl/"}

@@ -37,6 +37,7 @@ class CausalModel(nn.Module, metaclass=ABCMeta):
     packs: bool = True  # attends within each document of a packed row (doc_ids / doc_layout)
     shares_prefixes: bool = True  # attends by doc_layout, whose documents may share a row's prefix
     pages: bool = True  # decodes exactly over the engine's paged KV cache (else its recompute runner)
+    vision: ClassVar[bool] = False  # takes images (a vision-language family)
 
     @abstractmethod
     def forward(
@@ -48,6 +49,7 @@ class CausalModel(nn.Module, metaclass=ABCMeta):
         output_mask: torch.Tensor | None = None,
         cache: Any = None,
         head: Head | None = None,
+        images: Any = None,
     ) -> HeadOutput:
         """The body, then `head` over the scored positions' final hidden states (models/head.py)."""
 
@@ -59,8 +61,10 @@ class CausalModel(nn.Module, metaclass=ABCMeta):
         doc_ids: torch.Tensor | None = None,
         doc_layout: Any = None,
         cache: Any = None,
+        images: Any = None,
     ) -> torch.Tensor:
-        """The body: token ids (or a stage's incoming stream) -> the stream after the blocks."""
+        """The body: token ids (or a stage's incoming stream) -> the stream after the blocks; `images`
+        (models/common/images.py) where the model is a vision-language one (`vision`)."""
 
     @abstractmethod
     def blocks(self) -> list[nn.Module]:

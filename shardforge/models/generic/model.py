@@ -187,6 +187,7 @@ class HFCausalLM(CausalModel):
         output_mask: torch.Tensor | None = None,
         cache: Any = None,
         head: Head | None = None,
+        images: Any = None,
     ) -> HeadOutput:
         """The Llama family's forward (models/llama/model.py: Decoder.forward). With `cache` (an inference
         engine step: infer/paged.py) attention runs over the paged KV cache (attention.py); packed rows
@@ -196,7 +197,7 @@ class HFCausalLM(CausalModel):
                 f"packed rows need per-document attention, which the generic backend is not verified to give "
                 f"for {self.config.model_type} (docs/families.md): set data.packing: false"
             )
-        h = self.hidden(x, position_ids, doc_ids, doc_layout, cache)
+        h = self.hidden(x, position_ids, doc_ids, doc_layout, cache, images)
         return apply_head(self, h, head, HeadInput(x, position_ids, doc_ids, doc_layout, output_mask))
 
     def hidden(
@@ -206,9 +207,12 @@ class HFCausalLM(CausalModel):
         doc_ids: torch.Tensor | None = None,
         doc_layout: Any = None,
         cache: Any = None,
+        images: Any = None,
     ) -> torch.Tensor:
         """The body: transformers' base model (its final norm included), or one engine step over the paged
-        KV cache."""
+        KV cache. Text only: a vision-language family runs on its native one."""
+        if images is not None:
+            raise ModelError(f"{self.config.model_type} on the generic backend takes no images")
         if cache is not None:
             return self._paged_body(x, position_ids, cache)
         return self.hf.base_model(input_ids=x, position_ids=position_ids, use_cache=False).last_hidden_state

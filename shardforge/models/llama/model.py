@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from shardforge.errors import ModelError
 from shardforge.models.common.attention import (
     AttentionContext,
     Cache,
@@ -20,6 +21,7 @@ from shardforge.models.common.attention import (
 )
 from shardforge.models.common.config import DecoderConfig
 from shardforge.models.common.elementwise import UsesElementwise
+from shardforge.models.common.images import ImageInputs
 from shardforge.models.common.protocol import FusedProjections, StagedModel
 from shardforge.models.head import Head, HeadInput, HeadOutput, apply_head, target_logprobs
 from shardforge.models.llama.rope import inv_frequencies, rope_cos_sin
@@ -277,20 +279,34 @@ class Decoder(StagedModel):
         output_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         head: Head | None = None,
+        images: ImageInputs | None = None,
     ) -> HeadOutput:
         """`x`: token ids [b, s], or the residual stream [b, s, hidden] where there is no embedding (a later
         pipeline stage). Returns what `head` makes of the final hidden states at the positions `output_mask`
         [b, s] keeps (models/head.py; None: logits), or the stream after the blocks where there is no head
         (an earlier pipeline stage). With `cache`, this forward's keys and values are added to it and
-        attention covers all it holds."""
+        attention covers all it holds. `images`: a vision-language family's (their tokens in `x`)."""
         if position_ids is None:
-            start = cache.filled if cache is not None else 0
-            b, s = x.shape[:2]
-            position_ids = torch.arange(start, start + s, device=x.device).expand(b, s)
-        h = self.hidden(x, position_ids, doc_ids, doc_layout, cache)
+            position_ids = self.default_positions(x, cache, images)
+        h = self.hidden(x, position_ids, doc_ids, doc_layout, cache, images)
         if self.lm_head is None:
             return h
         return apply_head(self, h, head, HeadInput(x, position_ids, doc_ids, doc_layout, output_mask))
+
+    def default_positions(
+        self, x: torch.Tensor, cache: Cache | None, images: ImageInputs | None
+    ) -> torch.Tensor:
+        """Positions of rows of one sequence each, after what `cache` holds."""
+        start = cache.filled if cache is not None else 0
+        b, s = x.shape[:2]
+        return torch.arange(start, start + s, device=x.device).expand(b, s)
+
+    def embed(self, x: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
+        """The stream the blocks take: the tokens' embeddings where this part has the embedding, else `x`
+        itself (a later pipeline stage's stream). A text family takes no images."""
+        if images is not None:
+            raise ModelError(f"{self.config.family} is a text model: it takes no images")
+        return self.embed_tokens(x) if self.embed_tokens is not None else x
 
     def hidden(
         self,
@@ -299,12 +315,13 @@ class Decoder(StagedModel):
         doc_ids: torch.Tensor | None = None,
         doc_layout: DocLayout | None = None,
         cache: Cache | None = None,
+        images: ImageInputs | None = None,
     ) -> torch.Tensor:
         """The body: the embedding (where this part has it) and the blocks, up to the final norm."""
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        h = self.embed(x, images)
         cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout, cache)
         for layer in self.blocks():
             h = layer(h, cos, sin, ctx)
         if cache is not None:
-            cache.advance(position_ids.shape[1])
+            cache.advance(position_ids.shape[-1])
         return h

@@ -1,0 +1,20 @@
+"""What a vision-language model's forward takes besides token ids: a batch's images, as its processor made
+them (a leaf: models, data and inference all pass it along)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ImageInputs:
+    """Every image of a batch, in the order their placeholder tokens appear (row by row): the processor's
+    flattened patches [patches, features] and each image's (t, h, w) patch grid [images, 3]."""
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+
+    def to(self, device: torch.device | str) -> ImageInputs:
+        return ImageInputs(self.pixel_values.to(device), self.grid_thw.to(device))

@@ -1,0 +1,123 @@
+"""Qwen2-VL: transformers' own vision tower (its ViT and patch merger, as the family defines them) in front of
+our Llama-family decoder, whose image-placeholder tokens take the tower's embeddings and whose rotary
+embedding is the multimodal one (rope.py). The decoder is the `Decoder` every layout, adapter and the
+inference engine already take: the tower is one more submodule beside its layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardforge.errors import ModelError
+from shardforge.models.common.attention import AttentionContext, Cache, DocLayout
+from shardforge.models.common.config import DecoderConfig
+from shardforge.models.common.images import ImageInputs
+from shardforge.models.llama.model import Decoder, MLPFactory
+from shardforge.models.qwen2_vl.rope import mrope_cos_sin, rope_index
+
+
+@dataclass
+class VisionLanguageConfig(DecoderConfig):
+    """The decoder's shape plus what joins the tower to it: the image placeholder token, the M-RoPE
+    sections (halves of the head dimension per position component) and the tower's transformers config."""
+
+    image_token_id: int = -1
+    mrope_section: tuple[int, ...] = ()
+    vision: dict = field(default_factory=dict)  # config.json's vision_config
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if sum(self.mrope_section) != self.head_dim // 2:
+            raise ModelError(
+                f"rope_parameters.mrope_section {list(self.mrope_section)} sums to "
+                f"{sum(self.mrope_section)}; "
+                f"it must cover head_dim / 2 = {self.head_dim // 2} frequencies"
+            )
+
+    @property
+    def merge(self) -> int:
+        """Patches per image token along each side (the patch merger's)."""
+        return int(self.vision.get("spatial_merge_size", 2))
+
+
+def vision_tower(cfg: VisionLanguageConfig) -> nn.Module:
+    """transformers' Qwen2-VL vision transformer for the checkpoint's vision_config."""
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    config = Qwen2VLVisionConfig(**{k: v for k, v in cfg.vision.items() if k != "model_type"})
+    config._attn_implementation = "sdpa"
+    return Qwen2VisionTransformerPretrainedModel._from_config(config)
+
+
+class VisionLanguageDecoder(Decoder):
+    """Token ids and images -> logits. The images' merged patch embeddings replace the embeddings of the
+    image tokens (in order); positions are M-RoPE's [3, b, s] where a batch has images (rows of plain text
+    take the usual [b, s], which M-RoPE turns exactly as RoPE)."""
+
+    vision = True
+
+    def __init__(self, cfg: VisionLanguageConfig, mlp: MLPFactory | None = None) -> None:
+        super().__init__(cfg, mlp)
+        self.visual = vision_tower(cfg)
+
+    def reset_buffers(self) -> None:
+        super().reset_buffers()
+        if self.visual is not None:  # the tower's rotary frequencies, which `to_empty` left unset
+            rotary = self.visual.rotary_pos_emb
+            device = self.visual.patch_embed.proj.weight.device
+            self.visual.rotary_pos_emb = type(rotary)(self.visual.config).to(device)
+
+    def prune(self, layers: list[int], first: bool, last: bool) -> None:
+        super().prune(layers, first, last)
+        if not first:  # the tower runs on the first pipeline stage, beside the embedding
+            self.visual = None
+
+    def part(self, layers: list[int], first: bool, last: bool) -> VisionLanguageDecoder:
+        view = super().part(layers, first, last)
+        view.visual = self.visual if first else None
+        return view
+
+    def image_embeddings(self, images: ImageInputs, dtype: torch.dtype) -> torch.Tensor:
+        """[image tokens, hidden]: the tower's merged patches of every image, in order."""
+        pixels = images.pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
+        return self.visual(pixels, grid_thw=images.grid_thw).pooler_output.to(dtype)
+
+    def embed(self, x: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
+        if images is None or self.embed_tokens is None:
+            return super().embed(x, None)
+        h = self.embed_tokens(x)
+        slots = x == self.config.image_token_id
+        features = self.image_embeddings(images, h.dtype)
+        if int(slots.sum()) != features.shape[0]:
+            raise ModelError(
+                f"the batch has {int(slots.sum())} image tokens but its {len(images.grid_thw)} image(s) make "
+                f"{features.shape[0]} embeddings: each image's placeholder must be expanded to its tokens"
+            )
+        return h.masked_scatter(slots[..., None], features)
+
+    def default_positions(
+        self, x: torch.Tensor, cache: Cache | None, images: ImageInputs | None
+    ) -> torch.Tensor:
+        if images is None:
+            return super().default_positions(x, cache, images)
+        if cache is not None:
+            raise ModelError("images with a KV cache: the inference engine places them (not this forward)")
+        return rope_index(x, self.config.image_token_id, images.grid_thw, self.config.merge)
+
+    def layer_inputs(
+        self,
+        position_ids: torch.Tensor,
+        dtype: torch.dtype,
+        doc_ids: torch.Tensor | None = None,
+        doc_layout: DocLayout | None = None,
+        cache: Cache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """As the decoder's, with M-RoPE's cos/sin for [3, b, s] positions (masks from the text component)."""
+        if position_ids.dim() == 2:
+            return super().layer_inputs(position_ids, dtype, doc_ids, doc_layout, cache)
+        _, _, ctx = super().layer_inputs(position_ids[0], dtype, doc_ids, doc_layout, cache)
+        cos, sin = mrope_cos_sin(position_ids, self.inv_freq, self.config.mrope_section, dtype)
+        return cos, sin, ctx
