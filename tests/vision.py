@@ -50,3 +50,40 @@ def random_image(height: int, width: int, seed: int = 0):
 
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(pixels)
+
+
+def lf_image_dataset(folder: Path, count: int = 4) -> Path:
+    """LLaMA-Factory's multimodal demo form (sharegpt `messages` with `<image>` marks, an `images` list of
+    paths relative to the data folder, a dataset_info.json entry naming both), images of varied sizes made
+    here; returns the dataset_info.json path (entry "mllm_demo")."""
+    import json
+
+    (folder / "mllm_demo_data").mkdir(parents=True, exist_ok=True)
+    sizes = [(56, 84), (112, 56), (60, 90), (84, 84), (40, 120)]
+    records = []
+    for i in range(count):
+        h, w = sizes[i % len(sizes)]
+        random_image(h, w, seed=i).save(folder / "mllm_demo_data" / f"{i}.png")
+        images = [f"mllm_demo_data/{i}.png"]
+        first = "<image>What is in this picture?" if i % 2 == 0 else "Look: <image> What colour dominates?"
+        messages = [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": f"A random picture number {i}, {h} by {w} pixels."},
+        ]
+        if i == 1:  # a second turn with a second image
+            random_image(28, 56, seed=99).save(folder / "mllm_demo_data" / "extra.png")
+            images.append("mllm_demo_data/extra.png")
+            messages += [
+                {"role": "user", "content": "And this one? <image>"},
+                {"role": "assistant", "content": "A wide one."},
+            ]
+        records.append({"messages": messages, "images": images})
+    (folder / "mllm_demo.json").write_text(json.dumps(records, indent=1))
+    entry = {
+        "file_name": "mllm_demo.json", "formatting": "sharegpt",
+        "columns": {"messages": "messages", "images": "images"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                 "assistant_tag": "assistant"},
+    }  # fmt: skip
+    (folder / "dataset_info.json").write_text(json.dumps({"mllm_demo": entry}, indent=1))
+    return folder / "dataset_info.json"

@@ -39,6 +39,36 @@ def apply_finetuning(model: nn.Module, method: MethodSection, seed: int, adapter
             from shardforge.adapters.peft_format import load_adapter
 
             load_adapter(model, Path(adapter), method.lora)
+    freeze_parts(model, method)
+
+
+def freeze_parts(model: CausalModel, method: MethodSection) -> None:
+    """A vision-language model's parts that method.vision freezes. LoRA adapts the decoder's blocks only,
+    so the tower and projector train there only as whole modules (freeze_tower / freeze_projector false);
+    freeze_language_model freezes the decoder's weights (and its adapters)."""
+    vision = method.vision
+    frozen = {"tower": vision.freeze_tower, "projector": vision.freeze_projector}
+    frozen["language"] = vision.freeze_language_model
+    parts = {model.config.part_of(model.canonical_name(n)) for n, _ in model.named_parameters()}
+    if parts == {"language"}:
+        return
+    if method.finetuning == "lora" and not (vision.freeze_tower and vision.freeze_projector):
+        raise ConfigError(
+            "method.finetuning=lora adapts the language model; LoRA in the vision tower or a projector "
+            "trained beside the adapters is not available yet: keep method.vision.freeze_tower and "
+            "freeze_projector true (or train them with finetuning full / freeze)"
+        )
+    for name, param in model.named_parameters():
+        part = model.config.part_of(model.canonical_name(name))
+        if frozen[part]:
+            param.requires_grad_(False)
+        elif part != "language":
+            param.requires_grad_(True)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(
+            "method.vision freezes every part this method trains (the tower, the projector and the language "
+            "model): set one of freeze_tower / freeze_projector / freeze_language_model false"
+        )
 
 
 def freeze(model: CausalModel, section: FreezeSection) -> None:

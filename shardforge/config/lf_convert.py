@@ -62,6 +62,11 @@ LF_DEFAULTS: dict[str, Any] = {
     "interleave_probs": None,
     "mask_history": False,
     "enable_thinking": True,
+    "image_max_pixels": 768 * 768,
+    "image_min_pixels": 32 * 32,
+    "freeze_vision_tower": True,
+    "freeze_multi_modal_projector": True,
+    "freeze_language_model": False,
     "cutoff_len": 2048,
     "packing": None,  # pretraining packs, the other stages do not
     "neat_packing": False,
@@ -130,8 +135,7 @@ WANTS = {
     "predict_with_generate": "prediction with generation (shardforge generate)",
     "streaming": "LF's streaming (use data.streaming)",
     "additional_target": "training extra modules beside LoRA", "resize_vocab": "vocabulary resizing",
-    "image_max_pixels": "multimodal data", "video_max_pixels": "multimodal data",
-    "freeze_vision_tower": "multimodal models", "use_unsloth": "Unsloth kernels",
+    "video_max_pixels": "video data", "use_unsloth": "Unsloth kernels",
     "shift_attn": "S^2-attention", "rope_scaling": "RoPE scaling at load", "use_kt": "KTransformers",
     "tokenized_path": "LF's pre-tokenized datasets",
     "tool_format": "a tool format other than the model's chat template's own",
@@ -141,7 +145,7 @@ WANTS = {
     "ppo_score_norm": "LF's PPO options", "ppo_whiten_rewards": "LF's PPO options",
 }  # fmt: skip
 # LF's "off" for the keys above where it is not False / None
-OFF = {"mix_strategy": "concat", "image_max_pixels": 768 * 768,
+OFF = {"mix_strategy": "concat",
        "video_max_pixels": 256 * 256, "ppo_buffer_size": 1, "ppo_epochs": 4, "ppo_target": 6.0}  # fmt: skip
 
 SCHEDULES = {
@@ -534,6 +538,11 @@ RULES: dict[str, Rule] = {
             "train_on_prompt": ("data.train_on_prompt", bool),
             "mask_history": ("data.mask_history", bool),
             "enable_thinking": ("data.enable_thinking", bool),
+            "image_max_pixels": ("data.image_max_pixels", int),
+            "image_min_pixels": ("data.image_min_pixels", int),
+            "freeze_vision_tower": ("method.vision.freeze_tower", bool),
+            "freeze_multi_modal_projector": ("method.vision.freeze_projector", bool),
+            "freeze_language_model": ("method.vision.freeze_language_model", bool),
             "output_dir": ("output_dir", str),
             "logging_steps": ("train.log_every", int),
             "plot_loss": ("log.plot", bool),

@@ -79,6 +79,10 @@ class DataSection(Section):
     # passed to the chat template as enable_thinking (Qwen3-style: false puts an empty thought in the prompt
     # and trains without the replies' thoughts; true trains on the thought); None: not passed
     enable_thinking: bool | None = None
+    # images of a vision-language model's data resized into this many pixels first (LLaMA-Factory's
+    # image_max_pixels / image_min_pixels), then through the model's own image processor
+    image_max_pixels: int = Field(default=768 * 768, ge=1)
+    image_min_pixels: int = Field(default=32 * 32, ge=1)
     mix: Literal["concat", "interleave_under", "interleave_over"] = "concat"  # several data sets (mixing.py)
     mix_probs: list[float] | None = None  # interleaving: each data set's chance per record (None: in turn)
     mask_history: bool = False  # sft: targets on the last assistant turn only (LLaMA-Factory's)
@@ -268,11 +272,22 @@ class MoESection(Section):
         return self
 
 
+class VisionSection(Section):
+    """Which parts of a vision-language model train (LLaMA-Factory's freeze_vision_tower,
+    freeze_multi_modal_projector, freeze_language_model, with its defaults): the tower and the projector
+    stay frozen unless set false; a text model ignores the section."""
+
+    freeze_tower: bool = True
+    freeze_projector: bool = True
+    freeze_language_model: bool = False
+
+
 class MethodSection(Section):
     stage: StageName = "sft"
     finetuning: Literal["full", "freeze", "lora"] = "full"
     lora: LoraSection = LoraSection()
     freeze: FreezeSection = FreezeSection()
+    vision: VisionSection = VisionSection()
     pref: PrefSection = PrefSection()
     kto: KTOSection = KTOSection()
     rl: RLSection = RLSection()

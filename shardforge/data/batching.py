@@ -12,6 +12,7 @@ import torch
 from shardforge.data.examples import Example
 from shardforge.data.store import ExampleStore
 from shardforge.models.common.attention import DocLayout, doc_layout
+from shardforge.models.common.images import ImageInputs
 
 IGNORE = -100
 
@@ -29,6 +30,7 @@ class Batch:
     num_targets: int
     doc_layout: DocLayout | None = None  # per-document attention for packed rows (cheaper than a mask)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    images: ImageInputs | None = None  # a vision-language model's images, in the order of their tokens
 
     def to(self, device: torch.device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -42,6 +44,7 @@ class Batch:
             self.num_targets,
             layout,
             {k: move(v) for k, v in self.extras.items()},
+            None if self.images is None else self.images.to(device),
         )
 
     def fields(self) -> dict[str, torch.Tensor | None]:
@@ -96,11 +99,23 @@ def collate(
             col += length
             num_tokens += length
             num_targets += int(trained[1:].sum())
+    images = _images(examples, rows)
     if not multi_doc:
-        return Batch(ids, targets, positions, None, num_tokens, num_targets)
+        return Batch(ids, targets, positions, None, num_tokens, num_targets, images=images)
     lengths = [[len(doc) for doc, _ in row] for row in documents]
     layout = doc_layout(lengths, width) if use_per_document(lengths, width) else None
-    return Batch(ids, targets, positions, docs, num_tokens, num_targets, layout)
+    return Batch(ids, targets, positions, docs, num_tokens, num_targets, layout, images=images)
+
+
+def _images(examples: Sequence[Example], rows: Sequence[Sequence[int]]) -> ImageInputs | None:
+    """The rows' documents' images, in row-major order (that of their tokens), or None."""
+    if not isinstance(examples, ExampleStore) or not examples.has_images:
+        return None
+    found = [a for row in rows for i in row if (a := examples.images(i)) is not None]
+    if not found:
+        return None
+    pixels = torch.from_numpy(np.concatenate([a.pixels for a in found]))
+    return ImageInputs(pixels, torch.from_numpy(np.concatenate([a.grids for a in found])))
 
 
 def _empty_rows(n: int, width: int, pad_id: int) -> tuple[torch.Tensor, ...]:

@@ -19,12 +19,14 @@ import numpy as np
 from shardforge.config.schema import Config, DataSection
 from shardforge.data.batch_source import BatchSource, DatasetSource
 from shardforge.data.cache import DatasetCache, code_fingerprint, default_root, file_fingerprint
+from shardforge.data.examples import Encoder
 from shardforge.data.formats import Reading
+from shardforge.data.images import ImageEncoder, image_processor
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.data.stream import StreamSource, stream_shards
 from shardforge.errors import ConfigError
 from shardforge.log import get_logger
-from shardforge.models.build import model_source
+from shardforge.models.build import check_model_source, model_source
 from shardforge.models.generic.model import packs_per_document
 
 log = get_logger(__name__)
@@ -108,7 +110,7 @@ def _cached_rows(
     names: tuple[str, ...],
 ) -> tuple[RowSet, RowSet | None]:
     """The rows of `data` (its train and eval files, called `names`) through the dataset cache."""
-    encoder = objective.encoder(tokenizer, data)
+    encoder = record_encoder(cfg, objective, tokenizer, data)
     cache, encoders = None, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of this node that encode
     if data.cache:
         root = Path(data.cache_dir) if data.cache_dir else default_root()
@@ -125,6 +127,19 @@ def _cached_rows(
         if part is not None:
             log.info(f"{what} data: {describe_rows(part, cfg)}")
     return rows
+
+
+def record_encoder(cfg: Config, objective: Any, tokenizer: Any, data: DataSection) -> Encoder:
+    """The objective's encoder, taking images where the model is a vision-language one (its image
+    processor from the model folder) and refusing them, by record, where it is not."""
+    encoder = objective.encoder(tokenizer, data)
+    shape = check_model_source(cfg.model, weights=False)
+    prompt = shape.image_prompt(tokenizer)
+    if prompt is None:
+        name = str(cfg.model.path or cfg.model.preset)
+        return ImageEncoder(encoder, None, None, data.image_max_pixels, data.image_min_pixels, name)
+    processor = image_processor(str(cfg.model.path))
+    return ImageEncoder(encoder, processor, prompt, data.image_max_pixels, data.image_min_pixels, "")
 
 
 def encoding_identity(tokenizer: Any, objective: Any, how: Reading, cfg: Config) -> dict:
@@ -167,7 +182,7 @@ def build_batch_source(
     c = collation
     if rows is not None:
         return DatasetSource(rows, cfg.train.seed, *split.astuple(), c.collate, c.pad_id, c.multiple)
-    encoder = objective.encoder(tokenizer, cfg.data)
+    encoder = record_encoder(cfg, objective, tokenizer, cfg.data)
     return StreamSource(
         cfg.data, how, encoder, cfg.train.seed, split.astuple(), c.collate, c.pad_id, c.multiple
     )

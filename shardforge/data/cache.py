@@ -45,6 +45,8 @@ _CODE = (
     "data/examples.py",
     "data/encode.py",
     "data/store.py",
+    "data/media.py",
+    "data/images.py",
 )
 
 Splits = dict[str, tuple[ExampleStore, EncodeStats] | None]

@@ -24,8 +24,9 @@ ALPACA_COLUMNS = {
     "system": "system",
     "history": "history",
     "tools": "tools",
+    "images": "images",
 }
-CHAT_COLUMNS = {"messages": "messages", "system": "system", "tools": "tools"}
+CHAT_COLUMNS = {"messages": "messages", "system": "system", "tools": "tools", "images": "images"}
 TAG_KEYS = (
     "role_tag",
     "content_tag",
@@ -119,6 +120,9 @@ def resolve_entry(name: str, info_path: str | Path, how: Reading, text_column: s
     fields = replace(default_fields(fmt, text_column), **{allowed[k]: v for k, v in columns.items()})
     if "tools" not in columns:  # LF reads a tools column only where the entry names one
         fields = replace(fields, tools=None)
+    if "images" not in columns:  # ... and an images column likewise; its paths are found in media_dir first
+        fields = replace(fields, images=None)
+    fields = replace(fields, media=info_path.parent)
     if tags and fmt == "alpaca":
         raise DataError(f"{where}: tags only apply to sharegpt/openai formatting, not alpaca")
     return ResolvedEntry(path, fmt, _apply_tags(fields, tags, where))

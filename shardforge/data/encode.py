@@ -17,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from shardforge.data.examples import Encoder, EncodeStats
+from shardforge.data.examples import Encoder, EncodeStats, ImageArrays
 from shardforge.data.formats import Record
 from shardforge.data.store import ExampleStore
 from shardforge.data.truncate import cut_each, cut_shared_prompt, cut_turns
@@ -29,7 +29,8 @@ from shardforge.errors import DataError
 RECORDS_PER_WORKER = 5000
 CHUNK = 256  # records per task: small enough to balance, large enough to amortize the pickling
 
-Encoded = list[tuple[np.ndarray, np.ndarray]]  # a record's sequences: (uint32 ids, bool target flags)
+# a record's sequences: (uint32 ids, bool target flags, its images or None)
+Encoded = list[tuple[np.ndarray, np.ndarray, ImageArrays | None]]
 
 _ENCODER: Encoder | None = None  # a worker's encoder, set once by its initializer
 
@@ -44,7 +45,14 @@ def _encode_records(encode: Encoder, records: list[Record]) -> list[Encoded]:
     batch = getattr(encode, "encode_batch", None)
     groups = batch(records) if batch is not None else [encode(record) for record in records]
     return [
-        [(np.asarray(ids, dtype=np.uint32), np.asarray(trained, dtype=bool)) for ids, trained in group]
+        [
+            (
+                np.asarray(seq[0], dtype=np.uint32),
+                np.asarray(seq[1], dtype=bool),
+                seq[2] if len(seq) > 2 else None,
+            )
+            for seq in group
+        ]
         for group in groups
     ]
 
@@ -91,8 +99,10 @@ def encode_all(
     keeps the last turns first). A group with a sequence left without any target is dropped whole, so
     groups never lose a member."""
     stats = EncodeStats(records=len(records))
-    tokens, flags, lengths, targets, tags = [], [], [], [], []
-    for record, group in zip(records, _encoded(records, encode, workers), strict=True):
+    tokens, flags, lengths, targets, tags, images = [], [], [], [], [], []
+    for record, encoded in zip(records, _encoded(records, encode, workers), strict=True):
+        media = [seq[2] for seq in encoded]
+        group = [(ids, trained) for ids, trained, _ in encoded]
         if len(group) != group_size:
             raise DataError(f"{record.source}: encoded into {len(group)} sequences, expected {group_size}")
         if truncation == "lf" and any(len(ids) > max_length for ids, _ in group):
@@ -119,10 +129,18 @@ def encode_all(
                 stats.tokens_cut += len(ids) - max_length
                 ids, trained = ids[:max_length], trained[:max_length]
             kept.append((ids, trained, int(trained[1:].sum())))
+        for (ids, _, _), pictures in zip(kept, media, strict=True):
+            if pictures is not None and int((ids == pictures.token).sum()) != pictures.tokens:
+                raise DataError(
+                    f"{record.source}: truncated to data.max_length={max_length}, it keeps "
+                    f"{int((ids == pictures.token).sum())} of its {pictures.tokens} image tokens: an "
+                    f"image is never cut; raise data.max_length or lower data.image_max_pixels"
+                )
         if any(count == 0 for _, _, count in kept):
             stats.dropped_no_target.append(record.source)
             continue
-        for ids, trained, count in kept:
+        for (ids, trained, count), pictures in zip(kept, media, strict=True):
+            images.append(pictures)
             tokens.append(ids)
             flags.append(trained)
             lengths.append(len(ids))
@@ -134,4 +152,4 @@ def encode_all(
             f"{what}: no example has a trainable token after formatting and truncation{first}; check the "
             f"template, data.max_length and data.train_on_prompt"
         )
-    return ExampleStore.from_arrays(tokens, flags, lengths, targets, tags), stats
+    return ExampleStore.from_arrays(tokens, flags, lengths, targets, tags, images), stats

@@ -24,6 +24,18 @@ class Example:
         return sum(self.trained[1:])
 
 
+@dataclass(frozen=True)
+class ImageArrays:
+    """A sequence's images as its model's image processor made them: patches [patches, features] (float32)
+    and each image's patch grid [images, 3]; `token` is the image token, of which the sequence holds
+    `tokens` (truncation must not cut into them)."""
+
+    pixels: Any
+    grids: Any
+    token: int = -1
+    tokens: int = 0
+
+
 @dataclass
 class EncodeStats:
     records: int = 0
@@ -40,6 +52,7 @@ class EncodeStats:
         return ", ".join(parts)
 
 
-Sequence_ = tuple[Any, Any]  # token ids and per-token target flags (lists or numpy arrays)
+# token ids and per-token target flags (lists or numpy arrays), and the sequence's images where it has some
+Sequence_ = tuple[Any, Any] | tuple[Any, Any, ImageArrays]
 Encoder = Callable[[Record], list[Sequence_]]  # a record -> the sequences of its group; an encoder may also
 # have encode_batch(records) -> [sequences of each record], which encoding prefers (a tokenizer's batch call)

@@ -16,6 +16,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, Literal
 
+from shardforge.data.media import check_placeholders, content_parts, image_refs
 from shardforge.data.tools import Tool, function_calls, tool_definitions
 from shardforge.data.values import kind as _kind
 from shardforge.data.values import show as _show
@@ -64,6 +65,7 @@ class Record:
     mismatched: str | None = None
     answer: str | None = None  # RL: the reference answer of a prompt (verifiable rewards)
     tools: tuple[Tool, ...] = ()  # the functions the conversation may call (the template shows them)
+    images: tuple[str, ...] = ()  # resolved paths or data URLs, in the order of the `<image>` marks
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class FieldMap:
     completion: str = "completion"  # KTO's reply, beside a prompt
     label: str = "label"  # KTO's desirable flag (LLaMA-Factory's kto_tag column)
     answer: str = "answer"  # RL: a prompt's reference answer (else its reply, when it has one)
+    images: str | None = "images"  # a list of image paths (data/media.py)
+    media: Path | None = None  # where relative image paths are found first (the dataset's folder)
 
 
 def default_fields(fmt: str, text_column: str = "text") -> FieldMap:
@@ -119,6 +123,8 @@ def read_records(
             f'format "text" is plain text for pretraining (stage {how.serving("text")})'
         )
     fields = fields or default_fields(fmt)
+    if fields.media is None:
+        fields = replace(fields, media=path if path.is_dir() else path.parent)
     rows = islice(iter_raw(path, fmt), max_samples)
     records = [parse_record(obj, src, fmt, fields, how) for src, obj in rows]
     if not records:
@@ -320,9 +326,31 @@ def parse_record(obj: Any, src: str, fmt: str, f: FieldMap, how: Reading) -> Rec
         record = replace(
             record, tools=tool_definitions(obj.get(f.tools) if f.tools else None, src, fmt, f.tools)
         )
+    if isinstance(obj, dict):
+        record = _with_images(record, obj, f, how)
     if how.system and record.messages and record.messages[0]["role"] != "system":
         record = replace(record, messages=({"role": "system", "content": how.system}, *record.messages))
     return record
+
+
+def _with_images(record: Record, obj: dict[str, Any], f: FieldMap, how: Reading) -> Record:
+    """The record's images: its images column's, or its OpenAI image parts' (moved off the messages),
+    each with its `<image>` mark in the text."""
+    src = record.source
+    column = image_refs(obj, f.images, src, f.media)
+    messages = list(record.messages or ())
+    parts = tuple(ref for m in messages for ref in m.get("images", ()))
+    if column and parts:
+        raise DataError(f'{src}: images both in "{f.images}" and in image_url parts; give them one way')
+    images = column or parts
+    if not images:
+        return record
+    if how.reader == "text":
+        raise DataError(f"{src}: a record with images cannot be read as plain text (stage {how.stage})")
+    messages = [{k: v for k, v in m.items() if k != "images"} for m in messages]
+    texts = [m["content"] for m in messages] + [t for t in (record.rejected,) if t]
+    check_placeholders(texts, images, src)
+    return replace(record, messages=tuple(messages), images=images)
 
 
 def _parse_record(obj: Any, src: str, fmt: str, f: FieldMap, how: Reading) -> Record:
@@ -570,6 +598,9 @@ def _message(turn: dict[str, Any], role: str, src: str, i: int, fmt: str, f: Fie
     if native is not None:  # OpenAI's form: the calls beside an optional text
         calls = function_calls(native, src, f"{fmt} turn {i} tool_calls")
         return {"role": "assistant", "content": _optional_str(turn, f.content, src, fmt), "tool_calls": calls}
+    if isinstance(content, list) and role in ("user", "system", "assistant"):  # OpenAI's content parts
+        text, images = content_parts(content, src, f"{fmt} turn {i}", f.media)
+        return {"role": role, "content": text, **({"images": images} if images else {})}
     if not isinstance(content, str):
         raise DataError(f'{src}: {fmt} turn {i} "{f.content}" is {_kind(content)}; expected a string')
     if role != "function_call":

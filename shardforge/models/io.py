@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,19 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     return shards
 
 
+# A vision-language model's processor besides its tokenizer: what AutoProcessor / AutoImageProcessor read
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+
+
+def copy_processor_files(source: Path, folder: Path) -> None:
+    """The processor's files of the tokenizer's folder, copied into an exported folder beside it."""
+    if source.resolve() == folder.resolve():
+        return
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, folder / name)
+
+
 def save_model(
     model: nn.Module,
     path: str | Path,
@@ -294,5 +308,6 @@ def save_model(
             with contextlib.suppress(StrictDataclassError) if value is None else contextlib.nullcontext():
                 setattr(hf_config, name, value)
         tokenizer.save_pretrained(folder)
+        copy_processor_files(Path(getattr(tokenizer, "name_or_path", "") or "."), folder)
     hf_config.save_pretrained(folder)
     return folder

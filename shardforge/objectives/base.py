@@ -170,6 +170,7 @@ class CausalLM(Objective):
             "doc_layout": batch.doc_layout,
             "output_mask": scored,
             "head": head(batch.targets[scored]),
+            "images": batch.images,
         }
 
     def logprob_head(self, targets: torch.Tensor) -> Head:

@@ -58,6 +58,7 @@ class RewardObjective(CausalLM):
             "doc_layout": batch.doc_layout,
             "output_mask": mask,
             "head": Score(),
+            "images": batch.images,
         }
 
     def loss(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:

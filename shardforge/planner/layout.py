@@ -188,6 +188,26 @@ def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
         )
 
 
+def check_vision(cfg: Config, dims: ParallelDims, shape: Any) -> None:
+    """A vision-language model trains data parallel (DDP, ZeRO-1/2/3) on its data sets so far: its tower
+    runs beside the decoder's embedding, which tensor, pipeline and context parallel split differently, and
+    the rollout engine does not place images yet."""
+    if not shape.takes_images:
+        return
+    for key, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
+        if degree > 1:
+            raise ConfigError(
+                f"parallel.{key}={degree}: a vision-language model ({shape.family}) trains with data "
+                f"parallel only so far (parallel.dp_shard with zero_stage 0-3, or dp_replicate); set "
+                f"parallel.{key}: 1"
+            )
+    if traits_of(cfg).rollouts:
+        raise ConfigError(
+            f"method.stage={cfg.method.stage} samples with the inference engine, which does not take "
+            f"images yet: train {shape.family} with sft, dpo, kto or rm"
+        )
+
+
 @functools.lru_cache(maxsize=8)
 def critic_shape(folder: str) -> Any:
     """The shape of PPO's separate critic model (method.ppo.critic a folder), with its one-output score
@@ -256,6 +276,7 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
     grad_accum = check(resolve_grad_accum, cfg, dims.dp)
     if str(shape.family).startswith("hf:"):
         check(check_generic, cfg, dims, shape)
+    check(check_vision, cfg, dims, shape)
     check(check_tensor_parallel, shape, cfg.parallel)
     check(check_expert_parallel, shape, dims)
     traits, stage = traits_of(cfg), cfg.method.stage

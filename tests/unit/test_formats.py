@@ -352,7 +352,7 @@ def test_dataset_info_unknown_name_suggests_closest(tmp_path: Path) -> None:
         ),
         ({"file_name": "missing.jsonl"}, "file_name 'missing.jsonl' not found"),
         ({"file_name": "x.jsonl", "formatting": "xml"}, "formatting 'xml'"),
-        ({"file_name": "x.jsonl", "columns": {"images": "img"}}, "unsupported columns ['images']"),
+        ({"file_name": "x.jsonl", "columns": {"videos": "vid"}}, "unsupported columns ['videos']"),
     ],
 )
 def test_dataset_info_bad_entries(tmp_path: Path, entry: dict[str, Any], message: str) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+from shardforge.models.common.images import ImagePrompt
 
 
 @dataclass
@@ -57,6 +60,17 @@ class DecoderConfig:
     def kv_heads_per_rank(self, tp: int) -> float:
         """The kv heads one tensor-parallel rank holds: its share, or one (replicated) above them."""
         return self.num_kv_heads / tp if tp <= self.num_kv_heads else 1.0
+
+    takes_images: ClassVar[bool] = False  # a vision-language family's (images in its forward and data)
+
+    def part_of(self, name: str) -> str:
+        """Which part of the model a parameter (our name) is in: "tower" (a vision encoder), "projector"
+        (what maps its features into the decoder) or "language" (the decoder)."""
+        return "language"
+
+    def image_prompt(self, tokenizer: Any) -> ImagePrompt | None:
+        """What an image becomes in a prompt (a vision-language family's); None: a text model."""
+        return None
 
     def with_score_head(self, num_labels: int) -> DecoderConfig:
         return replace(self, num_labels=num_labels, tie_embeddings=False)

@@ -18,3 +18,23 @@ class ImageInputs:
 
     def to(self, device: torch.device | str) -> ImageInputs:
         return ImageInputs(self.pixel_values.to(device), self.grid_thw.to(device))
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """How a family's prompt holds one image: `before`, its image token once per merged patch, `after`
+    (Qwen2-VL: <|vision_start|> <|image_pad|> x n <|vision_end|>)."""
+
+    token_id: int
+    token: str
+    before: str
+    after: str
+    merge: int  # patches per image token along each side
+
+    def tokens(self, grid: tuple[int, int, int]) -> int:
+        """Image tokens of an image whose (t, h, w) patch grid is `grid`."""
+        t, h, w = grid
+        return t * h * w // (self.merge * self.merge)
+
+    def text(self, grid: tuple[int, int, int]) -> str:
+        return self.before + self.token * self.tokens(grid) + self.after

@@ -37,6 +37,8 @@ def config_from_hf(hf: PretrainedConfig) -> VisionLanguageConfig:
     return VisionLanguageConfig(
         **fields,
         image_token_id=hf.image_token_id,
+        vision_start_token_id=hf.vision_start_token_id,
+        vision_end_token_id=hf.vision_end_token_id,
         mrope_section=tuple(sections),
         vision=hf.vision_config.to_dict(),
     )

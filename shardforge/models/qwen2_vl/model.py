@@ -6,6 +6,7 @@ inference engine already take: the tower is one more submodule beside its layers
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -13,7 +14,7 @@ from torch import nn
 from shardforge.errors import ModelError
 from shardforge.models.common.attention import AttentionContext, Cache, DocLayout
 from shardforge.models.common.config import DecoderConfig
-from shardforge.models.common.images import ImageInputs
+from shardforge.models.common.images import ImageInputs, ImagePrompt
 from shardforge.models.llama.model import Decoder, MLPFactory
 from shardforge.models.qwen2_vl.rope import mrope_cos_sin, rope_index
 
@@ -24,8 +25,11 @@ class VisionLanguageConfig(DecoderConfig):
     sections (halves of the head dimension per position component) and the tower's transformers config."""
 
     image_token_id: int = -1
+    vision_start_token_id: int = -1
+    vision_end_token_id: int = -1
     mrope_section: tuple[int, ...] = ()
     vision: dict = field(default_factory=dict)  # config.json's vision_config
+    takes_images: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -40,6 +44,23 @@ class VisionLanguageConfig(DecoderConfig):
     def merge(self) -> int:
         """Patches per image token along each side (the patch merger's)."""
         return int(self.vision.get("spatial_merge_size", 2))
+
+    def part_of(self, name: str) -> str:
+        if name.startswith("visual.merger."):
+            return "projector"
+        return "tower" if name.startswith("visual.") else "language"
+
+    def image_prompt(self, tokenizer: Any) -> ImagePrompt:
+        """What an image becomes in a prompt, in this tokenizer's tokens."""
+        ids = (self.image_token_id, self.vision_start_token_id, self.vision_end_token_id)
+        names = tokenizer.convert_ids_to_tokens(list(ids))
+        if any(n is None for n in names) or max(ids) >= len(tokenizer):
+            raise ModelError(
+                f"the tokenizer has no tokens {list(ids)} (the image, vision start and end tokens of "
+                f"config.json): use the model's own tokenizer"
+            )
+        token, before, after = names
+        return ImagePrompt(self.image_token_id, token, before, after, self.merge)
 
 
 def vision_tower(cfg: VisionLanguageConfig) -> nn.Module:
@@ -98,14 +119,26 @@ class VisionLanguageDecoder(Decoder):
             )
         return h.masked_scatter(slots[..., None], features)
 
-    def default_positions(
-        self, x: torch.Tensor, cache: Cache | None, images: ImageInputs | None
+    def hidden(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        doc_layout: DocLayout | None = None,
+        cache: Cache | None = None,
+        images: ImageInputs | None = None,
     ) -> torch.Tensor:
-        if images is None:
-            return super().default_positions(x, cache, images)
-        if cache is not None:
-            raise ModelError("images with a KV cache: the inference engine places them (not this forward)")
-        return rope_index(x, self.config.image_token_id, images.grid_thw, self.config.merge)
+        """As the decoder's; with images, the rows' [b, s] positions (each document from 0) become M-RoPE's
+        [3, b, s] ones."""
+        if images is not None and position_ids.dim() == 2 and self.embed_tokens is not None:
+            if cache is not None:
+                raise ModelError(
+                    "images with a KV cache: the inference engine places them (not this forward)"
+                )
+            position_ids = rope_index(
+                x, self.config.image_token_id, images.grid_thw, self.config.merge, position_ids
+            )
+        return super().hidden(x, position_ids, doc_ids, doc_layout, cache, images)
 
     def layer_inputs(
         self,

@@ -11,24 +11,37 @@ import torch
 from shardforge.errors import ModelError
 
 
-def rope_index(tokens: torch.Tensor, image_token: int, grids: torch.Tensor, merge: int) -> torch.Tensor:
-    """[3, b, s] positions of rows of one sequence each whose images' tokens are runs of `image_token`,
-    the images' (t, h, w) patch `grids` [images, 3] in order, `merge` x `merge` patches per token."""
+def rope_index(
+    tokens: torch.Tensor,
+    image_token: int,
+    grids: torch.Tensor,
+    merge: int,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[3, b, s] positions of rows whose images' tokens are runs of `image_token`, the images' (t, h, w)
+    patch `grids` [images, 3] in order, `merge` x `merge` patches per token. `positions` [b, s]: the rows'
+    1-D positions as collate lays them out (packed documents and padding restart at 0), each document
+    numbered on its own; None: one sequence per row."""
     b, s = tokens.shape
     out = torch.zeros(3, b, s, dtype=torch.long)
     grid = iter(grids.tolist())
     is_image = (tokens == image_token).cpu()
+    starts = torch.zeros(b, s, dtype=torch.bool) if positions is None else (positions == 0).cpu()
     for r in range(b):
         col, pos = 0, 0
         while col < s:
-            if not is_image[r, col]:  # a run of text: positions go on one by one
+            if not is_image[r, col]:  # a run of text (to a document's start): positions go on one by one
+                if starts[r, col]:
+                    pos = 0
                 end = col + 1
-                while end < s and not is_image[r, end]:
+                while end < s and not is_image[r, end] and not starts[r, end]:
                     end += 1
                 out[:, r, col:end] = torch.arange(pos, pos + end - col)
                 pos += end - col
                 col = end
                 continue
+            if starts[r, col]:
+                pos = 0
             t, h, w = next(grid, (0, 0, 0))
             gh, gw = h // merge, w // merge
             n = t * gh * gw

@@ -1,0 +1,139 @@
+"""Images into a vision-language model's sequences, for any objective: each `<image>` mark of a record
+becomes the family's image prompt with one image token per merged patch (the count the image processor's
+patch grid gives), the images are regularized as LLaMA-Factory does (its data.image_max_pixels /
+image_min_pixels resize, RGB, Qwen2-VL's 28-pixel minimum side and aspect ratio limit) and run through the
+model's own image processor once, and the patches travel with the sequence into the dataset cache. Image
+tokens are never targets."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardforge.data.examples import Encoder, ImageArrays, Sequence_
+from shardforge.data.formats import Record
+from shardforge.data.media import IMAGE
+from shardforge.errors import DataError
+from shardforge.models.common.images import ImagePrompt
+
+MIN_SIDE = 28  # Qwen2-VL's processor needs a side of one merged patch
+MAX_ASPECT = 200
+
+
+def open_image(ref: str, src: str) -> Any:
+    """A PIL image from a path or a data URL; a missing, corrupt or non-image file is an error naming it."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        if ref.startswith("data:"):
+            data = base64.b64decode(ref.split(",", 1)[1], validate=True)
+            image = Image.open(io.BytesIO(data))
+        else:
+            image = Image.open(ref)
+        image.load()
+    except (OSError, UnidentifiedImageError, binascii.Error, ValueError) as exc:
+        shown = f"{ref[:40]}..." if ref.startswith("data:") else ref
+        raise DataError(f"{src}: cannot read image {shown} ({exc})") from None
+    return image
+
+
+def regularize(image: Any, max_pixels: int, min_pixels: int) -> Any:
+    """LLaMA-Factory's resize into [min_pixels, max_pixels] (keeping the aspect ratio), then RGB, then
+    Qwen2-VL's side and aspect limits."""
+    for limit, too in ((max_pixels, lambda a: a > max_pixels), (min_pixels, lambda a: a < min_pixels)):
+        if too(image.width * image.height):
+            factor = math.sqrt(limit / (image.width * image.height))
+            image = image.resize((int(image.width * factor), int(image.height * factor)))
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    if min(image.width, image.height) < MIN_SIDE:
+        image = image.resize((max(image.width, MIN_SIDE), max(image.height, MIN_SIDE)))
+    if image.width / image.height > MAX_ASPECT:
+        image = image.resize((image.height * 180, image.height))
+    if image.height / image.width > MAX_ASPECT:
+        image = image.resize((image.width, image.width * 180))
+    return image
+
+
+@dataclass(frozen=True)
+class ImageEncoder:
+    """Wraps an objective's encoder: a record with images is encoded with its marks expanded, its image
+    tokens untrained, and its patches attached; a record without passes through."""
+
+    inner: Encoder
+    processor: Any  # the model's image processor (transformers', PIL-based); None: a text model
+    prompt: ImagePrompt | None
+    max_pixels: int
+    min_pixels: int
+    text_model: str = ""  # the model, named where it takes no images
+
+    def process(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
+        images = [regularize(open_image(ref, record.source), self.max_pixels, self.min_pixels)
+                  for ref in record.images]  # fmt: skip
+        out = self.processor(images=images, return_tensors="np")
+        return np.asarray(out["pixel_values"], dtype=np.float32), np.asarray(out["image_grid_thw"], np.int64)
+
+    def expand(self, record: Record, grids: np.ndarray) -> Record:
+        """Each `<image>` mark (in message order, then the rejected reply) as its image's prompt text."""
+        texts = iter(self.prompt.text(tuple(g)) for g in grids.tolist())
+
+        def fill(text: str) -> str:
+            parts = text.split(IMAGE)
+            return "".join(p + (next(texts) if i < len(parts) - 1 else "") for i, p in enumerate(parts))
+
+        messages = tuple({**m, "content": fill(m["content"])} for m in record.messages or ())
+        rejected = fill(record.rejected) if record.rejected else record.rejected
+        return replace(record, messages=messages, rejected=rejected)
+
+    def encode_one(self, record: Record) -> list[Sequence_]:
+        if not record.images:
+            return _encode(self.inner, [record])[0]
+        if self.prompt is None:
+            raise DataError(
+                f"{record.source}: the record has images but the model ({self.text_model}) is a text model; "
+                f"train a vision-language one (docs/vision.md) or drop the images"
+            )
+        pixels, grids = self.process(record)
+        tokens = sum(self.prompt.tokens(tuple(g)) for g in grids.tolist())
+        arrays = ImageArrays(pixels, grids, self.prompt.token_id, tokens)
+        out: list[Sequence_] = []
+        for ids, trained, *_ in _encode(self.inner, [self.expand(record, grids)])[0]:
+            ids = np.asarray(ids, dtype=np.int64)
+            held = int((ids == self.prompt.token_id).sum())
+            if held != tokens:
+                raise DataError(
+                    f"{record.source}: a sequence of this record holds {held} of its images' {tokens} image "
+                    f"tokens; images go in the prompt (a reply of a pair or a KTO completion takes none)"
+                )
+            out.append((ids, np.asarray(trained, dtype=bool) & (ids != self.prompt.token_id), arrays))
+        return out
+
+    def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
+        return [self.encode_one(r) for r in records]
+
+    def __call__(self, record: Record) -> list[Sequence_]:
+        return self.encode_one(record)
+
+
+def _encode(encoder: Encoder, records: list[Record]) -> list[list[Sequence_]]:
+    batch = getattr(encoder, "encode_batch", None)
+    return batch(records) if batch is not None else [encoder(r) for r in records]
+
+
+def image_processor(folder: str | Path) -> Any:
+    """The model folder's image processor (its preprocessor_config.json), PIL-based: transformers'
+    AutoProcessor would also want a video processor, which needs torchvision."""
+    from transformers import AutoImageProcessor
+
+    if not (Path(folder) / "preprocessor_config.json").is_file():
+        raise DataError(
+            f"{folder}: a vision-language model needs its image processor (preprocessor_config.json)"
+        )
+    return AutoImageProcessor.from_pretrained(folder)

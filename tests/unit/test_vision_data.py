@@ -1,0 +1,294 @@
+"""Images through the data path of a vision-language model: LLaMA-Factory's multimodal format and OpenAI's
+image parts read, each `<image>` expanded to the image's tokens, image tokens never targets, patches cached
+with the tokens, and a training step's loss equal to transformers' on the same batch."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shardforge.errors import DataError
+from tests.vision import lf_image_dataset, random_image, tiny_qwen2_vl
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))
+
+
+def _config(tmp_path: Path, model_dir: Path, train: list[dict], **data):
+    from shardforge.config import load_config
+
+    return load_config(None, base={
+        "model": {"path": str(model_dir)},
+        "data": {"train": train, "max_length": 256, "packing": False, "cache_dir": str(tmp_path / "cache"),
+                 **data},
+        "train": {"steps": 2, "micro_batch": 2, "lr": 1e-3, "warmup": 0, "log_every": 1},
+        "log": {"tensorboard": False, "plot": False, "progress": False},
+        "output_dir": str(tmp_path / "run"),
+    })  # fmt: skip
+
+
+def _rows(config):
+    from shardforge.data.build import build_data
+    from shardforge.models.build import model_source
+    from shardforge.objectives import build_objective, reading_of
+
+    objective = build_objective(config.method)
+    train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
+    return train
+
+
+def test_lf_multimodal_records_expand_each_image_to_its_tokens(tmp_path, model_dir):
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    info = lf_image_dataset(tmp_path / "data")
+    config = _config(tmp_path, model_dir, [{"name": "mllm_demo", "dataset_info": str(info)}])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    records = json.loads((tmp_path / "data" / "mllm_demo.json").read_text())
+    for _ in range(2):  # encoded into the cache, then read back from it
+        rows = _rows(config)
+        store = rows.examples
+        assert store.has_images and len(store) == len(records)
+        for i, record in enumerate(records):
+            ids, trained = store.arrays(i)
+            images = store.images(i)
+            expected = processor(
+                images=[Image.open(tmp_path / "data" / p).convert("RGB") for p in record["images"]],
+                return_tensors="np",
+            )  # fmt: skip
+            np.testing.assert_array_equal(images.grids, expected["image_grid_thw"])
+            np.testing.assert_array_equal(images.pixels, expected["pixel_values"])
+            assert int((ids == pad).sum()) == int(expected["image_grid_thw"].prod(-1).sum()) // 4
+            assert not trained[ids == pad].any()  # never a target
+            assert trained.any()
+
+
+def test_openai_image_parts_and_data_urls(tmp_path, model_dir):
+    path = tmp_path / "pic.png"
+    random_image(56, 56).save(path)
+    url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    records = [{"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Compare "},
+                                      {"type": "image_url", "image_url": {"url": "pic.png"}},
+                                      {"type": "text", "text": " with "},
+                                      {"type": "image_url", "image_url": {"url": url}}]},
+        {"role": "assistant", "content": "They are the same picture."},
+    ]}]  # fmt: skip
+    data = tmp_path / "openai.jsonl"
+    data.write_text(json.dumps(records[0]) + "\n")
+    rows = _rows(_config(tmp_path, model_dir, [{"path": str(data), "format": "openai"}]))
+    images = rows.examples.images(0)
+    assert images.grids.tolist() == [[1, 4, 4], [1, 4, 4]]
+    np.testing.assert_array_equal(images.pixels[:16], images.pixels[16:])  # the same picture twice
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (
+            {
+                "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+                "images": ["missing.png"],
+            },
+            "image 'missing.png' not found",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "<image><image>"},
+                    {"role": "assistant", "content": "Yo"},
+                ],
+                "images": ["pic.png"],
+            },
+            "2 <image> mark(s) in the messages but 1 image(s)",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "Yo"}],
+                "images": ["bad.png"],
+            },
+            "cannot read image",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "Yo"}],
+                "videos": ["v.mp4"],
+            },
+            'the record has "videos"',
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "Yo"}],
+                "images": ["https://example.com/a.png"],
+            },
+            "is a remote URL",
+        ),
+    ],
+    ids=["missing", "count", "corrupt", "video", "remote"],
+)
+def test_bad_images_are_errors_naming_the_record(tmp_path, model_dir, record, message):
+    random_image(56, 56).save(tmp_path / "pic.png")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: ") as err:
+        _rows(_config(tmp_path, model_dir, [{"path": str(data), "format": "openai"}]))
+    assert message in str(err.value)
+
+
+def test_an_image_cut_by_truncation_is_an_error(tmp_path, model_dir):
+    info = lf_image_dataset(tmp_path / "data", count=1)
+    config = _config(tmp_path, model_dir, [{"name": "mllm_demo", "dataset_info": str(info)}], max_length=8)
+    with pytest.raises(DataError, match="an image is never cut"):
+        _rows(config)
+
+
+def test_images_for_a_text_model_are_refused(tmp_path, tokenizer_dir):
+    from shardforge.config import load_config
+
+    info = lf_image_dataset(tmp_path / "data", count=1)
+    config = load_config(None, base={
+        "model": {"preset": "tiny-llama", "tokenizer": str(tokenizer_dir)},
+        "data": {"train": [{"name": "mllm_demo", "dataset_info": str(info)}], "cache": False},
+        "output_dir": str(tmp_path / "run"),
+    })  # fmt: skip
+    with pytest.raises(DataError, match="is a text model"):
+        _rows(config)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_first_step_loss_equals_transformers(tmp_path, model_dir, packing):
+    """A micro-batch of the run (two records, four images, packed into one row or not): our loss equals
+    Qwen2VLForConditionalGeneration's on the same tokens, images and labels (each document on its own)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from shardforge.data.batching import IGNORE, collate
+    from shardforge.models import load_model
+    from shardforge.objectives import build_objective
+
+    info = lf_image_dataset(tmp_path / "data")
+    config = _config(tmp_path, model_dir, [{"name": "mllm_demo", "dataset_info": str(info)}], packing=packing)
+    rows = _rows(config)
+    store = rows.examples
+    batch = collate(store, [[0, 1]] if packing else [[0], [1]], pad_id=0)
+    objective = build_objective(config.method)
+    ours = load_model(model_dir)
+    with torch.no_grad():
+        got = objective.loss(ours(batch.input_ids, **objective.model_inputs(batch)), batch)["loss"]
+    reference = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    expected = 0.0
+    pad = reference.config.image_token_id
+    for i in range(2):
+        ids, trained = (torch.from_numpy(a) for a in store.arrays(i))
+        images = store.images(i)
+        labels = torch.where(trained, ids, IGNORE)
+        with torch.no_grad():
+            out = reference(
+                input_ids=ids[None], labels=labels[None], mm_token_type_ids=(ids == pad).int()[None],
+                pixel_values=torch.tensor(images.pixels), image_grid_thw=torch.tensor(images.grids),
+            )  # fmt: skip
+        expected += out.loss * int(trained[1:].sum())  # the mean over targets, back to a sum
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "finetuning, vision, trains",
+    [
+        ("full", {}, {"language"}),  # LLaMA-Factory's defaults: the tower and the projector frozen
+        ("full", {"freeze_tower": False}, {"language", "tower"}),
+        ("full", {"freeze_projector": False, "freeze_language_model": True}, {"projector"}),
+        ("freeze", {"freeze_tower": False}, {"language", "tower"}),
+        ("lora", {}, {"language"}),
+    ],
+)
+def test_method_vision_says_which_parts_train(model_dir, finetuning, vision, trains):
+    from shardforge.adapters.apply import apply_finetuning
+    from shardforge.config.schema import MethodSection
+    from shardforge.models import load_model
+
+    model = load_model(model_dir)
+    apply_finetuning(model, MethodSection(finetuning=finetuning, vision=vision), seed=0)
+    parts = {model.config.part_of(n) for n, p in model.named_parameters() if p.requires_grad}
+    assert parts == trains
+
+
+def test_lora_in_the_tower_is_refused(model_dir):
+    from shardforge.adapters.apply import apply_finetuning
+    from shardforge.config.schema import MethodSection
+    from shardforge.errors import ConfigError
+    from shardforge.models import load_model
+
+    with pytest.raises(ConfigError, match="freeze_tower"):
+        apply_finetuning(
+            load_model(model_dir), MethodSection(finetuning="lora", vision={"freeze_tower": False}), 0
+        )
+
+
+def _pair_data(folder: Path) -> Path:
+    """Preference and KTO records with an image in the prompt (LLaMA-Factory's sharegpt pair form)."""
+    random_image(56, 84).save(folder / "a.png")
+    random_image(84, 56, seed=1).save(folder / "b.png")
+    records = []
+    for i, name in enumerate(["a.png", "b.png"] * 2):
+        prompt = [{"role": "user", "content": f"<image>Which picture is this ({i})?"}]
+        records.append({
+            "messages": prompt, "images": [name], "kto_tag": i % 2 == 0,
+            "chosen": {"role": "assistant", "content": f"Picture {name}."},
+            "rejected": {"role": "assistant", "content": "No idea at all."},
+        })  # fmt: skip
+    (folder / "pairs.json").write_text(json.dumps(records))
+    tags = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
+    columns = {"messages": "messages", "images": "images"}
+    info = {
+        "pairs": {"file_name": "pairs.json", "formatting": "sharegpt", "ranking": True,
+                  "columns": {**columns, "chosen": "chosen", "rejected": "rejected"}, "tags": tags},
+        "kto": {"file_name": "kto.json", "formatting": "sharegpt",
+                "columns": {**columns, "kto_tag": "kto_tag"}, "tags": tags},
+    }  # fmt: skip
+    kto = [{"messages": r["messages"] + [r["chosen"]], "images": r["images"], "kto_tag": r["kto_tag"]}
+           for r in records]  # fmt: skip
+    (folder / "kto.json").write_text(json.dumps(kto))
+    (folder / "dataset_info.json").write_text(json.dumps(info))
+    return folder / "dataset_info.json"
+
+
+@pytest.mark.parametrize("stage, name", [("dpo", "pairs"), ("kto", "kto"), ("rm", "pairs")])
+def test_every_chat_objective_trains_with_images(tmp_path, model_dir, stage, name):
+    """Each objective that reads chat records runs its steps with the images in the prompt (their tokens
+    and patches in every sequence of a group), and its loss moves."""
+    from shardforge.config import load_config
+    from shardforge.train.trainer import train
+
+    info = _pair_data(tmp_path)
+    base = _config(tmp_path, model_dir, [{"name": name, "dataset_info": str(info)}]).model_dump(mode="json")
+    base["method"] = {"stage": stage}
+    base["train"] |= {"steps": 3, "micro_batch": 1}
+    result = train(load_config(None, base=base))
+    losses = [h["loss"] for h in result.history]
+    assert all(np.isfinite(losses)) and losses[0] != losses[-1]
+
+
+def test_rollout_stages_and_model_parallel_layouts_are_refused(tmp_path, model_dir):
+    from shardforge.config import load_config
+    from shardforge.errors import ConfigError
+    from shardforge.models.build import check_model_source
+    from shardforge.planner.layout import check_layout
+
+    info = _pair_data(tmp_path)
+    base = _config(tmp_path, model_dir, [{"name": "pairs", "dataset_info": str(info)}]).model_dump(
+        mode="json"
+    )
+    shape = check_model_source(load_config(None, base=base).model)
+    with pytest.raises(ConfigError, match=r"parallel\.tp=2: a vision-language model"):
+        check_layout(load_config(None, base={**base, "parallel": {"tp": 2}}), 2, shape)
+    with pytest.raises(ConfigError, match="does not take images yet"):
+        check_layout(load_config(None, base={**base, "method": {"stage": "grpo"}}), 1, shape)
