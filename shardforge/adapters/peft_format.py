@@ -74,7 +74,8 @@ def peft_keys(family: str, keys: Iterable[str]) -> dict[str, str]:
         expert = _expert_param(_split(key)[0])
         if expert:
             adapted[expert[0]].add(expert[1])
-    to_hf = spec_for(family).key_to_hf
+    spec = spec_for(family)
+    to_hf = spec.key_to_hf
     out = {}
     for key in keys:
         module, name = _split(key)
@@ -86,7 +87,7 @@ def peft_keys(family: str, keys: Iterable[str]) -> dict[str, str]:
             nested = [p for p in EXPERT_PARAMS if p in adapted[owner]]
             hf_owner = to_hf(f"{owner}.{param}").removesuffix(f".{param}")
             hf_module = hf_owner + ".base_layer" * (len(nested) - 1 - nested.index(param))
-        out[key] = f"base_model.model.{hf_module}.{_OURS_TO_PEFT[name]}"
+        out[key] = f"base_model.model.{spec.peft_module(hf_module)}.{_OURS_TO_PEFT[name]}"
     return out
 
 

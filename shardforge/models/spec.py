@@ -154,6 +154,13 @@ class ModelSpec:
     # (model, folder, HF-named tensors, max shard bytes) -> None
     load_folder: Callable[[Any, Any, Any, Any], nn.Module] | None = None
     save_folder: Callable[[nn.Module, Any, dict, int], None] | None = None
+    # An HF module's path in transformers' model class where it differs from the checkpoint's key prefix
+    # (transformers 5's Qwen2-VL holds the decoder at model.language_model.*): where peft names adapters
+    runtime_module: Callable[[str], str] | None = None
+
+    def peft_module(self, hf_module: str) -> str:
+        """The module path peft names an adapter by (its path in transformers' model)."""
+        return self.runtime_module(hf_module) if self.runtime_module is not None else hf_module
 
     def tensors_to_hf(self, key: str, tensor: Any, layout: str = "per_expert") -> list[tuple[str, Any]]:
         """The HF tensors one of our parameters is written as."""

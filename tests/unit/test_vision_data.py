@@ -292,3 +292,48 @@ def test_rollout_stages_and_model_parallel_layouts_are_refused(tmp_path, model_d
         check_layout(load_config(None, base={**base, "parallel": {"tp": 2}}), 2, shape)
     with pytest.raises(ConfigError, match="does not take images yet"):
         check_layout(load_config(None, base={**base, "method": {"stage": "grpo"}}), 1, shape)
+
+
+def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_dir):
+    """LoRA on the decoder of a VLM: the run's PEFT folder loads onto transformers' Qwen2-VL with no missing
+    or unexpected key (peft names modules as transformers 5 holds them: model.language_model.*), and gives
+    our logits with images; our own reader takes the folder back."""
+    import warnings
+
+    from peft import PeftModel
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from shardforge.adapters.apply import apply_finetuning
+    from shardforge.config import load_config
+    from shardforge.models import load_model
+    from shardforge.train.trainer import train
+    from tests.unit.test_vision_language import SAMPLES, encode
+
+    info = lf_image_dataset(tmp_path / "data")
+    base = _config(tmp_path, model_dir, [{"name": "mllm_demo", "dataset_info": str(info)}]).model_dump(
+        mode="json"
+    )
+    base["method"] = {"finetuning": "lora", "lora": {"rank": 4}}
+    base["train"]["lr"] = 0.05
+    config = load_config(None, base=base)
+    folder = train(config).final_model
+    assert (folder / "adapter_config.json").is_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # peft warns of missing or unexpected adapter keys
+        reference = Qwen2VLForConditionalGeneration.from_pretrained(model_dir)
+        reference = PeftModel.from_pretrained(reference, folder).eval()
+    ours = load_model(model_dir)
+    apply_finetuning(ours, config.method, 0, adapter=str(folder))
+    ids, images, types = encode(model_dir, SAMPLES[2])
+    with torch.no_grad():
+        expected = reference(
+            input_ids=ids, mm_token_type_ids=types, pixel_values=images.pixel_values,
+            image_grid_thw=images.grid_thw,
+        ).logits  # fmt: skip
+        plain = reference.get_base_model()
+        with reference.disable_adapter():
+            untouched = plain(input_ids=ids, mm_token_type_ids=types, pixel_values=images.pixel_values,
+                              image_grid_thw=images.grid_thw).logits  # fmt: skip
+        got = ours.eval()(ids, images=images)
+    assert (expected - untouched).abs().max() > 1e-3  # the adapter changes the logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

@@ -25,6 +25,13 @@ def key_from_hf(key: str) -> str:
     return key if key.startswith(TOWER) else hf_adapter.key_from_hf(key)
 
 
+def runtime_module(hf_module: str) -> str:
+    """Where transformers' Qwen2VLForConditionalGeneration holds a checkpoint's module (peft's names)."""
+    if hf_module.startswith("model."):
+        return "model.language_model." + hf_module.removeprefix("model.")
+    return "model." + hf_module if hf_module.startswith(TOWER) else hf_module
+
+
 def config_from_hf(hf: PretrainedConfig) -> VisionLanguageConfig:
     text = hf_adapter.config_from_hf(hf.text_config, family="qwen2")
     fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(DecoderConfig)}

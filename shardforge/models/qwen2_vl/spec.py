@@ -24,5 +24,6 @@ register(
         key_from_hf=hf_adapter.key_from_hf,
         costs=costs,
         tp_plan=tensor_parallel_plan,
+        runtime_module=hf_adapter.runtime_module,
     )
 )
