@@ -68,6 +68,7 @@ HOW = {
     "shardforge train examples/rm.yaml": "example",
     "shardforge train examples/ppo.yaml": "example",
     "shardforge train examples/grpo_math.yaml": "example",
+    "shardforge train examples/vlm_sft.yaml": "example",
     "shardforge export runs/demo_lora --to runs/demo_lora_merged --merge": "example-export",
     "shardforge plan CONFIG": "synopsis",
     "shardforge train CONFIG [key=value ...]": "synopsis",
@@ -352,8 +353,9 @@ def test_the_examples(ws, demo):
         finals[name] = out / "final"
     for name in ("demo_lora", "demo_qlora", "dpo_lora", "kto"):
         assert json.loads((finals[name] / "adapter_config.json").read_text())["peft_type"] == "LORA"
-    for name in ("grpo_math", "ppo", "moe_qwen3", "long_context_cp"):
+    for name in ("grpo_math", "ppo", "moe_qwen3", "long_context_cp", "vlm_sft"):
         assert (finals[name] / "config.json").is_file(), name
+    assert (finals["vlm_sft"] / "preprocessor_config.json").is_file()  # the VLM's image processor travels
     runs = ws / "runs"
     rm = json.loads((finals["rm"] / "config.json").read_text())
     assert rm["architectures"][0].endswith("ForSequenceClassification") and len(rm["id2label"]) == 1
