@@ -87,3 +87,35 @@ def lf_image_dataset(folder: Path, count: int = 4) -> Path:
     }  # fmt: skip
     (folder / "dataset_info.json").write_text(json.dumps({"mllm_demo": entry}, indent=1))
     return folder / "dataset_info.json"
+
+
+def tiny_llava(folder: Path, std: float = 0.3) -> Path:
+    """A random LLaVA-1.5-shaped model (a CLIP tower of 56-pixel images in 14-pixel tiles: 16 image tokens,
+    features from its second-to-last layer; a Llama decoder), saved by transformers with the bundled
+    tokenizer plus <image> and CLIP's (PIL) image processor."""
+    import torch
+    from transformers import AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    cfg = LlavaConfig(
+        text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64,
+                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "eos_token_id": tokenizer.eos_token_id},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 56, "patch_size": 14},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        image_seq_length=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(
+        folder
+    )
+    return folder

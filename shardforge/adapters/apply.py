@@ -49,6 +49,7 @@ def freeze_parts(model: CausalModel, method: MethodSection) -> None:
     vision = method.vision
     frozen = {"tower": vision.freeze_tower, "projector": vision.freeze_projector}
     frozen["language"] = vision.freeze_language_model
+    frozen["unused"] = True  # what no output depends on (LLaVA's tower layers after its feature layer)
     parts = {model.config.part_of(model.canonical_name(n)) for n, _ in model.named_parameters()}
     if parts == {"language"}:
         return

@@ -23,9 +23,6 @@ from shardforge.data.media import IMAGE
 from shardforge.errors import DataError
 from shardforge.models.common.images import ImagePrompt
 
-MIN_SIDE = 28  # Qwen2-VL's processor needs a side of one merged patch
-MAX_ASPECT = 200
-
 
 def open_image(ref: str, src: str) -> Any:
     """A PIL image from a path or a data URL; a missing, corrupt or non-image file is an error naming it."""
@@ -44,20 +41,21 @@ def open_image(ref: str, src: str) -> Any:
     return image
 
 
-def regularize(image: Any, max_pixels: int, min_pixels: int) -> Any:
-    """LLaMA-Factory's resize into [min_pixels, max_pixels] (keeping the aspect ratio), then RGB, then
-    Qwen2-VL's side and aspect limits."""
+def regularize(image: Any, max_pixels: int, min_pixels: int, prompt: ImagePrompt) -> Any:
+    """LLaMA-Factory's resize into [min_pixels, max_pixels] (keeping the aspect ratio), then RGB, then the
+    family's side and aspect limits (Qwen2-VL's plugin: a side of at least 28, an aspect ratio up to 200)."""
     for limit, too in ((max_pixels, lambda a: a > max_pixels), (min_pixels, lambda a: a < min_pixels)):
         if too(image.width * image.height):
             factor = math.sqrt(limit / (image.width * image.height))
             image = image.resize((int(image.width * factor), int(image.height * factor)))
     if image.mode != "RGB":
         image = image.convert("RGB")
-    if min(image.width, image.height) < MIN_SIDE:
-        image = image.resize((max(image.width, MIN_SIDE), max(image.height, MIN_SIDE)))
-    if image.width / image.height > MAX_ASPECT:
+    side = prompt.min_side
+    if side and min(image.width, image.height) < side:
+        image = image.resize((max(image.width, side), max(image.height, side)))
+    if prompt.max_aspect and image.width / image.height > prompt.max_aspect:
         image = image.resize((image.height * 180, image.height))
-    if image.height / image.width > MAX_ASPECT:
+    if prompt.max_aspect and image.height / image.width > prompt.max_aspect:
         image = image.resize((image.width, image.width * 180))
     return image
 
@@ -75,10 +73,19 @@ class ImageEncoder:
     text_model: str = ""  # the model, named where it takes no images
 
     def process(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
-        images = [regularize(open_image(ref, record.source), self.max_pixels, self.min_pixels)
+        """The record's images as the processor makes them: [rows, features] patches and [images, 3] grids.
+        A processor with patch grids (Qwen2-VL) gives both; one of whole resized images (LLaVA's [images,
+        channels, height, width]) is kept an image per row, its grid (1, height, width) in pixels."""
+        assert self.prompt is not None
+        prompt = self.prompt
+        images = [regularize(open_image(ref, record.source), self.max_pixels, self.min_pixels, prompt)
                   for ref in record.images]  # fmt: skip
         out = self.processor(images=images, return_tensors="np")
-        return np.asarray(out["pixel_values"], dtype=np.float32), np.asarray(out["image_grid_thw"], np.int64)
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        if "image_grid_thw" in out:
+            return pixels, np.asarray(out["image_grid_thw"], np.int64)
+        grids = np.array([[1, *pixels.shape[-2:]]] * len(pixels), dtype=np.int64)
+        return pixels.reshape(len(pixels), -1), grids
 
     def expand(self, record: Record, grids: np.ndarray) -> Record:
         """Each `<image>` mark (in message order, then the rejected reply) as its image's prompt text."""

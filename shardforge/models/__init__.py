@@ -2,6 +2,7 @@
 
 import shardforge.models.generic.spec  # registers the generic backend
 import shardforge.models.llama.spec
+import shardforge.models.llava.spec
 import shardforge.models.qwen2_vl.spec  # noqa: F401  (registers Qwen2-VL)
 from shardforge.models.io import load_model, save_model
 from shardforge.models.presets import build_preset, preset_names

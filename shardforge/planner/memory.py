@@ -110,7 +110,8 @@ def inventory(shape: object, cfg: Config) -> list[ParamSpec]:
             size = nf4_storage_bytes(p.numel(), itemsize) / p.numel()
         vocab = parts[0] in ("embed_tokens", "lm_head") and not shape.num_labels
         split = tp_dims.get(name)
-        first = parts[0] == "embed_tokens"
+        # the embedding, and a vision-language model's tower, on the first pipeline stage
+        first = parts[0] == "embed_tokens" or shape.part_of(model.canonical_name(name)) != "language"
         out.append(
             ParamSpec(
                 name,

@@ -1,6 +1,6 @@
-"""A vision-language model (tiny Qwen2-VL, images in every record) on 2 ranks equals one process, in one
-launch: DDP, ZeRO-2 and ZeRO-3 (FSDP2), with LLaMA-Factory's default freezing (the tower and the projector
-frozen) and with every part training."""
+"""Vision-language models (tiny Qwen2-VL and LLaVA, images in every record) on 2 ranks equal one process, in
+one launch: DDP, ZeRO-2 and ZeRO-3 (FSDP2) for Qwen2-VL with LLaMA-Factory's default freezing (the tower and
+the projector frozen) and with every part training; DDP and ZeRO-3 for LLaVA with every part training."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from tests.dist._harness import run_ranks
 from tests.dist._training import assert_same, parity_train, train_runs
-from tests.vision import lf_image_dataset, tiny_qwen2_vl
+from tests.vision import lf_image_dataset, tiny_llava, tiny_qwen2_vl
 
 ONE = parity_train(3, mb=2)  # 4 rows a step: 2 per micro-step x 2 accumulation
 RANKS = parity_train(3, mb=1)  # ... as 1 per rank x 2 accumulation x 2 ranks
@@ -24,7 +24,8 @@ VISION = {"frozen-tower": {}, "all-parts": {"freeze_tower": False, "freeze_proje
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
-    return tiny_qwen2_vl(root / "model"), lf_image_dataset(root / "data", count=8)
+    data = lf_image_dataset(root / "data", count=8)
+    return {"qwen2_vl": (tiny_qwen2_vl(root / "qwen2_vl"), data), "llava": (tiny_llava(root / "llava"), data)}
 
 
 def _config(tmp_path, folders, name, train, vision, parallel=None):
@@ -42,20 +43,22 @@ def _config(tmp_path, folders, name, train, vision, parallel=None):
     }  # fmt: skip
 
 
-def test_vision_language_model_on_two_ranks_equals_one_process(tmp_path, folders):
-    refs = {
-        v: train_runs([_config(tmp_path, folders, f"one-{v}", ONE, vision)])[0]
-        for v, vision in VISION.items()
-    }
-    configs, names = [], []
-    for v, vision in VISION.items():
-        for layout, parallel in LAYOUTS.items():
-            configs.append(_config(tmp_path, folders, f"{layout}-{v}", RANKS, vision, parallel))
-            names.append(v)
+def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders):
+    cases = [("qwen2_vl", v, layout) for v in VISION for layout in LAYOUTS]
+    cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3")]
+    refs = {}
+    for family, v in sorted({(f, v) for f, v, _ in cases}):
+        name = f"one-{family}-{v}"
+        refs[family, v] = train_runs([_config(tmp_path, folders[family], name, ONE, VISION[v])])[0]
+    configs = [
+        _config(tmp_path, folders[f], f"{f}-{layout}-{v}", RANKS, VISION[v], LAYOUTS[layout])
+        for f, v, layout in cases
+    ]
     runs = run_ranks(train_runs, 2, configs)[0]
-    for v, run in zip(names, runs, strict=True):
-        assert run["layout"] != refs[v]["layout"]
-        assert_same(run, refs[v], rel=1e-5, atol=1e-4)
-    moved = refs["all-parts"]["state"]["visual.blocks.0.attn.qkv.weight"]
-    kept = refs["frozen-tower"]["state"]["visual.blocks.0.attn.qkv.weight"]
+    for (family, v, _), run in zip(cases, runs, strict=True):
+        ref = refs[family, v]
+        assert run["layout"] != ref["layout"]
+        assert_same(run, ref, rel=1e-5, atol=1e-4)
+    moved = refs["qwen2_vl", "all-parts"]["state"]["visual.blocks.0.attn.qkv.weight"]
+    kept = refs["qwen2_vl", "frozen-tower"]["state"]["visual.blocks.0.attn.qkv.weight"]
     assert not torch.equal(moved, kept)  # the tower trained in one, not in the other

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardforge.errors import DataError
-from tests.vision import lf_image_dataset, random_image, tiny_qwen2_vl
+from tests.vision import lf_image_dataset, random_image, tiny_llava, tiny_qwen2_vl
 
 
 @pytest.fixture(scope="module")
@@ -165,37 +165,44 @@ def test_images_for_a_text_model_are_refused(tmp_path, tokenizer_dir):
         _rows(config)
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_the_first_step_loss_equals_transformers(tmp_path, model_dir, packing):
-    """A micro-batch of the run (two records, four images, packed into one row or not): our loss equals
-    Qwen2VLForConditionalGeneration's on the same tokens, images and labels (each document on its own)."""
-    from transformers import Qwen2VLForConditionalGeneration
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return tiny_llava(tmp_path_factory.mktemp("llava"))
 
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_first_step_loss_equals_transformers(tmp_path, model_dir, llava_dir, family, packing):
+    """A micro-batch of the run (two records, three images, packed into one row or not): our loss equals
+    transformers' model's (Qwen2-VL, LLaVA) on the same tokens, images and labels (each document alone)."""
     from shardforge.data.batching import IGNORE, collate
     from shardforge.models import load_model
     from shardforge.objectives import build_objective
+    from tests.unit.test_vision_language import reference_model
 
+    folder = model_dir if family == "qwen2_vl" else llava_dir
     info = lf_image_dataset(tmp_path / "data")
-    config = _config(tmp_path, model_dir, [{"name": "mllm_demo", "dataset_info": str(info)}], packing=packing)
-    rows = _rows(config)
-    store = rows.examples
+    config = _config(tmp_path, folder, [{"name": "mllm_demo", "dataset_info": str(info)}], packing=packing)
+    store = _rows(config).examples
     batch = collate(store, [[0, 1]] if packing else [[0], [1]], pad_id=0)
     objective = build_objective(config.method)
-    ours = load_model(model_dir)
+    ours = load_model(folder)
     with torch.no_grad():
         got = objective.loss(ours(batch.input_ids, **objective.model_inputs(batch)), batch)["loss"]
-    reference = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    reference = reference_model(folder)
     expected = 0.0
     pad = reference.config.image_token_id
     for i in range(2):
         ids, trained = (torch.from_numpy(a) for a in store.arrays(i))
         images = store.images(i)
-        labels = torch.where(trained, ids, IGNORE)
+        pixels, grids = torch.tensor(images.pixels), torch.tensor(images.grids)
+        if family == "qwen2_vl":
+            kwargs = {"mm_token_type_ids": (ids == pad).int()[None], "pixel_values": pixels,
+                      "image_grid_thw": grids}  # fmt: skip
+        else:  # whole images, an image a row
+            kwargs = {"pixel_values": pixels.view(len(grids), 3, *grids[0, 1:].tolist())}
         with torch.no_grad():
-            out = reference(
-                input_ids=ids[None], labels=labels[None], mm_token_type_ids=(ids == pad).int()[None],
-                pixel_values=torch.tensor(images.pixels), image_grid_thw=torch.tensor(images.grids),
-            )  # fmt: skip
+            out = reference(input_ids=ids[None], labels=torch.where(trained, ids, IGNORE)[None], **kwargs)
         expected += out.loss * int(trained[1:].sum())  # the mean over targets, back to a sum
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
@@ -294,46 +301,44 @@ def test_rollout_stages_and_model_parallel_layouts_are_refused(tmp_path, model_d
         check_layout(load_config(None, base={**base, "method": {"stage": "grpo"}}), 1, shape)
 
 
-def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_dir):
-    """LoRA on the decoder of a VLM: the run's PEFT folder loads onto transformers' Qwen2-VL with no missing
-    or unexpected key (peft names modules as transformers 5 holds them: model.language_model.*), and gives
-    our logits with images; our own reader takes the folder back."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_dir, llava_dir, family):
+    """LoRA on the decoder of a VLM: the run's PEFT folder loads onto transformers' model with no missing or
+    unexpected key (peft names modules as transformers 5 holds them: model.language_model.*; LLaVA's CLIP
+    tower has q_proj / k_proj / v_proj too, which target_modules must not reach), and gives our logits with
+    images; our own reader takes the folder back."""
     import warnings
 
     from peft import PeftModel
-    from transformers import Qwen2VLForConditionalGeneration
 
     from shardforge.adapters.apply import apply_finetuning
     from shardforge.config import load_config
     from shardforge.models import load_model
     from shardforge.train.trainer import train
-    from tests.unit.test_vision_language import SAMPLES, encode
+    from tests.unit.test_vision_language import SAMPLES, encode, reference_model
 
+    folder = model_dir if family == "qwen2_vl" else llava_dir
     info = lf_image_dataset(tmp_path / "data")
-    base = _config(tmp_path, model_dir, [{"name": "mllm_demo", "dataset_info": str(info)}]).model_dump(
+    base = _config(tmp_path, folder, [{"name": "mllm_demo", "dataset_info": str(info)}]).model_dump(
         mode="json"
     )
     base["method"] = {"finetuning": "lora", "lora": {"rank": 4}}
     base["train"]["lr"] = 0.05
     config = load_config(None, base=base)
-    folder = train(config).final_model
-    assert (folder / "adapter_config.json").is_file()
+    adapter = train(config).final_model
+    assert (adapter / "adapter_config.json").is_file()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # peft warns of missing or unexpected adapter keys
-        reference = Qwen2VLForConditionalGeneration.from_pretrained(model_dir)
-        reference = PeftModel.from_pretrained(reference, folder).eval()
-    ours = load_model(model_dir)
-    apply_finetuning(ours, config.method, 0, adapter=str(folder))
-    ids, images, types = encode(model_dir, SAMPLES[2])
+        reference = PeftModel.from_pretrained(reference_model(folder), adapter).eval()
+    ours = load_model(folder)
+    apply_finetuning(ours, config.method, 0, adapter=str(adapter))
+    ids, images, kwargs = encode(folder, SAMPLES[2])
+    if family == "llava":
+        kwargs.pop("mm_token_type_ids", None)
     with torch.no_grad():
-        expected = reference(
-            input_ids=ids, mm_token_type_ids=types, pixel_values=images.pixel_values,
-            image_grid_thw=images.grid_thw,
-        ).logits  # fmt: skip
-        plain = reference.get_base_model()
+        expected = reference(input_ids=ids, **kwargs).logits
         with reference.disable_adapter():
-            untouched = plain(input_ids=ids, mm_token_type_ids=types, pixel_values=images.pixel_values,
-                              image_grid_thw=images.grid_thw).logits  # fmt: skip
+            untouched = reference.get_base_model()(input_ids=ids, **kwargs).logits
         got = ours.eval()(ids, images=images)
     assert (expected - untouched).abs().max() > 1e-3  # the adapter changes the logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)

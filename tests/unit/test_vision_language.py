@@ -1,98 +1,123 @@
-"""Qwen2-VL on our decoder against transformers' own model: M-RoPE positions equal get_rope_index's, logits
-equal Qwen2VLForConditionalGeneration's (fp32, 1e-4) with 0, 1 and 2 images of different sizes per sample,
-and the checkpoint loads and exports as transformers reads it."""
+"""Vision-language families on our decoder against transformers' own models (Qwen2-VL, LLaVA): logits equal
+theirs (fp32, 1e-4) with 0, 1 and 2 images of different sizes per sample, Qwen2-VL's M-RoPE positions equal
+get_rope_index's, and the checkpoint loads and exports as transformers reads it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from shardforge.models.common.images import ImageInputs
-from tests.vision import VISION_TOKENS, random_image, tiny_qwen2_vl
+from tests.vision import random_image, tiny_llava, tiny_qwen2_vl
 
 # (height, width) of each sample's images: none, one, two of different sizes (and orientations)
 SAMPLES = [(), ((56, 84),), ((112, 56), (60, 90))]
+FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava}
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def folder(request, tmp_path_factory):
+    return FAMILIES[request.param](tmp_path_factory.mktemp(request.param))
 
 
-@pytest.fixture(scope="module")
-def reference(folder):
-    from transformers import Qwen2VLForConditionalGeneration
+def reference_model(folder):
+    from transformers import AutoConfig, LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
 
-    return Qwen2VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    kind = AutoConfig.from_pretrained(folder).model_type
+    cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "llava": LlavaForConditionalGeneration}[kind]
+    return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def encode(folder, sizes, seed=0):
-    """Token ids with each image's placeholder expanded to its tokens, its ImageInputs (or None) and the
-    token types transformers' forward takes."""
+    """Token ids with each image's prompt (the family's: its tokens, one per image embedding), the images
+    as our forward takes them, and the keyword arguments transformers' forward takes for the same."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
+    from shardforge.config.schema import ModelSection
+    from shardforge.models.build import check_model_source
+
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    start, end, pad, _ = VISION_TOKENS
+    prompt = check_model_source(ModelSection(path=str(folder))).image_prompt(tokenizer)
     images = [random_image(h, w, seed + i) for i, (h, w) in enumerate(sizes)]
-    text = "Describe" + "".join(f" image {i}: {start}{pad}{end}" for i in range(len(images))) + " briefly."
-    images_in = None
+    text = "Describe" + "".join(f" image {i}: \0" for i in range(len(images))) + " briefly."
+    ours, theirs = None, {}
     if images:
-        processed = AutoImageProcessor.from_pretrained(folder)(images=images, return_tensors="pt")
-        grids = processed["image_grid_thw"]
-        for grid in grids.tolist():  # one placeholder at a time, in order
-            text = text.replace(pad, "\0" * (grid[0] * grid[1] * grid[2] // 4), 1)
-        text = text.replace("\0", pad)
-        images_in = ImageInputs(processed["pixel_values"], grids)
+        out = AutoImageProcessor.from_pretrained(folder)(images=images, return_tensors="pt")
+        pixels = out["pixel_values"]
+        if "image_grid_thw" in out:  # Qwen2-VL: patches and their grids
+            grids = out["image_grid_thw"]
+            ours = ImageInputs(pixels, grids)
+            theirs = {"pixel_values": pixels, "image_grid_thw": grids}
+        else:  # LLaVA: whole resized images
+            grids = torch.tensor([[1, *pixels.shape[-2:]]] * len(images))
+            ours = ImageInputs(pixels.flatten(1), grids)
+            theirs = {"pixel_values": pixels}
+        for grid in grids.tolist():
+            text = text.replace("\0", prompt.text(tuple(grid)), 1)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
-    types = (ids == tokenizer.convert_tokens_to_ids(pad)).int()
-    return ids, images_in, types
+    if "image_grid_thw" in theirs or not images:
+        theirs["mm_token_type_ids"] = (ids == prompt.token_id).int()
+    return ids, ours, theirs
 
 
 @pytest.mark.parametrize("sizes", SAMPLES, ids=["no-image", "one-image", "two-images"])
-def test_logits_equal_transformers(folder, reference, sizes):
+def test_logits_equal_transformers(folder, sizes):
     from shardforge.models import load_model
 
-    ids, images, types = encode(folder, sizes)
+    ids, images, kwargs = encode(folder, sizes)
+    reference = reference_model(folder)
+    if reference.config.model_type == "llava":
+        kwargs.pop("mm_token_type_ids", None)
     ours = load_model(folder).eval()
-    kwargs = {}
-    if images is not None:
-        kwargs = {"pixel_values": images.pixel_values, "image_grid_thw": images.grid_thw}
     with torch.no_grad():
-        expected = reference(input_ids=ids, mm_token_type_ids=types, **kwargs).logits
+        expected = reference(input_ids=ids, **kwargs).logits
         got = ours(ids, images=images)
-    assert (types.sum() > 0) == bool(sizes)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-def test_positions_equal_transformers_rope_index(folder, reference):
+def test_qwen2_vl_positions_equal_transformers_rope_index(tmp_path):
     from shardforge.models.qwen2_vl.rope import rope_index
 
-    ids, images, types = encode(folder, SAMPLES[2])
-    expected, _ = reference.model.get_rope_index(ids, types, image_grid_thw=images.grid_thw)
+    folder = tiny_qwen2_vl(tmp_path)
+    ids, images, kwargs = encode(folder, SAMPLES[2])
+    reference = reference_model(folder)
+    expected, _ = reference.model.get_rope_index(
+        ids, kwargs["mm_token_type_ids"], image_grid_thw=images.grid_thw
+    )
     pad = reference.config.image_token_id
     assert torch.equal(rope_index(ids, pad, images.grid_thw, 2), expected)
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_export_is_a_folder_transformers_loads(tmp_path, tie):
+def test_qwen2_vl_export_is_a_folder_transformers_loads(tmp_path, tie):
     """Ours written back as an HF folder: transformers' class loads it whole (no missing or unexpected
     keys) and gives our logits; the folder's config is the family's own."""
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    _exports_exactly(tmp_path, tiny_qwen2_vl(tmp_path / "in", tie=tie))
+
+
+def test_llava_export_is_a_folder_transformers_loads(tmp_path):
+    _exports_exactly(tmp_path, tiny_llava(tmp_path / "in"))
+
+
+def _exports_exactly(tmp_path, source):
+    from transformers import AutoTokenizer
 
     from shardforge.models import load_model, save_model
 
-    source = tiny_qwen2_vl(tmp_path / "in", tie=tie)
     ours = load_model(source).eval()
-    assert ours.config.tie_embeddings is tie
     out = save_model(ours, tmp_path / "out", AutoTokenizer.from_pretrained(source))
-    back, info = Qwen2VLForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    cls = type(reference_model(source))
+    back, info = cls.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
-    ids, images, types = encode(source, SAMPLES[2])
+    ids, images, kwargs = encode(source, SAMPLES[2])
+    if back.config.model_type == "llava":
+        kwargs.pop("mm_token_type_ids", None)
     with torch.no_grad():
-        expected = back.eval()(
-            input_ids=ids, mm_token_type_ids=types, pixel_values=images.pixel_values,
-            image_grid_thw=images.grid_thw,
-        ).logits  # fmt: skip
+        expected = back.eval()(input_ids=ids, **kwargs).logits
         torch.testing.assert_close(ours(ids, images=images), expected, atol=1e-4, rtol=0)
     assert back.config.image_token_id == ours.config.image_token_id
-    assert back.config.text_config.rope_parameters["mrope_section"] == [2, 3, 3]
+    assert (out / "preprocessor_config.json").is_file()
+    np.testing.assert_array_equal(
+        np.asarray(back.config.architectures), np.asarray(ours.config.hf_config["architectures"])
+    )

@@ -22,17 +22,23 @@ class ImageInputs:
 
 @dataclass(frozen=True)
 class ImagePrompt:
-    """How a family's prompt holds one image: `before`, its image token once per merged patch, `after`
-    (Qwen2-VL: <|vision_start|> <|image_pad|> x n <|vision_end|>)."""
+    """How a family's prompt holds one image: `before`, its image token once per image embedding, `after`
+    (Qwen2-VL: <|vision_start|> <|image_pad|> x n <|vision_end|>; LLaVA: <image> x 576), and the family's
+    limits on an image's sides (LLaMA-Factory's plugin of the family applies them before the processor)."""
 
     token_id: int
     token: str
-    before: str
-    after: str
-    merge: int  # patches per image token along each side
+    before: str = ""
+    after: str = ""
+    merge: int = 1  # patches per image token along each side (Qwen2-VL's patch merger: 2)
+    fixed: int = 0  # tokens per image whatever its size (LLaVA's resized crop); 0: from the patch grid
+    min_side: int = 0  # pixels an image's shorter side is raised to (Qwen2-VL: 28)
+    max_aspect: float = 0.0  # a longer / shorter side above this is cut to 180 (Qwen2-VL: 200); 0: none
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """Image tokens of an image whose (t, h, w) patch grid is `grid`."""
+        if self.fixed:
+            return self.fixed
         t, h, w = grid
         return t * h * w // (self.merge * self.merge)
 

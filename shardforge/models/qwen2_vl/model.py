@@ -60,7 +60,7 @@ class VisionLanguageConfig(DecoderConfig):
                 f"config.json): use the model's own tokenizer"
             )
         token, before, after = names
-        return ImagePrompt(self.image_token_id, token, before, after, self.merge)
+        return ImagePrompt(self.image_token_id, token, before, after, self.merge, min_side=28, max_aspect=200)
 
 
 def vision_tower(cfg: VisionLanguageConfig) -> nn.Module:

@@ -1,0 +1,133 @@
+"""LLaVA (1.5): transformers' own vision tower (CLIP or SigLIP, as config.json's vision_config names it) and
+multi-modal projector in front of our Llama-family decoder. Each image (resized and cropped to the tower's
+size by its processor) becomes the projected features of one of the tower's hidden layers
+(`vision_feature_layer`; without the class token under the "default" strategy), which replace the
+embeddings of that image's `<image>` tokens; positions are the decoder's own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from shardforge.errors import ModelError
+from shardforge.models.common.config import DecoderConfig
+from shardforge.models.common.images import ImageInputs, ImagePrompt
+from shardforge.models.llama.model import Decoder, MLPFactory
+
+TOWER, PROJECTOR = "vision_tower.", "multi_modal_projector."
+
+
+@dataclass
+class LlavaConfig(DecoderConfig):
+    """The decoder's shape plus the image token and how features are taken from the tower; `hf_config` is
+    the whole checkpoint config (transformers' LlavaConfig, which the projector is built from)."""
+
+    image_token_id: int = -1
+    feature_layer: int = -2
+    select: str = "default"  # "default": drop the class token; "full": keep it
+    vision: dict = field(default_factory=dict)  # config.json's vision_config
+    takes_images: ClassVar[bool] = True
+
+    @property
+    def tokens_per_image(self) -> int:
+        side = int(self.vision["image_size"]) // int(self.vision["patch_size"])
+        return side * side + (self.select == "full")
+
+    def part_of(self, name: str) -> str:
+        """As the decoder's; the tower's layers after the feature layer, and its final norm and pooling head,
+        never reach the features: "unused" (they never train)."""
+        if name.startswith(PROJECTOR):
+            return "projector"
+        if not name.startswith(TOWER):
+            return "language"
+        rest = name.removeprefix(TOWER).split(".")
+        used = self.feature_layer % (int(self.vision["num_hidden_layers"]) + 1)  # hidden_states[k]: k layers
+        if rest[0] in ("post_layernorm", "head") or (
+            rest[:2] == ["encoder", "layers"] and int(rest[2]) >= used
+        ):
+            return "unused"
+        return "tower"
+
+    def image_prompt(self, tokenizer: Any) -> ImagePrompt:
+        (token,) = tokenizer.convert_ids_to_tokens([self.image_token_id])
+        if token is None or self.image_token_id >= len(tokenizer):
+            raise ModelError(
+                f"the tokenizer has no image token {self.image_token_id} (config.json's image_token_index): "
+                f"use the model's own tokenizer"
+            )
+        return ImagePrompt(self.image_token_id, token, fixed=self.tokens_per_image)
+
+
+def _hf_llava_config(cfg: LlavaConfig) -> Any:
+    from transformers import LlavaConfig as HFLlavaConfig
+
+    return HFLlavaConfig.from_dict(cfg.hf_config)
+
+
+class LlavaDecoder(Decoder):
+    """Token ids and images -> logits; the tower and projector are transformers' modules."""
+
+    vision = True
+
+    def __init__(self, cfg: LlavaConfig, mlp: MLPFactory | None = None) -> None:
+        from transformers import AutoModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        super().__init__(cfg, mlp)
+        hf = _hf_llava_config(cfg)
+        hf.vision_config._attn_implementation = "sdpa"
+        self.vision_tower: nn.Module | None = AutoModel.from_config(hf.vision_config)
+        self.multi_modal_projector: nn.Module | None = LlavaMultiModalProjector(hf)
+
+    def reset_buffers(self) -> None:
+        super().reset_buffers()
+        if self.vision_tower is None:
+            return
+        for name, buffer in self.vision_tower.named_buffers():  # CLIP's / SigLIP's position ids
+            if name.endswith("position_ids"):
+                buffer.copy_(torch.arange(buffer.shape[-1], device=buffer.device).expand_as(buffer))
+
+    def prune(self, layers: list[int], first: bool, last: bool) -> None:
+        super().prune(layers, first, last)
+        if not first:  # the tower and projector run on the first pipeline stage, beside the embedding
+            self.vision_tower = self.multi_modal_projector = None
+
+    def part(self, layers: list[int], first: bool, last: bool) -> LlavaDecoder:
+        view = super().part(layers, first, last)
+        view.vision_tower = self.vision_tower if first else None
+        view.multi_modal_projector = self.multi_modal_projector if first else None
+        return view
+
+    def image_embeddings(self, images: ImageInputs, dtype: torch.dtype) -> torch.Tensor:
+        """[images x tokens per image, hidden]: each image's projected features, in order."""
+        cfg = self.config
+        patch = int(cfg.vision["patch_size"])
+        _, h, w = (int(v) for v in images.grid_thw[0].tolist())
+        pixels = images.pixel_values.view(len(images.grid_thw), 3, h, w)
+        if h % patch or w % patch:
+            raise ModelError(
+                f"images of {h} x {w} pixels do not split into the tower's {patch}-pixel patches"
+            )
+        tower = self.vision_tower
+        weight = next(tower.parameters())
+        out = tower(pixels.to(weight.dtype), output_hidden_states=True, return_dict=True)
+        features = out.hidden_states[cfg.feature_layer]
+        if cfg.select == "default":
+            features = features[:, 1:]
+        return self.multi_modal_projector(features).flatten(0, 1).to(dtype)
+
+    def embed(self, x: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
+        if images is None or self.embed_tokens is None:
+            return super().embed(x, None)
+        h = self.embed_tokens(x)
+        slots = x == self.config.image_token_id
+        features = self.image_embeddings(images, h.dtype)
+        if int(slots.sum()) != features.shape[0]:
+            raise ModelError(
+                f"the batch has {int(slots.sum())} image tokens but its {len(images.grid_thw)} image(s) make "
+                f"{features.shape[0]} embeddings: each <image> must be expanded to its tokens"
+            )
+        return h.masked_scatter(slots[..., None], features)

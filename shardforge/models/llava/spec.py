@@ -1,0 +1,29 @@
+"""Register LLaVA: our decoder with transformers' vision tower and projector (model.py)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from shardforge.models.common.costs import costs
+from shardforge.models.llama.plan import tensor_parallel_plan
+from shardforge.models.llava import hf_adapter
+from shardforge.models.llava.model import LlavaDecoder
+from shardforge.models.spec import ModelSpec, register
+
+register(
+    ModelSpec(
+        name="llava",
+        model_type="llava",
+        architecture="LlavaForConditionalGeneration",
+        model_cls=LlavaDecoder,
+        config_from_hf=hf_adapter.config_from_hf,
+        hf_config_from=partial(
+            hf_adapter.hf_config_from, model_type="llava", architecture="LlavaForConditionalGeneration"
+        ),
+        key_to_hf=hf_adapter.key_to_hf,
+        key_from_hf=hf_adapter.key_from_hf,
+        costs=costs,
+        tp_plan=tensor_parallel_plan,
+        runtime_module=hf_adapter.runtime_module,
+    )
+)
