@@ -189,16 +189,16 @@ def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
 
 
 def check_vision(cfg: Config, dims: ParallelDims, shape: Any) -> None:
-    """A vision-language model trains data parallel (DDP, ZeRO-1/2/3) on its data sets so far: its tower
-    runs beside the decoder's embedding, which tensor, pipeline and context parallel split differently, and
-    the rollout engine does not place images yet."""
+    """A vision-language model trains data and tensor parallel so far (its tower whole on every tensor-
+    parallel rank, its decoder split): pipeline, context and expert parallel would have to carry the images
+    with the rows, and the rollout engine does not place images yet."""
     if not shape.takes_images:
         return
-    for key, degree in (("tp", dims.tp), ("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
+    for key, degree in (("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
         if degree > 1:
             raise ConfigError(
-                f"parallel.{key}={degree}: a vision-language model ({shape.family}) trains with data "
-                f"parallel only so far (parallel.dp_shard with zero_stage 0-3, or dp_replicate); set "
+                f"parallel.{key}={degree}: a vision-language model ({shape.family}) trains with data and "
+                f"tensor parallel only so far (parallel.dp_shard / dp_replicate, parallel.tp); set "
                 f"parallel.{key}: 1"
             )
     if traits_of(cfg).rollouts:

@@ -124,3 +124,35 @@ class ReplicatedKVHeads(ParallelStyle):
         return distribute_module(
             module, device_mesh, input_fn=self._prepare_input, output_fn=self._prepare_output
         )
+
+
+class LocalReplicate(ParallelStyle):
+    """A module whose code we do not own (transformers' vision towers) run whole on every TP rank: its
+    parameters become DTensors replicated over the TP mesh (so every parameter of a TP model is on one mesh,
+    for the optimizer, clipping and FSDP2), and while it runs each is shadowed by its local tensor
+    (`to_local`, differentiable: the gradient comes back to the DTensor, replicated), so its code sees plain
+    tensors. Every rank computes the same values from the same inputs, so the gradients agree across ranks,
+    as a replicated DTensor's must."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        held: list[tuple[nn.Module, str]] = []
+        for sub in module.modules():
+            for name, param in list(sub._parameters.items()):
+                if param is None or isinstance(param, DTensor):
+                    continue
+                local = DTensor.from_local(param.data, device_mesh, [Replicate()], run_check=False)
+                sub._parameters[name] = nn.Parameter(local, requires_grad=param.requires_grad)
+                held.append((sub, name))
+
+        def shadow(_module: nn.Module, _args: Any) -> None:
+            for sub, name in held:
+                param = sub._parameters[name]  # FSDP2 may have swapped in its unsharded DTensor
+                sub.__dict__[name] = param.to_local() if isinstance(param, DTensor) else param
+
+        def unshadow(_module: nn.Module, _args: Any, _output: Any) -> None:
+            for sub, name in held:
+                sub.__dict__.pop(name, None)
+
+        module.register_forward_pre_hook(shadow)
+        module.register_forward_hook(unshadow)
+        return module

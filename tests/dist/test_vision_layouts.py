@@ -1,6 +1,7 @@
 """Vision-language models (tiny Qwen2-VL and LLaVA, images in every record) on 2 ranks equal one process, in
 one launch: DDP, ZeRO-2 and ZeRO-3 (FSDP2) for Qwen2-VL with LLaMA-Factory's default freezing (the tower and
-the projector frozen) and with every part training; DDP and ZeRO-3 for LLaVA with every part training."""
+the projector frozen) and with every part training, and TP2 with and without sequence parallel (the tower
+whole on both ranks, the decoder split); DDP, ZeRO-3 and TP2 + SP for LLaVA with every part training."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ LAYOUTS = {
     "ddp": {"dp_replicate": 2, "dp_shard": 1},
     "zero2": {"dp_shard": 2, "zero_stage": 2},
     "zero3": {"dp_shard": 2, "zero_stage": 3},
+    "tp2": {"tp": 2, "dp_shard": 1, "sequence_parallel": False},  # the tower whole on both, the decoder split
+    "tp2-sp": {"tp": 2, "dp_shard": 1, "sequence_parallel": True},
 }
+TP = {"tp2", "tp2-sp"}  # no data parallel: each rank runs all 4 rows
 VISION = {"frozen-tower": {}, "all-parts": {"freeze_tower": False, "freeze_projector": False}}
 
 
@@ -45,13 +49,20 @@ def _config(tmp_path, folders, name, train, vision, parallel=None):
 
 def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders):
     cases = [("qwen2_vl", v, layout) for v in VISION for layout in LAYOUTS]
-    cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3")]
+    cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3", "tp2-sp")]
     refs = {}
     for family, v in sorted({(f, v) for f, v, _ in cases}):
         name = f"one-{family}-{v}"
         refs[family, v] = train_runs([_config(tmp_path, folders[family], name, ONE, VISION[v])])[0]
     configs = [
-        _config(tmp_path, folders[f], f"{f}-{layout}-{v}", RANKS, VISION[v], LAYOUTS[layout])
+        _config(
+            tmp_path,
+            folders[f],
+            f"{f}-{layout}-{v}",
+            ONE if layout in TP else RANKS,
+            VISION[v],
+            LAYOUTS[layout],
+        )
         for f, v, layout in cases
     ]
     runs = run_ranks(train_runs, 2, configs)[0]
@@ -62,3 +73,12 @@ def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders
     moved = refs["qwen2_vl", "all-parts"]["state"]["visual.blocks.0.attn.qkv.weight"]
     kept = refs["qwen2_vl", "frozen-tower"]["state"]["visual.blocks.0.attn.qkv.weight"]
     assert not torch.equal(moved, kept)  # the tower trained in one, not in the other
+
+
+def test_tensor_and_data_parallel_together_on_four_ranks(tmp_path, folders):
+    """TP2 x ZeRO-3 (FSDP2 over a 2-D mesh: the tower's replicated DTensors sharded over data parallel)."""
+    ref = train_runs([_config(tmp_path, folders["qwen2_vl"], "one", ONE, VISION["all-parts"])])[0]
+    parallel = {"tp": 2, "dp_shard": 2, "zero_stage": 3, "sequence_parallel": True}
+    config = _config(tmp_path, folders["qwen2_vl"], "tp2-zero3", RANKS, VISION["all-parts"], parallel)
+    (run,) = run_ranks(train_runs, 4, [config])[0]
+    assert_same(run, ref, rel=1e-5, atol=1e-4)

@@ -295,8 +295,8 @@ def test_rollout_stages_and_model_parallel_layouts_are_refused(tmp_path, model_d
         mode="json"
     )
     shape = check_model_source(load_config(None, base=base).model)
-    with pytest.raises(ConfigError, match=r"parallel\.tp=2: a vision-language model"):
-        check_layout(load_config(None, base={**base, "parallel": {"tp": 2}}), 2, shape)
+    with pytest.raises(ConfigError, match=r"parallel\.pp=2: a vision-language model"):
+        check_layout(load_config(None, base={**base, "parallel": {"pp": 2}}), 2, shape)
     with pytest.raises(ConfigError, match="does not take images yet"):
         check_layout(load_config(None, base={**base, "method": {"stage": "grpo"}}), 1, shape)
 

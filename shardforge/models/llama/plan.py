@@ -17,6 +17,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -26,6 +27,7 @@ from shardforge.models.common.config import DecoderConfig
 from shardforge.sharding.styles import (
     GatherStream,
     KVColwiseParallel,
+    LocalReplicate,
     ReplicatedKVHeads,
     ReplicateParallel,
     WholeSequenceParallel,
@@ -126,4 +128,21 @@ def _mlp_plan(cfg: DecoderConfig, stream: Placement) -> dict[str, ParallelStyle]
             plan[f"{shared}.up_proj"] = ColwiseParallel()
             plan[f"{shared}.down_proj"] = RowwiseParallel()
             plan[f"layers.{i}.mlp.shared_expert_gate"] = ReplicateParallel()
+    return plan
+
+
+def vision_language_plan(
+    cfg: DecoderConfig, tp: int, sequence_parallel: bool, towers: tuple[str, ...]
+) -> dict[str, ParallelStyle]:
+    """A vision-language model: the decoder's plan, its vision `towers` (and projector) run whole on every
+    rank, and the embedding's output kept whole until the image features are placed in it (`stream_split`
+    then cuts it to the sequence-parallel shard, a slice with no communication)."""
+    plan = tensor_parallel_plan(cfg, tp, sequence_parallel)
+    plan["embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if sequence_parallel:
+        plan["stream_split"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+        )
+    for tower in towers:
+        plan[tower] = LocalReplicate()
     return plan

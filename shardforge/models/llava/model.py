@@ -15,7 +15,8 @@ from torch import nn
 from shardforge.errors import ModelError
 from shardforge.models.common.config import DecoderConfig
 from shardforge.models.common.images import ImageInputs, ImagePrompt
-from shardforge.models.llama.model import Decoder, MLPFactory
+from shardforge.models.llama.model import MLPFactory
+from shardforge.models.llama.vision import VisionLanguageDecoder
 
 TOWER, PROJECTOR = "vision_tower.", "multi_modal_projector."
 
@@ -67,10 +68,10 @@ def _hf_llava_config(cfg: LlavaConfig) -> Any:
     return HFLlavaConfig.from_dict(cfg.hf_config)
 
 
-class LlavaDecoder(Decoder):
+class LlavaDecoder(VisionLanguageDecoder):
     """Token ids and images -> logits; the tower and projector are transformers' modules."""
 
-    vision = True
+    TOWERS = ("vision_tower", "multi_modal_projector")
 
     def __init__(self, cfg: LlavaConfig, mlp: MLPFactory | None = None) -> None:
         from transformers import AutoModel
@@ -90,17 +91,6 @@ class LlavaDecoder(Decoder):
             if name.endswith("position_ids"):
                 buffer.copy_(torch.arange(buffer.shape[-1], device=buffer.device).expand_as(buffer))
 
-    def prune(self, layers: list[int], first: bool, last: bool) -> None:
-        super().prune(layers, first, last)
-        if not first:  # the tower and projector run on the first pipeline stage, beside the embedding
-            self.vision_tower = self.multi_modal_projector = None
-
-    def part(self, layers: list[int], first: bool, last: bool) -> LlavaDecoder:
-        view = super().part(layers, first, last)
-        view.vision_tower = self.vision_tower if first else None
-        view.multi_modal_projector = self.multi_modal_projector if first else None
-        return view
-
     def image_embeddings(self, images: ImageInputs, dtype: torch.dtype) -> torch.Tensor:
         """[images x tokens per image, hidden]: each image's projected features, in order."""
         cfg = self.config
@@ -118,16 +108,3 @@ class LlavaDecoder(Decoder):
         if cfg.select == "default":
             features = features[:, 1:]
         return self.multi_modal_projector(features).flatten(0, 1).to(dtype)
-
-    def embed(self, x: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
-        if images is None or self.embed_tokens is None:
-            return super().embed(x, None)
-        h = self.embed_tokens(x)
-        slots = x == self.config.image_token_id
-        features = self.image_embeddings(images, h.dtype)
-        if int(slots.sum()) != features.shape[0]:
-            raise ModelError(
-                f"the batch has {int(slots.sum())} image tokens but its {len(images.grid_thw)} image(s) make "
-                f"{features.shape[0]} embeddings: each <image> must be expanded to its tokens"
-            )
-        return h.masked_scatter(slots[..., None], features)

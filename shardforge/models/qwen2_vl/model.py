@@ -15,7 +15,8 @@ from shardforge.errors import ModelError
 from shardforge.models.common.attention import AttentionContext, Cache, DocLayout
 from shardforge.models.common.config import DecoderConfig
 from shardforge.models.common.images import ImageInputs, ImagePrompt
-from shardforge.models.llama.model import Decoder, MLPFactory
+from shardforge.models.llama.model import MLPFactory
+from shardforge.models.llama.vision import VisionLanguageDecoder
 from shardforge.models.qwen2_vl.rope import mrope_cos_sin, rope_index
 
 
@@ -73,16 +74,16 @@ def vision_tower(cfg: VisionLanguageConfig) -> nn.Module:
     return Qwen2VisionTransformerPretrainedModel._from_config(config)
 
 
-class VisionLanguageDecoder(Decoder):
+class Qwen2VLDecoder(VisionLanguageDecoder):
     """Token ids and images -> logits. The images' merged patch embeddings replace the embeddings of the
     image tokens (in order); positions are M-RoPE's [3, b, s] where a batch has images (rows of plain text
     take the usual [b, s], which M-RoPE turns exactly as RoPE)."""
 
-    vision = True
+    TOWERS = ("visual",)
 
     def __init__(self, cfg: VisionLanguageConfig, mlp: MLPFactory | None = None) -> None:
         super().__init__(cfg, mlp)
-        self.visual = vision_tower(cfg)
+        self.visual: nn.Module | None = vision_tower(cfg)
 
     def reset_buffers(self) -> None:
         super().reset_buffers()
@@ -91,33 +92,10 @@ class VisionLanguageDecoder(Decoder):
             device = self.visual.patch_embed.proj.weight.device
             self.visual.rotary_pos_emb = type(rotary)(self.visual.config).to(device)
 
-    def prune(self, layers: list[int], first: bool, last: bool) -> None:
-        super().prune(layers, first, last)
-        if not first:  # the tower runs on the first pipeline stage, beside the embedding
-            self.visual = None
-
-    def part(self, layers: list[int], first: bool, last: bool) -> VisionLanguageDecoder:
-        view = super().part(layers, first, last)
-        view.visual = self.visual if first else None
-        return view
-
     def image_embeddings(self, images: ImageInputs, dtype: torch.dtype) -> torch.Tensor:
         """[image tokens, hidden]: the tower's merged patches of every image, in order."""
         pixels = images.pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
         return self.visual(pixels, grid_thw=images.grid_thw).pooler_output.to(dtype)
-
-    def embed(self, x: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
-        if images is None or self.embed_tokens is None:
-            return super().embed(x, None)
-        h = self.embed_tokens(x)
-        slots = x == self.config.image_token_id
-        features = self.image_embeddings(images, h.dtype)
-        if int(slots.sum()) != features.shape[0]:
-            raise ModelError(
-                f"the batch has {int(slots.sum())} image tokens but its {len(images.grid_thw)} image(s) make "
-                f"{features.shape[0]} embeddings: each image's placeholder must be expanded to its tokens"
-            )
-        return h.masked_scatter(slots[..., None], features)
 
     def hidden(
         self,

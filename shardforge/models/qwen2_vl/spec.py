@@ -5,9 +5,9 @@ from __future__ import annotations
 from functools import partial
 
 from shardforge.models.common.costs import costs
-from shardforge.models.llama.plan import tensor_parallel_plan
+from shardforge.models.llama.plan import vision_language_plan
 from shardforge.models.qwen2_vl import hf_adapter
-from shardforge.models.qwen2_vl.model import VisionLanguageDecoder
+from shardforge.models.qwen2_vl.model import Qwen2VLDecoder
 from shardforge.models.spec import ModelSpec, register
 
 register(
@@ -15,7 +15,7 @@ register(
         name="qwen2_vl",
         model_type="qwen2_vl",
         architecture="Qwen2VLForConditionalGeneration",
-        model_cls=VisionLanguageDecoder,
+        model_cls=Qwen2VLDecoder,
         config_from_hf=hf_adapter.config_from_hf,
         hf_config_from=partial(
             hf_adapter.hf_config_from, model_type="qwen2_vl", architecture="Qwen2VLForConditionalGeneration"
@@ -23,7 +23,7 @@ register(
         key_to_hf=hf_adapter.key_to_hf,
         key_from_hf=hf_adapter.key_from_hf,
         costs=costs,
-        tp_plan=tensor_parallel_plan,
+        tp_plan=partial(vision_language_plan, towers=("visual",)),
         runtime_module=hf_adapter.runtime_module,
     )
 )
