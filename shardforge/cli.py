@@ -325,7 +325,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
     with _engine_for(args, console) as driven:
         if driven is None:
             return 0
-        _, engine = driven
+        loaded, engine = driven
         started = time.perf_counter()
         with console.status("generating") as status:
             counts = generate_file(
@@ -334,6 +334,7 @@ def _cmd_generate(args: argparse.Namespace, console: Console) -> int:
                 Path(args.out),
                 params,
                 lambda d, t: status.update(f"generated {d}/{t}"),
+                loaded.images,
             )
     seconds = time.perf_counter() - started
     console.print(

@@ -21,7 +21,7 @@ from shardforge.data.batch_source import BatchSource, DatasetSource
 from shardforge.data.cache import DatasetCache, code_fingerprint, default_root, file_fingerprint
 from shardforge.data.examples import Encoder
 from shardforge.data.formats import Reading
-from shardforge.data.images import ImageEncoder, image_processor
+from shardforge.data.images import ImageEncoder, ImageReader, image_processor
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.data.stream import StreamSource, stream_shards
 from shardforge.errors import ConfigError
@@ -136,10 +136,9 @@ def record_encoder(cfg: Config, objective: Any, tokenizer: Any, data: DataSectio
     shape = check_model_source(cfg.model, weights=False)
     prompt = shape.image_prompt(tokenizer)
     if prompt is None:
-        name = str(cfg.model.path or cfg.model.preset)
-        return ImageEncoder(encoder, None, None, data.image_max_pixels, data.image_min_pixels, name)
+        return ImageEncoder(encoder, None, str(cfg.model.path or cfg.model.preset))
     processor = image_processor(str(cfg.model.path))
-    return ImageEncoder(encoder, processor, prompt, data.image_max_pixels, data.image_min_pixels, "")
+    return ImageEncoder(encoder, ImageReader(processor, prompt, data.image_max_pixels, data.image_min_pixels))
 
 
 def encoding_identity(tokenizer: Any, objective: Any, how: Reading, cfg: Config) -> dict:

@@ -11,6 +11,7 @@ import base64
 import binascii
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -61,25 +62,22 @@ def regularize(image: Any, max_pixels: int, min_pixels: int, prompt: ImagePrompt
 
 
 @dataclass(frozen=True)
-class ImageEncoder:
-    """Wraps an objective's encoder: a record with images is encoded with its marks expanded, its image
-    tokens untrained, and its patches attached; a record without passes through."""
+class ImageReader:
+    """A model's images as its processor makes them, and its prompt's text for each: what training's
+    encoder and the inference faces share."""
 
-    inner: Encoder
-    processor: Any  # the model's image processor (transformers', PIL-based); None: a text model
-    prompt: ImagePrompt | None
-    max_pixels: int
-    min_pixels: int
-    text_model: str = ""  # the model, named where it takes no images
+    processor: Any  # the model's image processor (transformers', PIL-based)
+    prompt: ImagePrompt
+    max_pixels: int = 768 * 768
+    min_pixels: int = 32 * 32
 
-    def process(self, record: Record) -> tuple[np.ndarray, np.ndarray]:
-        """The record's images as the processor makes them: [rows, features] patches and [images, 3] grids.
-        A processor with patch grids (Qwen2-VL) gives both; one of whole resized images (LLaVA's [images,
-        channels, height, width]) is kept an image per row, its grid (1, height, width) in pixels."""
-        assert self.prompt is not None
-        prompt = self.prompt
-        images = [regularize(open_image(ref, record.source), self.max_pixels, self.min_pixels, prompt)
-                  for ref in record.images]  # fmt: skip
+    def process(self, refs: tuple[str, ...] | list[str], src: str) -> tuple[np.ndarray, np.ndarray]:
+        """Images (paths or data URLs) as [rows, features] patches and [images, 3] grids. A processor with
+        patch grids (Qwen2-VL) gives both; one of whole resized images (LLaVA's [images, channels, height,
+        width]) is kept an image per row, its grid (1, height, width) in pixels."""
+        images = [
+            regularize(open_image(ref, src), self.max_pixels, self.min_pixels, self.prompt) for ref in refs
+        ]
         out = self.processor(images=images, return_tensors="np")
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         if "image_grid_thw" in out:
@@ -87,14 +85,34 @@ class ImageEncoder:
         grids = np.array([[1, *pixels.shape[-2:]]] * len(pixels), dtype=np.int64)
         return pixels.reshape(len(pixels), -1), grids
 
-    def expand(self, record: Record, grids: np.ndarray) -> Record:
-        """Each `<image>` mark (in message order, then the rejected reply) as its image's prompt text."""
+    def filler(self, grids: np.ndarray) -> Callable[[str], str]:
+        """A function that writes each `<image>` mark of the texts it is given, in order, as the next
+        image's prompt text."""
         texts = iter(self.prompt.text(tuple(g)) for g in grids.tolist())
 
         def fill(text: str) -> str:
             parts = text.split(IMAGE)
             return "".join(p + (next(texts) if i < len(parts) - 1 else "") for i, p in enumerate(parts))
 
+        return fill
+
+    def tokens(self, grids: np.ndarray) -> int:
+        return sum(self.prompt.tokens(tuple(g)) for g in grids.tolist())
+
+
+@dataclass(frozen=True)
+class ImageEncoder:
+    """Wraps an objective's encoder: a record with images is encoded with its marks expanded, its image
+    tokens untrained, and its patches attached; a record without passes through."""
+
+    inner: Encoder
+    reader: ImageReader | None  # None: a text model
+    text_model: str = ""  # the model, named where it takes no images
+
+    def expand(self, record: Record, grids: np.ndarray) -> Record:
+        """Each `<image>` mark (in message order, then the rejected reply) as its image's prompt text."""
+        assert self.reader is not None
+        fill = self.reader.filler(grids)
         messages = tuple({**m, "content": fill(m["content"])} for m in record.messages or ())
         rejected = fill(record.rejected) if record.rejected else record.rejected
         return replace(record, messages=messages, rejected=rejected)
@@ -102,24 +120,24 @@ class ImageEncoder:
     def encode_one(self, record: Record) -> list[Sequence_]:
         if not record.images:
             return _encode(self.inner, [record])[0]
-        if self.prompt is None:
+        if self.reader is None:
             raise DataError(
                 f"{record.source}: the record has images but the model ({self.text_model}) is a text model; "
                 f"train a vision-language one (docs/vision.md) or drop the images"
             )
-        pixels, grids = self.process(record)
-        tokens = sum(self.prompt.tokens(tuple(g)) for g in grids.tolist())
-        arrays = ImageArrays(pixels, grids, self.prompt.token_id, tokens)
+        pixels, grids = self.reader.process(record.images, record.source)
+        token, tokens = self.reader.prompt.token_id, self.reader.tokens(grids)
+        arrays = ImageArrays(pixels, grids, token, tokens)
         out: list[Sequence_] = []
         for ids, trained, *_ in _encode(self.inner, [self.expand(record, grids)])[0]:
             ids = np.asarray(ids, dtype=np.int64)
-            held = int((ids == self.prompt.token_id).sum())
+            held = int((ids == token).sum())
             if held != tokens:
                 raise DataError(
                     f"{record.source}: a sequence of this record holds {held} of its images' {tokens} image "
                     f"tokens; images go in the prompt (a reply of a pair or a KTO completion takes none)"
                 )
-            out.append((ids, np.asarray(trained, dtype=bool) & (ids != self.prompt.token_id), arrays))
+            out.append((ids, np.asarray(trained, dtype=bool) & (ids != token), arrays))
         return out
 
     def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:

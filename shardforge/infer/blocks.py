@@ -100,10 +100,13 @@ class BlockManager:
                 self.reserved[end] = False
                 end += 1
 
-    def cached_prefix(self, tokens: list[int], limit: int) -> tuple[list[int], list[bytes]]:
+    def cached_prefix(
+        self, tokens: list[int], limit: int, salt: bytes = b""
+    ) -> tuple[list[int], list[bytes]]:
         """The cached blocks that hold the first full blocks of `tokens` (at most `limit` of them), each
-        shared (refcount + 1), and the keys of those blocks."""
-        blocks, keys, parent = [], [], b""
+        shared (refcount + 1), and the keys of those blocks; `salt` starts the chain of keys (a prompt's
+        images: its blocks are another prompt's only with the same images)."""
+        blocks, keys, parent = [], [], salt
         for i in range(limit):
             key = block_key(parent, tokens[i * self.block_size : (i + 1) * self.block_size])
             block = self.block_of.get(key)

@@ -27,6 +27,7 @@ from shardforge.errors import ShardforgeError
 from shardforge.infer.blocks import BlockManager
 from shardforge.infer.cpu_kernels import cpu_kernels
 from shardforge.infer.executor import Executor, LocalRunner, ModelRunner, StepInput, attends_paged
+from shardforge.infer.media import RequestImages, step_images
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.paged import Chunk, PagedKV
 from shardforge.infer.recompute import RecomputeRunner
@@ -40,6 +41,7 @@ from shardforge.infer.sampling import (
     top_logprobs,
 )
 from shardforge.infer.scheduler import Scheduler, Sequence
+from shardforge.models.common.images import ImageInputs
 from shardforge.models.common.protocol import CausalModel
 from shardforge.models.generic.config import model_type_of
 from shardforge.models.generic.verified import refuse_measured
@@ -145,18 +147,37 @@ class Engine:
         self.requests: dict[str, _Request] = {}
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> SamplingParams:
-        """Queue a request; returns its parameters as filled from the model's defaults."""
+    def add(
+        self, request_id: str, prompt: list[int], params: SamplingParams, images: ImageInputs | None = None
+    ) -> SamplingParams:
+        """Queue a request; returns its parameters as filled from the model's defaults. `images`: a
+        vision-language model's images for the prompt's image tokens (encoded here, once)."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", None)
         params = self.check(prompt, params)
-        first = self._sequence(request_id, 0, prompt, params)
+        media = self._images(prompt, images)
+        first = self._sequence(request_id, 0, prompt, params, media)
         request = _Request(request_id, params, params.n - 1)
         self.requests[request_id] = request
         if self.detokenize:
             self.output.start(request_id, params)
         self._start(request, first)
         return params
+
+    def _images(self, prompt: list[int], images: ImageInputs | None) -> RequestImages | None:
+        if images is None:
+            return None
+        if not self.model.vision:
+            raise RequestError(f"{self.model.config.family} is a text model: it takes no images")
+        if not isinstance(self.executor.runner, LocalRunner):
+            raise RequestError("images are not placed by this layout's runner yet (one process or --tp only)")
+        media = RequestImages.encode(self.model, prompt, images)
+        if len(media.slots) != len(media.embeddings):
+            raise RequestError(
+                f"the prompt has {len(media.slots)} image tokens but its {len(images.grid_thw)} image(s) "
+                f"make {len(media.embeddings)}: each image's place must be expanded to its tokens"
+            )
+        return media
 
     def check(self, prompt: list[int], params: SamplingParams) -> SamplingParams:
         """The request's parameters filled from the model's defaults (max_tokens from the room the context
@@ -247,13 +268,15 @@ class Engine:
             if seq.computed + n == len(seq.tokens):  # its last token: the next one is sampled
                 last.append(offset - 1)
                 ends.append(seq)
-        logits = self.executor.execute(StepInput(ids, chunks, last))
+        parts = [(s.media, s.computed, s.computed + n, s.prompt_len) for s, n in plan]
+        images = step_images(parts, self.model.config.hidden_size)
+        logits = self.executor.execute(StepInput(ids, chunks, last, images))
         for seq, n in plan:
             self.scheduler.computed(seq, n)
         for seq in ends:  # the prompt is cached: the request's other completions start from it
             request = self.requests[seq.request_id]
             if seq.index == 0 and request.waiting_children and seq.computed >= seq.prompt_len:
-                self._spawn_children(request, seq.tokens[: seq.prompt_len])
+                self._spawn_children(request, seq.tokens[: seq.prompt_len], seq.media)
         tokens, logprobs = self._sample(logits, ends)
         updates = [self._advance(*row) for row in zip(ends, tokens, logprobs, strict=True)]
         if not self.detokenize:
@@ -296,22 +319,27 @@ class Engine:
         return Update(seq.request_id, seq.index, [token], "", finish, [logprobs] if logprobs else [])
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
-    def _sequence(self, request_id: str, index: int, prompt: list[int], params: SamplingParams) -> Sequence:
+    def _sequence(
+        self,
+        request_id: str,
+        index: int,
+        prompt: list[int],
+        params: SamplingParams,
+        media: RequestImages | None = None,
+    ) -> Sequence:
         assert params.max_tokens is not None  # filled by `check`
-        return Sequence(
-            request_id, index, list(prompt), len(prompt), Sampler.create(params, index), params.max_tokens
-        )
+        sampler = Sampler.create(params, index)
+        return Sequence(request_id, index, list(prompt), len(prompt), sampler, params.max_tokens, media=media)
 
     def _start(self, request: _Request, seq: Sequence, first: bool = False) -> None:
         request.live[seq.index] = seq
         self.scheduler.add(seq, first=first)
 
-    def _spawn_children(self, request: _Request, prompt: list[int]) -> None:
+    def _spawn_children(self, request: _Request, prompt: list[int], media: RequestImages | None) -> None:
         """The other n - 1 completions, queued first: their prompt blocks come from the prefix cache."""
         for index in range(request.params.n - 1, 0, -1):
-            self._start(
-                request, self._sequence(request.request_id, index, prompt, request.params), first=True
-            )
+            child = self._sequence(request.request_id, index, prompt, request.params, media)
+            self._start(request, child, first=True)
         request.waiting_children = 0
 
     def _finish(self, request: _Request, seq: Sequence, reason: str) -> None:
@@ -327,13 +355,15 @@ class Engine:
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams],
         progress: Callable[[int, int], None] | None = None,
+        images: list[ImageInputs | None] | None = None,
     ) -> list[list[Completion]]:
         """Every prompt's completions (n per prompt), run together by continuous batching; `progress` is
-        called as (prompts done, prompts) when one finishes."""
+        called as (prompts done, prompts) when one finishes; `images`: each prompt's, if any."""
         many = params if isinstance(params, list) else [params] * len(prompts)
+        pictures = images or [None] * len(prompts)
         results: dict[str, dict[int, Completion]] = {}
         for i, (prompt, p) in enumerate(zip(prompts, many, strict=True)):
-            self.add(f"gen-{i}", prompt, p)
+            self.add(f"gen-{i}", prompt, p, pictures[i])
             results[f"gen-{i}"] = {}
         finished = 0
         while self.has_work():

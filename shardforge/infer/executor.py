@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from shardforge.errors import ModelError
 from shardforge.infer.paged import Chunk, PagedKV, PagedStep
+from shardforge.models.common.images import ImageInputs
 from shardforge.models.common.protocol import CausalModel
 
 
@@ -33,6 +34,7 @@ class StepInput:
     ids: list[int]
     chunks: list[Chunk]
     last: list[int]
+    images: ImageInputs | None = None  # the step's image embeddings and rotary positions (infer/media.py)
 
 
 class ModelRunner(Protocol):
@@ -53,7 +55,8 @@ class LocalRunner:
         paged = PagedStep(self.kv, step.chunks, self.device)
         mask = sampled_positions(len(step.ids), step.last, self.device)
         ids = torch.tensor(step.ids, device=self.device)[None]
-        logits = self.model(ids, paged.positions, output_mask=mask, cache=paged)
+        images = None if step.images is None else step.images.to(self.device)
+        logits = self.model(ids, paged.positions, output_mask=mask, cache=paged, images=images)
         if not paged.through_every_layer(self.layers):
             raise ModelError(
                 f"{self.model.config.family}: {len(paged.attended)} attention calls through the inference "

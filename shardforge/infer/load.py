@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardforge.adapters.merge import merge_adapter, merge_lora_modules
+from shardforge.data.images import ImageReader, image_processor
 from shardforge.dtypes import TORCH_DTYPES
 from shardforge.errors import ModelError
 from shardforge.infer.sampling import GenerationDefaults
@@ -25,6 +26,7 @@ class Loaded:
     defaults: GenerationDefaults
     name: str  # what the server calls it by default
     folder: Path  # where its tokenizer and generation config came from
+    images: ImageReader | None = None  # a vision-language model's image processor and prompt
 
 
 def load_for_inference(
@@ -123,7 +125,9 @@ def _checkpoint(path: Path, adapter: Path | None, dtype: torch.dtype, device: to
     merge_lora_modules(model)
     model = model.to(device=device, dtype=dtype)
     source = Path(config.model.tokenizer or config.model.path or folder)
-    return Loaded(_frozen(model), tokenizer, _defaults(source, tokenizer), folder.parent.parent.name, source)
+    reader = image_reader(model, tokenizer, Path(config.model.path or source))
+    name = folder.parent.parent.name
+    return Loaded(_frozen(model), tokenizer, _defaults(source, tokenizer), name, source, reader)
 
 
 def unpad_vocab(model: nn.Module, vocab: int) -> None:
@@ -144,7 +148,14 @@ def _finish(model: nn.Module, tokenizer_folder: Path, folder: Path, name: str) -
     from shardforge.models.build import load_tokenizer
 
     tokenizer = load_tokenizer(ModelSection(path=str(folder), tokenizer=str(tokenizer_folder)))
-    return Loaded(_frozen(model), tokenizer, _defaults(folder, tokenizer), name, folder)
+    reader = image_reader(model, tokenizer, folder)
+    return Loaded(_frozen(model), tokenizer, _defaults(folder, tokenizer), name, folder, reader)
+
+
+def image_reader(model: nn.Module, tokenizer: Any, folder: Path) -> ImageReader | None:
+    """A vision-language model's image processor (from its folder) and prompt; None for a text model."""
+    prompt = model.config.image_prompt(tokenizer)
+    return None if prompt is None else ImageReader(image_processor(folder), prompt)
 
 
 def _frozen(model: nn.Module) -> nn.Module:

@@ -9,10 +9,15 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from shardforge.data.images import ImageReader
+from shardforge.data.media import check_placeholders, content_parts, image_refs
 from shardforge.data.templates import render, resolve_template
 from shardforge.errors import DataError, ShardforgeError
 from shardforge.infer.engine import Engine
 from shardforge.infer.sampling import SamplingParams
+from shardforge.models.common.images import ImageInputs
 
 _PARAM_KEYS = {f.name for f in fields(SamplingParams)}
 
@@ -32,11 +37,51 @@ def token_ids(tokenizer: Any, text: str, special: bool = True) -> list[int]:
     return tokenizer([text], add_special_tokens=special)["input_ids"][0]
 
 
+Prompt = tuple[dict, list[int], SamplingParams, ImageInputs | None]
+
+
+def _with_images(
+    record: dict, where: str, folder: Path, reader: ImageReader | None
+) -> tuple[dict, ImageInputs | None]:
+    """A prompt line's images: OpenAI image parts in its messages, or an `images` list beside `<image>`
+    marks (LLaMA-Factory's form), paths found from the prompts file's folder; the marks written as the
+    model's image prompt. The line comes back with plain-text messages (or prompt)."""
+    messages = record.get("messages")
+    refs = list(image_refs(record, "images", where, folder))
+    if isinstance(messages, list):
+        plain = []
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                text, found = content_parts(content, where, f"message {i}", folder)
+                message = {**message, "content": text}
+                refs += found
+            plain.append(message)
+        record = {**record, "messages": plain}
+    if not refs:
+        return record, None
+    if reader is None:
+        raise DataError(f"{where}: the prompt has images but the model is a text model")
+    texts = [m.get("content") or "" for m in record.get("messages", [])] + [record.get("prompt") or ""]
+    check_placeholders([t for t in texts if isinstance(t, str)], tuple(refs), where)
+    pixels, grids = reader.process(refs, where)
+    fill = reader.filler(grids)
+    if "messages" in record:
+        record = {
+            **record,
+            "messages": [{**m, "content": fill(m.get("content") or "")} for m in record["messages"]],
+        }
+    else:
+        record = {**record, "prompt": fill(record.get("prompt") or "")}
+    return record, ImageInputs(torch.from_numpy(pixels), torch.from_numpy(grids))
+
+
 def _read_prompts(
-    path: Path, tokenizer: Any, base: SamplingParams
-) -> list[tuple[dict, list[int], SamplingParams]]:
+    path: Path, tokenizer: Any, base: SamplingParams, reader: ImageReader | None
+) -> list[Prompt]:
     """Each line: {"prompt": text} | {"messages": [...]} | {"prompt_ids": [...]}, with optional sampling
-    fields (max_tokens, temperature, ...) and any other fields, which are copied to the output."""
+    fields (max_tokens, temperature, ...) and any other fields, which are copied to the output. Images: in
+    OpenAI image parts, or an `images` list with `<image>` marks in the text (`_with_images`)."""
     if not path.is_file():
         raise DataError(f"--prompts {path}: no such file")
     rows = []
@@ -50,10 +95,11 @@ def _read_prompts(
             raise DataError(f"{where}: not valid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise DataError(f"{where}: each line must be a JSON object")
+        text, images = _with_images(record, where, path.parent, reader)
         if "messages" in record:
-            ids = chat_ids(tokenizer, record["messages"])
+            ids = chat_ids(tokenizer, text["messages"])
         elif "prompt" in record:
-            ids = tokenizer(record["prompt"])["input_ids"]
+            ids = tokenizer(text["prompt"])["input_ids"]
         elif "prompt_ids" in record:
             ids = list(record["prompt_ids"])
         else:
@@ -67,7 +113,7 @@ def _read_prompts(
             params = replace(base, **overrides).check()
         except (ShardforgeError, TypeError) as exc:
             raise DataError(f"{where}: {exc}") from None
-        rows.append((record, ids, params))
+        rows.append((record, ids, params, images))
     if not rows:
         raise DataError(f"--prompts {path}: no prompts in it")
     return rows
@@ -79,15 +125,18 @@ def generate_file(
     out: Path,
     base: SamplingParams,
     progress: Callable[[int, int], None] = lambda _done, _total: None,
+    reader: ImageReader | None = None,
 ) -> dict:
     """Generate for every line of `prompts` into `out` (one JSON line per prompt, in input order: the
-    record's own fields plus "completions"). Returns counts for the summary."""
-    rows = _read_prompts(prompts, engine.tokenizer, base)
-    completions = engine.generate([ids for _, ids, _ in rows], [params for _, _, params in rows], progress)
+    record's own fields plus "completions"). Returns counts for the summary. `reader`: a vision-language
+    model's images (infer/load.py: Loaded.images)."""
+    rows = _read_prompts(prompts, engine.tokenizer, base, reader)
+    ids, params = [r[1] for r in rows], [r[2] for r in rows]
+    completions = engine.generate(ids, params, progress, [r[3] for r in rows])
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
     with partial.open("w", encoding="utf-8") as f:
-        for (record, _, _), done in zip(rows, completions, strict=True):
+        for (record, *_), done in zip(rows, completions, strict=True):
             made = [{"text": c.text, "tokens": c.tokens, "finish_reason": c.finish_reason} for c in done]
             f.write(json.dumps({**record, "completions": made}, ensure_ascii=False) + "\n")
     partial.replace(out)

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shardforge.infer.blocks import BlockManager
+from shardforge.infer.media import RequestImages
 from shardforge.infer.sampling import Sampler
 
 
@@ -32,6 +33,12 @@ class Sequence:
     copy_from: list[int] = field(default_factory=list)  # cached blocks its first blocks are copied from
     finish_reason: str | None = None
     preemptions: int = 0
+    media: RequestImages | None = None  # the prompt's images, encoded
+
+    @property
+    def salt(self) -> bytes:
+        """Where its prefix-cache keys start: its images' digest (none: b"")."""
+        return self.media.salt if self.media is not None else b""
 
     @property
     def output(self) -> list[int]:
@@ -103,7 +110,7 @@ class Scheduler:
         size = self.blocks.block_size
         while len(seq.keys) < seq.computed // size:
             i = len(seq.keys)
-            parent = seq.keys[-1] if seq.keys else b""
+            parent = seq.keys[-1] if seq.keys else seq.salt
             tokens = seq.tokens[i * size : (i + 1) * size]
             if self.prefix_cache:
                 seq.keys.append(self.blocks.register(seq.blocks[i], parent, tokens))
@@ -121,7 +128,7 @@ class Scheduler:
             return
         size = self.blocks.block_size
         limit = (len(seq.tokens) - 1) // size  # the last token is always computed
-        cached, seq.keys = self.blocks.cached_prefix(seq.tokens, limit)
+        cached, seq.keys = self.blocks.cached_prefix(seq.tokens, limit, seq.salt)
         seq.blocks, seq.computed = cached, len(cached) * size
         if cached and seq.sampler.params.n == 1 and self.blocks.free_count >= len(cached):
             span = -(-(seq.prompt_len + seq.max_tokens - 1) // size)

@@ -11,13 +11,30 @@ import torch
 @dataclass
 class ImageInputs:
     """Every image of a batch, in the order their placeholder tokens appear (row by row): the processor's
-    flattened patches [patches, features] and each image's (t, h, w) patch grid [images, 3]."""
+    flattened patches [patches, features] and each image's (t, h, w) patch grid [images, 3]. The inference
+    engine encodes a request's images once and passes, per step, the `embeddings` of the image tokens the
+    step holds [tokens, hidden] and the rotary `positions` of its tokens (Qwen2-VL's M-RoPE [3, b, s]; the
+    KV cache's own positions stay the sequence's) instead."""
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
+    embeddings: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> ImageInputs:
-        return ImageInputs(self.pixel_values.to(device), self.grid_thw.to(device))
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return ImageInputs(
+            self.pixel_values.to(device),
+            self.grid_thw.to(device),
+            move(self.embeddings),
+            move(self.positions),
+        )
+
+    @classmethod
+    def encoded(cls, embeddings: torch.Tensor, positions: torch.Tensor | None) -> ImageInputs:
+        """A step's images as the engine passes them (already encoded)."""
+        none = torch.zeros(0, dtype=torch.long, device=embeddings.device)
+        return cls(none, none.view(0, 3), embeddings, positions)
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,16 @@ class Decoder(StagedModel):
         view.register_buffer("inv_freq", self.inv_freq, persistent=False)
         return view
 
+    def rotary_positions(
+        self, x: torch.Tensor, position_ids: torch.Tensor, images: ImageInputs | None
+    ) -> torch.Tensor:
+        """The positions RoPE turns each token by: its position (a family with positions of its own for
+        images, Qwen2-VL's M-RoPE, says otherwise)."""
+        return position_ids
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.inv_freq, dtype)
+
     def layer_inputs(
         self,
         position_ids: torch.Tensor,
@@ -246,10 +256,12 @@ class Decoder(StagedModel):
         doc_ids: torch.Tensor | None = None,
         doc_layout: DocLayout | None = None,
         cache: Cache | None = None,
+        rotary: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
-        """What every block takes besides the stream: RoPE cos/sin and how tokens may attend (computed from
-        the token positions [b, s], not the stream, which sequence parallel splits)."""
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype)
+        """What every block takes besides the stream: RoPE cos/sin (of `rotary` positions where they are
+        not the tokens' own) and how tokens may attend (computed from the token positions [b, s], not the
+        stream, which sequence parallel splits)."""
+        cos, sin = self.rope(position_ids if rotary is None else rotary, dtype)
         if cache is None and self.sequence_split is not None:  # doc_ids: the whole rows'
             return cos, sin, self.sequence_split.context(self.config, position_ids, doc_ids)
         ctx = attention_context(self.config, position_ids, doc_ids, doc_layout, cache)
@@ -319,7 +331,8 @@ class Decoder(StagedModel):
     ) -> torch.Tensor:
         """The body: the embedding (where this part has it) and the blocks, up to the final norm."""
         h = self.embed(x, images)
-        cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout, cache)
+        rotary = self.rotary_positions(x, position_ids, images)
+        cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout, cache, rotary)
         for layer in self.blocks():
             h = layer(h, cos, sin, ctx)
         if cache is not None:

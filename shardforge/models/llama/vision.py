@@ -49,7 +49,8 @@ class VisionLanguageDecoder(Decoder):
         h = self.embed_tokens(x)
         if images is not None:
             slots = x == self.config.image_token_id
-            features = self.image_embeddings(images, h.dtype)
+            features = images.embeddings
+            features = self.image_embeddings(images, h.dtype) if features is None else features.to(h.dtype)
             if int(slots.sum()) != features.shape[0]:
                 raise ModelError(
                     f"the batch has {int(slots.sum())} image tokens but its {len(images.grid_thw)} image(s) "

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from shardforge.errors import ModelError
-from shardforge.models.common.attention import AttentionContext, Cache, DocLayout
 from shardforge.models.common.config import DecoderConfig
 from shardforge.models.common.images import ImageInputs, ImagePrompt
 from shardforge.models.llama.model import MLPFactory
@@ -97,38 +96,18 @@ class Qwen2VLDecoder(VisionLanguageDecoder):
         pixels = images.pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
         return self.visual(pixels, grid_thw=images.grid_thw).pooler_output.to(dtype)
 
-    def hidden(
-        self,
-        x: torch.Tensor,
-        position_ids: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
-        doc_layout: DocLayout | None = None,
-        cache: Cache | None = None,
-        images: ImageInputs | None = None,
+    def rotary_positions(
+        self, x: torch.Tensor, position_ids: torch.Tensor, images: ImageInputs | None
     ) -> torch.Tensor:
-        """As the decoder's; with images, the rows' [b, s] positions (each document from 0) become M-RoPE's
-        [3, b, s] ones."""
-        if images is not None and position_ids.dim() == 2 and self.embed_tokens is not None:
-            if cache is not None:
-                raise ModelError(
-                    "images with a KV cache: the inference engine places them (not this forward)"
-                )
-            position_ids = rope_index(
-                x, self.config.image_token_id, images.grid_thw, self.config.merge, position_ids
-            )
-        return super().hidden(x, position_ids, doc_ids, doc_layout, cache, images)
+        """M-RoPE's [3, b, s] positions where there are images: the engine's, or made from the rows' [b, s]
+        positions (each packed document from 0) and the images' grids."""
+        if images is None or self.embed_tokens is None:
+            return position_ids
+        if images.positions is not None:
+            return images.positions
+        return rope_index(x, self.config.image_token_id, images.grid_thw, self.config.merge, position_ids)
 
-    def layer_inputs(
-        self,
-        position_ids: torch.Tensor,
-        dtype: torch.dtype,
-        doc_ids: torch.Tensor | None = None,
-        doc_layout: DocLayout | None = None,
-        cache: Cache | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
-        """As the decoder's, with M-RoPE's cos/sin for [3, b, s] positions (masks from the text component)."""
-        if position_ids.dim() == 2:
-            return super().layer_inputs(position_ids, dtype, doc_ids, doc_layout, cache)
-        _, _, ctx = super().layer_inputs(position_ids[0], dtype, doc_ids, doc_layout, cache)
-        cos, sin = mrope_cos_sin(position_ids, self.inv_freq, self.config.mrope_section, dtype)
-        return cos, sin, ctx
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 2:
+            return super().rope(positions, dtype)
+        return mrope_cos_sin(positions, self.inv_freq, self.config.mrope_section, dtype)
