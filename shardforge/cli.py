@@ -352,11 +352,13 @@ def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
         return code
     with _engine_for(args, console) as driven:
         if driven is not None:
-            chat_loop(driven[1], params)
+            chat_loop(driven[1], params, reader=driven[0].images)
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
+    from pathlib import Path
+
     from shardforge.infer.runner import EngineRunner
     from shardforge.infer.server import check_host, serve
 
@@ -370,7 +372,8 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         name = args.served_name or loaded.name
         console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)")
         runner = EngineRunner(engine, args.max_waiting)
-        serve(loaded, runner, args.host, args.port, name, args.api_key, args.shutdown_grace)
+        root = Path(args.image_root) if args.image_root else None
+        serve(loaded, runner, args.host, args.port, name, args.api_key, args.shutdown_grace, root)
     return 0
 
 
@@ -531,6 +534,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=5.0,
         help="seconds in-flight requests get to finish after SIGTERM before they are aborted",
+    )
+    p_serve.add_argument(
+        "--image-root",
+        default=None,
+        help="a vision-language model reads requests' local image paths only under this folder "
+        "(without it: data URLs only; remote URLs never)",
     )
     p_serve.set_defaults(func=_cmd_serve)
     p_webui = sub.add_parser("webui", help="a web UI: configure, plan, launch, watch, chat and export")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from shardforge.data.images import ImageReader
-from shardforge.data.media import check_placeholders, content_parts, image_refs
+from shardforge.data.media import IMAGE, check_placeholders, content_parts, image_refs, resolve_image
 from shardforge.data.templates import render, resolve_template
 from shardforge.errors import DataError, ShardforgeError
 from shardforge.infer.engine import Engine
@@ -148,14 +148,20 @@ def chat_loop(
     params: SamplingParams,
     read: Callable[[str], str] = input,
     write: Callable[[str], None] = lambda text: print(text, end="", flush=True),
+    reader: ImageReader | None = None,
 ) -> None:
     """Read a line, stream the reply, until end of input or /exit. /reset forgets the conversation;
-    /system TEXT sets the system message (and resets)."""
+    /system TEXT sets the system message (and resets); /image PATH puts an image before the next message
+    (a vision-language model: `reader`)."""
     system: str | None = None
     history: list[dict] = []
+    images: list[str] = []  # the conversation's, in order
+    pending: list[str] = []  # those the next message carries
     turn = 0
+    extra = ", /image PATH adds a picture to your next message" if reader is not None else ""
     write(
-        "chat: /reset forgets the conversation, /system TEXT sets the system prompt, /exit or Ctrl-D quits\n"
+        f"chat: /reset forgets the conversation, /system TEXT sets the system prompt{extra}, "
+        "/exit or Ctrl-D quits\n"
     )
     while True:
         try:
@@ -170,14 +176,38 @@ def chat_loop(
         if line == "/reset" or line.startswith("/system"):
             if line.startswith("/system"):
                 system = line[len("/system") :].strip() or None
-            history = []
+            history, images, pending = [], [], []
             write("(conversation reset)\n")
             continue
-        history.append({"role": "user", "content": line})
+        if line.startswith("/image"):
+            if reader is None:
+                write("(this model reads text only)\n")
+                continue
+            try:
+                pending.append(resolve_image(line[len("/image") :].strip(), "/image", Path.cwd()))
+            except DataError as exc:
+                write(f"({exc})\n")
+                continue
+            write(f"(image {len(images) + len(pending)} goes with your next message)\n")
+            continue
+        history.append({"role": "user", "content": IMAGE * len(pending) + line})
+        images, pending = images + pending, []
         messages = ([{"role": "system", "content": system}] if system else []) + history
         turn += 1
         request_id = f"chat-{turn}"
-        engine.add(request_id, chat_ids(engine.tokenizer, messages), params)
+        pictures = None
+        if images:
+            assert reader is not None
+            try:
+                pixels, grids = reader.process(images, "chat")
+            except DataError as exc:
+                write(f"({exc}; /reset starts over)\n")
+                history.pop()
+                continue
+            fill = reader.filler(grids)
+            messages = [{**m, "content": fill(m["content"])} for m in messages]
+            pictures = ImageInputs(torch.from_numpy(pixels), torch.from_numpy(grids))
+        engine.add(request_id, chat_ids(engine.tokenizer, messages), params, pictures)
         reply = ""
         try:
             while engine.has_work():

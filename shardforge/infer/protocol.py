@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from shardforge.data.media import IMAGE
 from shardforge.infer.sampling import SamplingError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -115,22 +116,42 @@ class Message(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
-        """The models served here read text: a part of another type (an image, audio) is a bad request, not
-        something to drop silently."""
+    def _text_or_images(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        """Text parts, and image parts for a vision-language model (the server refuses them for a text
+        one); a part of another type (audio, a file) is a bad request, not something to drop silently."""
         for part in content if isinstance(content, list) else ():
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type")
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else None
+            if kind == "image_url" and isinstance(url, str) and url:
+                continue
+            if kind == "image_url":
+                raise ValueError('an image_url part needs {"image_url": {"url": "<a data URL or a path>"}}')
+            if kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(
-                    f"a content part of type {part.get('type')!r} is not supported: this model reads text "
-                    f"only (parts of type 'text' with a string 'text')"
+                    f"a content part of type {kind!r} is not supported: parts of type 'text' (with a string "
+                    f"'text') and, for a vision-language model, 'image_url'"
                 )
         return content
 
     def text(self) -> str:
         """The message's text: the text parts of a content list joined."""
         if isinstance(self.content, list):
-            return "".join(part["text"] for part in self.content)
+            return "".join(part["text"] for part in self.content if part.get("type") == "text")
         return self.content or ""
+
+    def marked_text(self) -> str:
+        """The text with an `<image>` mark where each image part was (data/media.py's form)."""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        return "".join(p["text"] if p["type"] == "text" else IMAGE for p in self.content)
+
+    def image_urls(self) -> list[str]:
+        return [
+            p["image_url"]["url"]
+            for p in self.content or ()
+            if isinstance(p, dict) and p["type"] == "image_url"
+        ]
 
 
 class ChatRequest(_Common):

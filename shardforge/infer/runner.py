@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from shardforge.infer.engine import Engine, RequestError, Update
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.sampling import SamplingParams
+from shardforge.models.common.images import ImageInputs
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,12 @@ class EngineRunner:
 
     # ---- any thread -------------------------------------------------------------------------------------
     def submit(
-        self, request_id: str, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop,
+        images: ImageInputs | None = None,
     ) -> RequestStream:
         """Queue a request; its updates arrive on the returned stream. Raises RequestError / SamplingError
         for a bad one (checked here, before it is queued), QueueFull when the queue is full."""
@@ -118,7 +124,7 @@ class EngineRunner:
                 raise QueueFull(f"{self.max_waiting} requests are waiting already; retry later", None)
             self.pending.add(request_id)
         updates: asyncio.Queue = asyncio.Queue()
-        self.inbox.put(("add", request_id, prompt, params, _Sink(loop, updates, Timing())))
+        self.inbox.put(("add", request_id, prompt, params, images, _Sink(loop, updates, Timing())))
         self.wake.set()
         return RequestStream(self, request_id, updates)
 
@@ -170,9 +176,9 @@ class EngineRunner:
                 return
             kind = message[0]
             if kind == "add":
-                _, request_id, prompt, params, sink = message
+                _, request_id, prompt, params, images, sink = message
                 try:
-                    params = self.engine.add(request_id, prompt, params)
+                    params = self.engine.add(request_id, prompt, params, images)
                 except RequestError as exc:  # checked in submit: only a duplicate id gets here
                     log.warning("request %s refused: %s", request_id, exc)
                     self.outbox.put(("start", request_id, params, sink))

@@ -11,6 +11,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -27,11 +28,19 @@ from shardforge.infer.load import Loaded
 from shardforge.infer.metrics import Metrics
 from shardforge.infer.offline import chat_text, token_ids
 from shardforge.infer.protocol import ChatRequest, CompletionRequest, validation_message
+from shardforge.infer.request_images import request_images
 from shardforge.infer.runner import EngineRunner, QueueFull, RequestStream, Unavailable
 from shardforge.infer.sampling import SamplingError
 
 
-def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    loaded: Loaded,
+    runner: EngineRunner,
+    served_name: str,
+    api_key: str | None = None,
+    image_root: Path | None = None,
+) -> FastAPI:
+    """`image_root`: where a request's local image paths may be read (infer/request_images.py)."""
     app = FastAPI(title="shardforge", docs_url=None, redoc_url=None)
     app.add_middleware(Guard, api_key=api_key)
     tokenizer = loaded.tokenizer
@@ -119,10 +128,12 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
             ) from None
         return tokens_of(text, False, "messages")
 
-    def submit(request_id: str, prompt: list[int], params: Any, body: Any, field: str) -> RequestStream:
+    def submit(
+        request_id: str, prompt: list[int], params: Any, body: Any, field: str, images: Any = None
+    ) -> RequestStream:
         """Queue a request; `field`: the request's prompt field (messages or prompt), for errors."""
         try:
-            stream = runner.submit(request_id, prompt, params, asyncio.get_running_loop())
+            stream = runner.submit(request_id, prompt, params, asyncio.get_running_loop(), images)
         except QueueFull as exc:
             metrics.requests.labels("rejected").inc()
             raise APIError(
@@ -146,10 +157,12 @@ def build_app(loaded: Loaded, runner: EngineRunner, served_name: str, api_key: s
         try:
             body = await parse(request, ChatRequest)
             params = body.params()
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages, images = await asyncio.to_thread(
+                request_images, body.messages, loaded.images, image_root, served_name
+            )
             prompt = await asyncio.to_thread(chat_prompt, messages)
             rid = f"chatcmpl-{uuid.uuid4().hex}"
-            stream = submit(rid, prompt, params, body, "messages")
+            stream = submit(rid, prompt, params, body, "messages", images)
         except SamplingError as exc:
             return APIError(400, str(exc), "invalid_request_error", param=exc.param).response()
         except APIError as exc:
@@ -420,13 +433,14 @@ def serve(
     served_name: str | None = None,
     api_key: str | None = None,
     grace: float = 5.0,
+    image_root: Path | None = None,
 ) -> None:
     """Run the server until SIGINT or SIGTERM: then stop accepting, let what is in flight finish for up to
     `grace` seconds, abort the rest and return. A host other than loopback needs an API key."""
     import uvicorn
 
     check_host(host, api_key)
-    app = build_app(loaded, runner, served_name or loaded.name, api_key)
+    app = build_app(loaded, runner, served_name or loaded.name, api_key, image_root)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
     try:
         uvicorn_server(config).run()

@@ -141,3 +141,77 @@ def test_the_generate_command_reads_images_in_both_forms(tmp_path, folder, capsy
     expected = expected[: expected.index(eos) + 1] if eos in expected else expected
     for result in results:
         assert result["completions"][0]["tokens"] == expected
+
+
+def test_the_server_takes_image_parts_within_its_rules(tmp_path, folder):
+    """POST /v1/chat/completions with image_url parts: a data URL and a path under --image-root give the
+    greedy tokens of the same chat through the engine (and the same as each other); a path outside the
+    root, a remote URL, a broken data URL and (on a text model) any image are 400s naming the problem."""
+    import base64
+
+    from starlette.testclient import TestClient
+
+    from shardforge.infer.load import load_for_inference
+    from shardforge.infer.runner import EngineRunner
+    from shardforge.infer.server import build_app
+    from tests.vision import random_image
+
+    root = tmp_path / "images"
+    root.mkdir()
+    random_image(56, 84, seed=5).save(root / "pic.png")
+    (tmp_path / "secret.png").write_bytes((root / "pic.png").read_bytes())
+    data = "data:image/png;base64," + base64.b64encode((root / "pic.png").read_bytes()).decode()
+    loaded = load_for_inference(str(folder))
+    runner = EngineRunner(Engine(loaded.model, loaded.tokenizer, EngineConfig(block_size=4), loaded.defaults))
+    client = TestClient(build_app(loaded, runner, "vlm", image_root=root), raise_server_exceptions=False)
+
+    def ask(url: str):
+        content = [{"type": "text", "text": "Describe "}, {"type": "image_url", "image_url": {"url": url}}]
+        body = {"model": "vlm", "messages": [{"role": "user", "content": content}], "max_tokens": 6,
+                "temperature": 0, "logprobs": True}  # fmt: skip
+        return client.post("/v1/chat/completions", json=body)
+
+    try:
+        first, second = ask(data), ask("pic.png")
+        assert first.status_code == 200 and second.status_code == 200, (first.text, second.text)
+        assert first.json()["choices"][0]["message"] == second.json()["choices"][0]["message"]
+        for url, said in [("../secret.png", "outside the server's --image-root"),
+                          ("https://example.com/a.png", "remote image URLs are not fetched"),
+                          ("data:image/png;base64,AAAA", "cannot read image")]:  # fmt: skip
+            refused = ask(url)
+            assert refused.status_code == 400 and said in refused.json()["error"]["message"], refused.text
+    finally:
+        runner.close()
+
+
+def test_chat_takes_an_image_path_for_the_next_message(tmp_path, folder, monkeypatch):
+    """`shardforge chat`'s loop: `/image PATH` then a message makes the request `generate` makes for the same
+    image and text (the same prompt tokens and pixels), and the same reply; a missing path is said, not
+    raised."""
+    import json
+
+    from shardforge.infer.load import load_for_inference
+    from shardforge.infer.offline import chat_loop, generate_file
+    from tests.vision import random_image
+
+    monkeypatch.chdir(tmp_path)
+    random_image(84, 56, seed=7).save(tmp_path / "pic.png")
+    loaded = load_for_inference(str(folder))
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(block_size=4), loaded.defaults)
+    requests = []
+    add = engine.add
+    monkeypatch.setattr(engine, "add", lambda *a: (requests.append((a[1], a[3])), add(*a))[1])
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    lines = iter(["/image missing.png", "/image pic.png", "What is this?", "/exit"])
+    written: list[str] = []
+    chat_loop(engine, params, lambda _prompt: next(lines), written.append, loaded.images)
+    said = "".join(written)
+    assert "image 'missing.png' not found" in said
+    line = {"messages": [{"role": "user", "content": "<image>What is this?"}], "images": ["pic.png"]}
+    (tmp_path / "p.jsonl").write_text(json.dumps(line))
+    generate_file(engine, tmp_path / "p.jsonl", tmp_path / "out.jsonl", params, reader=loaded.images)
+    (chat_ids, chat_images), (file_ids, file_images) = requests
+    assert chat_ids == file_ids and chat_images is not None
+    assert torch.equal(chat_images.pixel_values, file_images.pixel_values)
+    reply = json.loads((tmp_path / "out.jsonl").read_text())["completions"][0]["text"]
+    assert said.endswith(reply + "\n")
