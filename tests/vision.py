@@ -11,15 +11,26 @@ REPO = Path(__file__).resolve().parents[1]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def tiny_qwen2_vl(folder: Path, std: float = 0.3, tie: bool = False) -> Path:
+def tiny_qwen2_vl(folder: Path, std: float = 0.3, tie: bool = False, kind: str = "qwen2_vl") -> Path:
+    """`kind` qwen2_5_vl: Qwen2.5-VL's tower (windowed attention in all blocks but one) instead."""
     import torch
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
-    cfg = Qwen2VLConfig(
+    config_cls, model_cls = {
+        "qwen2_vl": (Qwen2VLConfig, Qwen2VLForConditionalGeneration),
+        "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration),
+    }[kind]
+    cfg = config_cls(
         text_config={
             "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -30,12 +41,16 @@ def tiny_qwen2_vl(folder: Path, std: float = 0.3, tie: bool = False) -> Path:
         vision_config={
             "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
             "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        } if kind == "qwen2_vl" else {
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+            "fullatt_block_indexes": [1],
         },
         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video,
         tie_word_embeddings=tie,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(cfg)
+    model = model_cls(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, std)

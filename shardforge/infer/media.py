@@ -65,18 +65,25 @@ class RequestImages:
 
 def step_images(parts: list[tuple[RequestImages | None, int, int, int]], hidden: int) -> ImageInputs | None:
     """The step's images: for each sequence's part (its images, first token, end, prompt length), the
-    embeddings of its image tokens, and the rotary positions of every token where any part has its own
-    (a part without images: its tokens' own, three times). None where no part has images."""
+    embeddings of its prompt's image tokens and where they go (a new token that happens to be the image
+    token is a token: transformers embeds it as one), and the rotary positions of every token where any part
+    has its own (a part without images: its tokens' own, three times). None where no part has images."""
     if all(media is None for media, *_ in parts):
         return None
     device = next(m for m, *_ in parts if m is not None).embeddings.device
-    rows, positions = [], []
+    rows, positions, slots = [], [], []
     for media, start, end, prompt_len in parts:
+        mask = torch.zeros(end - start, dtype=torch.bool)
         if media is None:
             positions.append(torch.arange(start, end, device=device).expand(3, -1))
+            slots.append(mask)
             continue
+        held = media.slots[(media.slots >= start) & (media.slots < end)]  # a new image token is a token
+        mask[torch.from_numpy(held - start)] = True
+        slots.append(mask)
         rows.append(media.rows(start, end))
         positions.append(media.positions(start, end, prompt_len))
     embeddings = torch.cat(rows) if rows else torch.zeros(0, hidden, device=device)
     own = all(m is None or m.rotary is None for m, *_ in parts)
-    return ImageInputs.encoded(embeddings, None if own else torch.cat(positions, dim=1)[:, None])
+    rotary = None if own else torch.cat(positions, dim=1)[:, None]
+    return ImageInputs.encoded(embeddings, rotary, torch.cat(slots)[None].to(device))

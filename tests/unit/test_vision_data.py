@@ -170,9 +170,16 @@ def llava_dir(tmp_path_factory):
     return tiny_llava(tmp_path_factory.mktemp("llava"))
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.fixture(scope="module")
+def qwen2_5_vl_dir(tmp_path_factory):
+    return tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_5_vl"), kind="qwen2_5_vl")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava"])
 @pytest.mark.parametrize("packing", [False, True])
-def test_the_first_step_loss_equals_transformers(tmp_path, model_dir, llava_dir, family, packing):
+def test_the_first_step_loss_equals_transformers(
+    tmp_path, model_dir, qwen2_5_vl_dir, llava_dir, family, packing
+):
     """A micro-batch of the run (two records, three images, packed into one row or not): our loss equals
     transformers' model's (Qwen2-VL, LLaVA) on the same tokens, images and labels (each document alone)."""
     from shardforge.data.batching import IGNORE, collate
@@ -180,7 +187,7 @@ def test_the_first_step_loss_equals_transformers(tmp_path, model_dir, llava_dir,
     from shardforge.objectives import build_objective
     from tests.unit.test_vision_language import reference_model
 
-    folder = model_dir if family == "qwen2_vl" else llava_dir
+    folder = {"qwen2_vl": model_dir, "qwen2_5_vl": qwen2_5_vl_dir, "llava": llava_dir}[family]
     info = lf_image_dataset(tmp_path / "data")
     config = _config(tmp_path, folder, [{"name": "mllm_demo", "dataset_info": str(info)}], packing=packing)
     store = _rows(config).examples
@@ -196,7 +203,7 @@ def test_the_first_step_loss_equals_transformers(tmp_path, model_dir, llava_dir,
         ids, trained = (torch.from_numpy(a) for a in store.arrays(i))
         images = store.images(i)
         pixels, grids = torch.tensor(images.pixels), torch.tensor(images.grids)
-        if family == "qwen2_vl":
+        if family != "llava":
             kwargs = {"mm_token_type_ids": (ids == pad).int()[None], "pixel_values": pixels,
                       "image_grid_thw": grids}  # fmt: skip
         else:  # whole images, an image a row

@@ -1,8 +1,10 @@
-"""Vision-language families on our decoder against transformers' own models (Qwen2-VL, LLaVA): logits equal
-theirs (fp32, 1e-4) with 0, 1 and 2 images of different sizes per sample, Qwen2-VL's M-RoPE positions equal
-get_rope_index's, and the checkpoint loads and exports as transformers reads it."""
+"""Vision-language families on our decoder against transformers' own models (Qwen2-VL, Qwen2.5-VL, LLaVA):
+logits equal theirs (fp32, 1e-4) with 0, 1 and 2 images of different sizes per sample, Qwen2-VL's M-RoPE
+positions equal get_rope_index's, and the checkpoint loads and exports as transformers reads it."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 import pytest
@@ -13,7 +15,11 @@ from tests.vision import random_image, tiny_llava, tiny_qwen2_vl
 
 # (height, width) of each sample's images: none, one, two of different sizes (and orientations)
 SAMPLES = [(), ((56, 84),), ((112, 56), (60, 90))]
-FAMILIES = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava}
+FAMILIES = {
+    "qwen2_vl": tiny_qwen2_vl,
+    "qwen2_5_vl": partial(tiny_qwen2_vl, kind="qwen2_5_vl"),
+    "llava": tiny_llava,
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -22,10 +28,11 @@ def folder(request, tmp_path_factory):
 
 
 def reference_model(folder):
-    from transformers import AutoConfig, LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+    import transformers
+    from transformers import AutoConfig
 
-    kind = AutoConfig.from_pretrained(folder).model_type
-    cls = {"qwen2_vl": Qwen2VLForConditionalGeneration, "llava": LlavaForConditionalGeneration}[kind]
+    architecture = AutoConfig.from_pretrained(folder).architectures[0]
+    cls = getattr(transformers, architecture)
     return cls.from_pretrained(folder, dtype=torch.float32).eval()
 
 

@@ -20,21 +20,22 @@ class ImageInputs:
     grid_thw: torch.Tensor
     embeddings: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    slots: torch.Tensor | None = (
+        None  # [b, s] where the embeddings go (a prompt's image tokens, not new ones)
+    )
 
     def to(self, device: torch.device | str) -> ImageInputs:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return ImageInputs(
-            self.pixel_values.to(device),
-            self.grid_thw.to(device),
-            move(self.embeddings),
-            move(self.positions),
-        )
+        pixels, grids = self.pixel_values.to(device), self.grid_thw.to(device)
+        return ImageInputs(pixels, grids, move(self.embeddings), move(self.positions), move(self.slots))
 
     @classmethod
-    def encoded(cls, embeddings: torch.Tensor, positions: torch.Tensor | None) -> ImageInputs:
+    def encoded(
+        cls, embeddings: torch.Tensor, positions: torch.Tensor | None, slots: torch.Tensor
+    ) -> ImageInputs:
         """A step's images as the engine passes them (already encoded)."""
         none = torch.zeros(0, dtype=torch.long, device=embeddings.device)
-        return cls(none, none.view(0, 3), embeddings, positions)
+        return cls(none, none.view(0, 3), embeddings, positions, slots)
 
 
 @dataclass(frozen=True)

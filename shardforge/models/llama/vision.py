@@ -48,7 +48,7 @@ class VisionLanguageDecoder(Decoder):
             return super().embed(x, None)
         h = self.embed_tokens(x)
         if images is not None:
-            slots = x == self.config.image_token_id
+            slots = x == self.config.image_token_id if images.slots is None else images.slots
             features = images.embeddings
             features = self.image_embeddings(images, h.dtype) if features is None else features.to(h.dtype)
             if int(slots.sum()) != features.shape[0]:

@@ -63,14 +63,24 @@ class VisionLanguageConfig(DecoderConfig):
         return ImagePrompt(self.image_token_id, token, before, after, self.merge, min_side=28, max_aspect=200)
 
 
-def vision_tower(cfg: VisionLanguageConfig) -> nn.Module:
-    """transformers' Qwen2-VL vision transformer for the checkpoint's vision_config."""
-    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+# model_type -> transformers' module of the family and its vision config and tower classes
+TOWER_CLASSES = {
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel"),
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel"),
+}
 
-    config = Qwen2VLVisionConfig(**{k: v for k, v in cfg.vision.items() if k != "model_type"})
+
+def vision_tower(cfg: VisionLanguageConfig) -> nn.Module:
+    """transformers' vision transformer of the family (Qwen2-VL's; Qwen2.5-VL's, with windowed attention)
+    for the checkpoint's vision_config."""
+    import importlib
+
+    module, config_cls, tower_cls = TOWER_CLASSES[cfg.family]
+    configs = importlib.import_module(f"transformers.models.{module}.configuration_{module}")
+    models = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    config = getattr(configs, config_cls)(**{k: v for k, v in cfg.vision.items() if k != "model_type"})
     config._attn_implementation = "sdpa"
-    return Qwen2VisionTransformerPretrainedModel._from_config(config)
+    return getattr(models, tower_cls)._from_config(config)
 
 
 class Qwen2VLDecoder(VisionLanguageDecoder):

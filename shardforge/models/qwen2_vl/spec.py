@@ -1,4 +1,4 @@
-"""Register Qwen2-VL: our decoder with transformers' vision tower (model.py)."""
+"""Register Qwen2-VL and Qwen2.5-VL: our decoder with transformers' vision tower of each (model.py)."""
 
 from __future__ import annotations
 
@@ -10,20 +10,22 @@ from shardforge.models.qwen2_vl import hf_adapter
 from shardforge.models.qwen2_vl.model import Qwen2VLDecoder
 from shardforge.models.spec import ModelSpec, register
 
-register(
-    ModelSpec(
-        name="qwen2_vl",
-        model_type="qwen2_vl",
-        architecture="Qwen2VLForConditionalGeneration",
-        model_cls=Qwen2VLDecoder,
-        config_from_hf=hf_adapter.config_from_hf,
-        hf_config_from=partial(
-            hf_adapter.hf_config_from, model_type="qwen2_vl", architecture="Qwen2VLForConditionalGeneration"
-        ),
-        key_to_hf=hf_adapter.key_to_hf,
-        key_from_hf=hf_adapter.key_from_hf,
-        costs=costs,
-        tp_plan=partial(vision_language_plan, towers=("visual",)),
-        runtime_module=hf_adapter.runtime_module,
+for _type, _arch in (
+    ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+):
+    register(
+        ModelSpec(
+            name=_type,
+            model_type=_type,
+            architecture=_arch,
+            model_cls=Qwen2VLDecoder,
+            config_from_hf=hf_adapter.config_from_hf,
+            hf_config_from=partial(hf_adapter.hf_config_from, model_type=_type, architecture=_arch),
+            key_to_hf=hf_adapter.key_to_hf,
+            key_from_hf=hf_adapter.key_from_hf,
+            costs=costs,
+            tp_plan=partial(vision_language_plan, towers=("visual",)),
+            runtime_module=hf_adapter.runtime_module,
+        )
     )
-)
