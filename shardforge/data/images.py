@@ -74,7 +74,7 @@ class ImageReader:
     def process(self, refs: tuple[str, ...] | list[str], src: str) -> tuple[np.ndarray, np.ndarray]:
         """Images (paths or data URLs) as [rows, features] patches and [images, 3] grids. A processor with
         patch grids (Qwen2-VL) gives both; one of whole resized images (LLaVA's [images, channels, height,
-        width]) is kept an image per row, its grid (1, height, width) in pixels."""
+        width]) is kept an image per row, its grid (1, height, width) in the tower's patches."""
         images = [
             regularize(open_image(ref, src), self.max_pixels, self.min_pixels, self.prompt) for ref in refs
         ]
@@ -82,7 +82,8 @@ class ImageReader:
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         if "image_grid_thw" in out:
             return pixels, np.asarray(out["image_grid_thw"], np.int64)
-        grids = np.array([[1, *pixels.shape[-2:]]] * len(pixels), dtype=np.int64)
+        side = self.prompt.patch  # whole images: their grid of the tower's patches
+        grids = np.array([[1, pixels.shape[-2] // side, pixels.shape[-1] // side]] * len(pixels), np.int64)
         return pixels.reshape(len(pixels), -1), grids
 
     def filler(self, grids: np.ndarray) -> Callable[[str], str]:

@@ -50,6 +50,7 @@ class RowSet:
                 "targets": self.rows.sums(np.asarray(self.examples.num_targets, dtype=np.int64)),
                 "sequences": np.diff(self.rows.offsets),
                 "attention_pairs": self.rows.sums(lengths * (lengths + 1) // 2),
+                "patches": self.rows.sums(self.examples.patches),
             }
             self._group_counts = {k: v.reshape(-1, self.group_size).sum(axis=1) for k, v in per_row.items()}
             self._group_counts["groups"] = np.ones(self.num_groups, dtype=np.int64)

@@ -116,6 +116,15 @@ class ExampleStore(Sequence[Example]):
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    @property
+    def patches(self) -> np.ndarray:
+        """Each sequence's image patches (t x h x w of each of its images' grids): the tower's work."""
+        if not self.has_images:
+            return np.zeros(len(self), dtype=np.int64)
+        per_image = np.prod(np.asarray(self.grids), axis=1)
+        total = np.concatenate([[0], np.cumsum(per_image)])
+        return total[np.asarray(self.grid_offsets[1:])] - total[np.asarray(self.grid_offsets[:-1])]
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

@@ -202,7 +202,7 @@ class StreamSource:
     # ---- batches ------------------------------------------------------------------------------------------
     def next_batch(self) -> GlobalBatch:
         picked: list[tuple[RowSet, int]] = []  # (window rows, row id) for every row of the step
-        counts = dict.fromkeys(("tokens", "targets", "sequences", "groups", "attention_pairs"), 0)
+        counts = dict.fromkeys(("tokens", "targets", "sequences", "groups", "attention_pairs", "patches"), 0)
         while len(picked) < self.groups_per_step:
             window = self._current()
             take = window.order[self.row : self.row + self.groups_per_step - len(picked)]

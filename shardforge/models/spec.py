@@ -33,12 +33,13 @@ class ParamCounts:
     norms: tuple[int, ...]
     final_norm: int
     head: int  # 0 when tied to the embedding (one tensor, counted once)
+    vision: int = 0  # a vision-language model's tower and projector
 
     @property
     def total(self) -> int:
         """Equals the built model's parameter count (shared tensors once)."""
         layers = sum(self.attention) + sum(self.mlp) + sum(self.norms)
-        return self.embedding + layers + self.final_norm + self.head
+        return self.embedding + layers + self.final_norm + self.head + self.vision
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class CostModel:
     head_flops: float  # forward, per scored token: the head runs on target positions only
     # (mode, dtype bytes, tp, sequence_parallel) -> bytes kept for backward; the family's formula.
     activations: Callable[[CheckpointMode, int, int, bool], ActivationBytes]
+    patch_flops: float = 0.0  # forward, per image patch through a vision-language model's tower and projector
 
     def forward_flops(self, tokens: int, scored: int, attention_pairs: int) -> float:
         """Forward FLOPs of `tokens` positions of which `scored` reach the LM head, with `attention_pairs`
@@ -89,13 +91,24 @@ class CostModel:
         body = tokens * (self.embed_flops + sum(self.layer_flops))
         return body + attention_pairs * sum(self.pair_flops) + scored * self.head_flops
 
-    def train_flops(self, tokens: int, scored: int, attention_pairs: int, trained: float = 1.0) -> float:
+    def train_flops(
+        self,
+        tokens: int,
+        scored: int,
+        attention_pairs: int,
+        trained: float = 1.0,
+        patches: int = 0,
+        tower_trained: bool = False,
+    ) -> float:
         """Forward + backward: backward computes input and weight gradients, twice the forward. With a share
         `trained` < 1 of the weights training (LoRA, freeze), the weight gradients of the rest are not
-        computed: the matmuls cost (2 + trained) forwards, attention (no weights) still three."""
+        computed: the matmuls cost (2 + trained) forwards, attention (no weights) still three. A
+        vision-language model's `patches` go through its tower once, three times as much where it trains
+        (nothing before a frozen tower needs a gradient)."""
         pairs = attention_pairs * sum(self.pair_flops)
         matmuls = self.forward_flops(tokens, scored, attention_pairs) - pairs
-        return (2 + trained) * matmuls + 3 * pairs
+        tower = patches * self.patch_flops * (3 if tower_trained else 1)
+        return (2 + trained) * matmuls + 3 * pairs + tower
 
     def pipeline(self, seq_len: int) -> PipelineCosts:
         """Forward FLOPs per token of each piece a pipeline split places, rows of `seq_len` tokens with causal

@@ -22,7 +22,8 @@ from shardforge.train.tracking import Trackers
 
 log = get_logger(__name__)
 
-Flops = Callable[[int, int, int], float]  # (tokens, scored tokens, attention pairs) -> training FLOPs
+# (tokens, scored tokens, attention pairs, patches=image patches) -> training FLOPs (CostModel.train_flops)
+Flops = Callable[..., float]
 
 
 class MetricsWriter:
@@ -121,7 +122,10 @@ class MetricsProcessor:
         for key, value in counts.items():
             self.counts[key] = self.counts.get(key, 0) + value
         self.steps += 1
-        self.step_flops += self.flops(counts["tokens"], counts["targets"], counts["attention_pairs"])
+        patches = counts.get("patches", 0)  # a vision-language model's image patches (rollouts have none)
+        self.step_flops += self.flops(
+            counts["tokens"], counts["targets"], counts["attention_pairs"], patches=patches
+        )
 
     def record(self, step: int, reduce: Callable[[torch.Tensor], torch.Tensor], **extra: Any) -> dict:
         """The window's record; `reduce` sums the loss sums over data-parallel ranks (a collective)."""

@@ -39,7 +39,9 @@ def metrics_for(run: Run, start_step: int) -> MetricsProcessor:
     static = {"pp_bubble": run.plan.bubble_fraction} if run.plan is not None else {}
     plot = run.run_dir / "loss.png" if log.plot else None
     world = run.dims.world_size
-    flops = partial(run.costs.train_flops, trained=run.trained)  # frozen weights need no weight gradients
+    method = run.config.method  # frozen weights need no weight gradients; a frozen tower no backward at all
+    tower = not method.vision.freeze_tower and method.finetuning != "lora"
+    flops = partial(run.costs.train_flops, trained=run.trained, tower_trained=tower)
     return MetricsProcessor(run.objective, flops, run.peak, world, run.device, writer, plot, static)
 
 

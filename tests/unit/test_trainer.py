@@ -170,7 +170,7 @@ def test_an_mfu_above_one_is_reported_not_logged_silently(logged_warnings):
     warnings = logged_warnings
     metrics = MetricsProcessor(
         CausalLM,
-        lambda t, s, p: 1e12,
+        lambda t, s, p, patches=0: 1e12,
         (1e9, "a bad probe"),
         1,
         torch.device("cpu"),

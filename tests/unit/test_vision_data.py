@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from shardforge.errors import DataError
+from shardforge.models.common.images import ImageInputs
 from tests.vision import lf_image_dataset, random_image, tiny_llava, tiny_qwen2_vl
 
 
@@ -207,7 +208,7 @@ def test_the_first_step_loss_equals_transformers(
             kwargs = {"mm_token_type_ids": (ids == pad).int()[None], "pixel_values": pixels,
                       "image_grid_thw": grids}  # fmt: skip
         else:  # whole images, an image a row
-            kwargs = {"pixel_values": pixels.view(len(grids), 3, *grids[0, 1:].tolist())}
+            kwargs = {"pixel_values": pixels.view(len(grids), 3, *(14 * grids[0, 1:]).tolist())}
         with torch.no_grad():
             out = reference(input_ids=ids[None], labels=torch.where(trained, ids, IGNORE)[None], **kwargs)
         expected += out.loss * int(trained[1:].sum())  # the mean over targets, back to a sum
@@ -349,3 +350,36 @@ def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_d
         got = ours.eval()(ids, images=images)
     assert (expected - untouched).abs().max() > 1e-3  # the adapter changes the logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava"])
+def test_the_cost_model_counts_the_tower(tmp_path, model_dir, qwen2_5_vl_dir, llava_dir, family):
+    """The parameters are the built model's (tower and projector included); every image patch of a step is
+    counted (the MFU numerator's tower term: once through a frozen tower, three times through a training
+    one); the tower's FLOPs per patch are two per weight (FlopCounterMode on the tower's forward, within the
+    attention scores and norms it leaves out)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from shardforge.models import load_model
+    from shardforge.models.spec import costs_for
+
+    folder = {"qwen2_vl": model_dir, "qwen2_5_vl": qwen2_5_vl_dir, "llava": llava_dir}[family]
+    model = load_model(folder)
+    costs = costs_for(model.config)
+    assert costs.params.total == sum(p.numel() for p in model.parameters())
+    info = lf_image_dataset(tmp_path / "data")
+    store = _rows(_config(tmp_path, folder, [{"name": "mllm_demo", "dataset_info": str(info)}])).examples
+    grids = np.asarray(store.grids)
+    assert int(store.patches.sum()) == int(np.prod(grids, axis=1).sum()) > 0
+    patches = int(store.patches[0])
+    text = costs.train_flops(100, 10, 5050)
+    assert costs.train_flops(100, 10, 5050, patches=patches) == pytest.approx(
+        text + patches * costs.patch_flops
+    )
+    trained = costs.train_flops(100, 10, 5050, patches=patches, tower_trained=True)
+    assert trained == pytest.approx(text + 3 * patches * costs.patch_flops)
+    images = store.images(0)
+    inputs = ImageInputs(torch.tensor(images.pixels), torch.tensor(images.grids))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model.image_embeddings(inputs, torch.float32)
+    assert costs.patch_flops * patches == pytest.approx(counter.get_total_flops(), rel=0.05)

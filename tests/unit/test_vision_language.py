@@ -57,7 +57,7 @@ def encode(folder, sizes, seed=0):
             ours = ImageInputs(pixels, grids)
             theirs = {"pixel_values": pixels, "image_grid_thw": grids}
         else:  # LLaVA: whole resized images
-            grids = torch.tensor([[1, *pixels.shape[-2:]]] * len(images))
+            grids = torch.tensor([[1, pixels.shape[-2] // 14, pixels.shape[-1] // 14]] * len(images))
             ours = ImageInputs(pixels.flatten(1), grids)
             theirs = {"pixel_values": pixels}
         for grid in grids.tolist():

@@ -52,6 +52,7 @@ class ImagePrompt:
     fixed: int = 0  # tokens per image whatever its size (LLaVA's resized crop); 0: from the patch grid
     min_side: int = 0  # pixels an image's shorter side is raised to (Qwen2-VL: 28)
     max_aspect: float = 0.0  # a longer / shorter side above this is cut to 180 (Qwen2-VL: 200); 0: none
+    patch: int = 1  # pixels per patch side where the processor gives whole images (LLaVA's tower: 14)
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """Image tokens of an image whose (t, h, w) patch grid is `grid`."""

@@ -5,25 +5,35 @@ places of the image tokens in the embedded stream, which is then cut as the bloc
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import ClassVar
+from dataclasses import replace
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from shardforge.errors import ModelError
+from shardforge.models.common.costs import costs
 from shardforge.models.common.images import ImageInputs
 from shardforge.models.llama.model import Decoder, MLPFactory
+from shardforge.models.spec import CostModel
 
 
 class VisionLanguageDecoder(Decoder):
     """Token ids and images -> logits."""
 
     vision = True
-    TOWERS: ClassVar[tuple[str, ...]] = ()  # the attributes holding the vision modules
+    TOWERS: ClassVar[tuple[str, ...]] = ()  # the attributes holding the vision modules, tower first
 
     def __init__(self, cfg: object, mlp: MLPFactory | None = None) -> None:
         super().__init__(cfg, mlp)
+        for name, module in self.vision_modules(cfg).items():
+            setattr(self, name, module)
         self.stream_split: nn.Module | None = nn.Identity()  # tensor parallel cuts the merged stream here
+
+    @staticmethod
+    @abstractmethod
+    def vision_modules(cfg: object) -> dict[str, nn.Module]:
+        """The family's vision modules (transformers'), by the attribute each is held at (`TOWERS`)."""
 
     @abstractmethod
     def image_embeddings(self, images: ImageInputs, dtype: torch.dtype) -> torch.Tensor:
@@ -58,3 +68,23 @@ class VisionLanguageDecoder(Decoder):
                 )
             h = h.masked_scatter(slots[..., None], features)
         return self.stream_split(h)
+
+
+def vision_language_costs(model_cls: type[VisionLanguageDecoder], cfg: Any) -> CostModel:
+    """The decoder's cost model, plus the vision modules' parameters and forward FLOPs per image patch: two
+    per weight for every patch through the tower (all its layers run, used or not), and through the
+    projector per image token, which merges merge x merge patches. Attention scores and norms are left out
+    (the planner's GEMM view)."""
+    base = costs(cfg)
+    with torch.device("meta"):
+        modules = model_cls.vision_modules(cfg)
+    params = {"tower": 0, "projector": 0, "unused": 0}
+    for attr, module in modules.items():
+        for name, p in module.named_parameters():
+            params[cfg.part_of(f"{attr}.{name}")] += p.numel()
+    tower, projector = params["tower"] + params["unused"], params["projector"]
+    return replace(
+        base,
+        params=replace(base.params, vision=tower + projector),
+        patch_flops=2.0 * tower + 2.0 * projector / (cfg.merge * cfg.merge),
+    )

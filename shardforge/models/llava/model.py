@@ -15,7 +15,6 @@ from torch import nn
 from shardforge.errors import ModelError
 from shardforge.models.common.config import DecoderConfig
 from shardforge.models.common.images import ImageInputs, ImagePrompt
-from shardforge.models.llama.model import MLPFactory
 from shardforge.models.llama.vision import VisionLanguageDecoder
 
 TOWER, PROJECTOR = "vision_tower.", "multi_modal_projector."
@@ -31,6 +30,8 @@ class LlavaConfig(DecoderConfig):
     select: str = "default"  # "default": drop the class token; "full": keep it
     vision: dict = field(default_factory=dict)  # config.json's vision_config
     takes_images: ClassVar[bool] = True
+
+    merge = 1  # an image token per patch
 
     @property
     def tokens_per_image(self) -> int:
@@ -59,7 +60,8 @@ class LlavaConfig(DecoderConfig):
                 f"the tokenizer has no image token {self.image_token_id} (config.json's image_token_index): "
                 f"use the model's own tokenizer"
             )
-        return ImagePrompt(self.image_token_id, token, fixed=self.tokens_per_image)
+        patch = int(self.vision["patch_size"])
+        return ImagePrompt(self.image_token_id, token, fixed=self.tokens_per_image, patch=patch)
 
 
 def _hf_llava_config(cfg: LlavaConfig) -> Any:
@@ -73,15 +75,17 @@ class LlavaDecoder(VisionLanguageDecoder):
 
     TOWERS = ("vision_tower", "multi_modal_projector")
 
-    def __init__(self, cfg: LlavaConfig, mlp: MLPFactory | None = None) -> None:
+    @staticmethod
+    def vision_modules(cfg: LlavaConfig) -> dict[str, nn.Module]:
         from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-        super().__init__(cfg, mlp)
         hf = _hf_llava_config(cfg)
         hf.vision_config._attn_implementation = "sdpa"
-        self.vision_tower: nn.Module | None = AutoModel.from_config(hf.vision_config)
-        self.multi_modal_projector: nn.Module | None = LlavaMultiModalProjector(hf)
+        return {
+            "vision_tower": AutoModel.from_config(hf.vision_config),
+            "multi_modal_projector": LlavaMultiModalProjector(hf),
+        }
 
     def reset_buffers(self) -> None:
         super().reset_buffers()
@@ -95,12 +99,8 @@ class LlavaDecoder(VisionLanguageDecoder):
         """[images x tokens per image, hidden]: each image's projected features, in order."""
         cfg = self.config
         patch = int(cfg.vision["patch_size"])
-        _, h, w = (int(v) for v in images.grid_thw[0].tolist())
+        _, h, w = (int(v) * patch for v in images.grid_thw[0].tolist())  # its grid of patches
         pixels = images.pixel_values.view(len(images.grid_thw), 3, h, w)
-        if h % patch or w % patch:
-            raise ModelError(
-                f"images of {h} x {w} pixels do not split into the tower's {patch}-pixel patches"
-            )
         tower = self.vision_tower
         weight = next(tower.parameters())
         out = tower(pixels.to(weight.dtype), output_hidden_states=True, return_dict=True)

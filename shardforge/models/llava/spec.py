@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from shardforge.models.common.costs import costs
 from shardforge.models.llama.plan import vision_language_plan
+from shardforge.models.llama.vision import vision_language_costs
 from shardforge.models.llava import hf_adapter
 from shardforge.models.llava.model import LlavaDecoder
 from shardforge.models.spec import ModelSpec, register
@@ -22,7 +22,7 @@ register(
         ),
         key_to_hf=hf_adapter.key_to_hf,
         key_from_hf=hf_adapter.key_from_hf,
-        costs=costs,
+        costs=partial(vision_language_costs, LlavaDecoder),
         tp_plan=partial(vision_language_plan, towers=("vision_tower", "multi_modal_projector")),
         runtime_module=hf_adapter.runtime_module,
     )

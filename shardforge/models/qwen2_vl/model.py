@@ -14,7 +14,6 @@ from torch import nn
 from shardforge.errors import ModelError
 from shardforge.models.common.config import DecoderConfig
 from shardforge.models.common.images import ImageInputs, ImagePrompt
-from shardforge.models.llama.model import MLPFactory
 from shardforge.models.llama.vision import VisionLanguageDecoder
 from shardforge.models.qwen2_vl.rope import mrope_cos_sin, rope_index
 
@@ -90,9 +89,9 @@ class Qwen2VLDecoder(VisionLanguageDecoder):
 
     TOWERS = ("visual",)
 
-    def __init__(self, cfg: VisionLanguageConfig, mlp: MLPFactory | None = None) -> None:
-        super().__init__(cfg, mlp)
-        self.visual: nn.Module | None = vision_tower(cfg)
+    @staticmethod
+    def vision_modules(cfg: VisionLanguageConfig) -> dict[str, nn.Module]:
+        return {"visual": vision_tower(cfg)}
 
     def reset_buffers(self) -> None:
         super().reset_buffers()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from shardforge.models.common.costs import costs
 from shardforge.models.llama.plan import vision_language_plan
+from shardforge.models.llama.vision import vision_language_costs
 from shardforge.models.qwen2_vl import hf_adapter
 from shardforge.models.qwen2_vl.model import Qwen2VLDecoder
 from shardforge.models.spec import ModelSpec, register
@@ -24,7 +24,7 @@ for _type, _arch in (
             hf_config_from=partial(hf_adapter.hf_config_from, model_type=_type, architecture=_arch),
             key_to_hf=hf_adapter.key_to_hf,
             key_from_hf=hf_adapter.key_from_hf,
-            costs=costs,
+            costs=partial(vision_language_costs, Qwen2VLDecoder),
             tp_plan=partial(vision_language_plan, towers=("visual",)),
             runtime_module=hf_adapter.runtime_module,
         )
