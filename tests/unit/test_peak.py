@@ -203,7 +203,9 @@ def _processor(peak_and_source, world=1):
     from shardforge.objectives.base import CausalLM
     from shardforge.train.metrics import MetricsProcessor
 
-    return MetricsProcessor(CausalLM, lambda t, s, p, patches=0: 1e12, peak_and_source, world, CPU, None, None, {})
+    return MetricsProcessor(
+        CausalLM, lambda t, s, p, patches=0: 1e12, peak_and_source, world, CPU, None, None, {}
+    )
 
 
 COUNTS = {"tokens": 100, "targets": 50, "attention_pairs": 1000}
