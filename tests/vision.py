@@ -13,7 +13,6 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 
 def tiny_qwen2_vl(folder: Path, std: float = 0.3, tie: bool = False, kind: str = "qwen2_vl") -> Path:
     """`kind` qwen2_5_vl: Qwen2.5-VL's tower (windowed attention in all blocks but one) instead."""
-    import torch
     from transformers import (
         AutoTokenizer,
         Qwen2_5_VLConfig,
@@ -49,15 +48,8 @@ def tiny_qwen2_vl(folder: Path, std: float = 0.3, tie: bool = False, kind: str =
         vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video,
         tie_word_embeddings=tie,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = model_cls(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, std)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64).save_pretrained(folder)
-    return folder
+    processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
+    return _save_random(model_cls, cfg, std, folder, tokenizer, processor)
 
 
 def random_image(height: int, width: int, seed: int = 0):
@@ -108,7 +100,6 @@ def tiny_llava(folder: Path, std: float = 0.3) -> Path:
     """A random LLaVA-1.5-shaped model (a CLIP tower of 56-pixel images in 14-pixel tiles: 16 image tokens,
     features from its second-to-last layer; a Llama decoder), saved by transformers with the bundled
     tokenizer plus <image> and CLIP's (PIL) image processor."""
-    import torch
     from transformers import AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
@@ -123,14 +114,21 @@ def tiny_llava(folder: Path, std: float = 0.3) -> Path:
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
         image_seq_length=16,
     )  # fmt: skip
+    processor = CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    return _save_random(LlavaForConditionalGeneration, cfg, std, folder, tokenizer, processor)
+
+
+def _save_random(model_cls, cfg, std: float, folder: Path, tokenizer, processor) -> Path:
+    """transformers' model of `cfg` with weights N(0, std) (large enough that logits are peaked, so greedy
+    tokens have no near-ties), saved with its tokenizer and image processor."""
+    import torch
+
     torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(cfg)
+    model = model_cls(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, std)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    CLIPImageProcessorPil(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(
-        folder
-    )
+    processor.save_pretrained(folder)
     return folder

@@ -6,7 +6,10 @@ we read config.json through them and translate the result; on export we write a 
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from dataclasses import replace
+from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
@@ -146,3 +149,44 @@ def hf_config_from(cfg: DecoderConfig, model_type: str, architecture: str) -> Pr
             architectures=[architecture.replace("CausalLM", "SequenceClassification")],
         )
     return AutoConfig.for_model(model_type, **base)
+
+
+TEXT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def with_text_config(
+    cfg: DecoderConfig, model_type: str, architecture: str, text_type: str, text: dict[str, Any]
+) -> PretrainedConfig:
+    """A vision-language checkpoint's config (the loaded one, `cfg.hf_config`) with the decoder's shape
+    written back into its text_config (a `text_type` config, with `text`'s entries on top)."""
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
+        text_type
+    ]
+    original = cfg.hf_config.get("text_config", {})
+    text_dict = hf_config_from(
+        replace(cfg, hf_config=original), model_type=text_type, architecture=arch
+    ).to_dict()
+    for key in ("architectures", "transformers_version", "tie_word_embeddings"):
+        text_dict.pop(key, None)
+    if "model_type" not in original:
+        text_dict.pop("model_type", None)
+    base = {k: v for k, v in cfg.hf_config.items() if k not in ("model_type", "transformers_version")}
+    base.update(
+        text_config={**text_dict, **text},
+        architectures=[architecture],
+        tie_word_embeddings=cfg.tie_embeddings,
+    )
+    return AutoConfig.for_model(model_type, **base)
+
+
+def decoder_fields(hf: PretrainedConfig, text_family: str) -> dict[str, Any]:
+    """A vision-language checkpoint's decoder as our DecoderConfig's fields (its text_config read as
+    `text_family`'s), under the checkpoint's own family and config."""
+    text = config_from_hf(hf.text_config, family=text_family)
+    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(DecoderConfig)}
+    fields.update(family=hf.model_type, tie_embeddings=bool(hf.tie_word_embeddings), hf_config=hf.to_dict())
+    return fields

@@ -6,16 +6,15 @@ transformers' own. Checkpoints spell the decoder `language_model.model.layers...
 
 from __future__ import annotations
 
-import dataclasses
-
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from shardforge.errors import ModelError
-from shardforge.models.common.config import DecoderConfig
 from shardforge.models.llama import hf_adapter
 from shardforge.models.llava.model import PROJECTOR, TOWER, LlavaConfig
 
-TEXT_FAMILIES = ("llama", "mistral", "qwen2")  # the language models LLaVA checkpoints use that are ours
+TEXT_FAMILIES = tuple(
+    hf_adapter.TEXT_ARCHITECTURES
+)  # the language models LLaVA checkpoints use that are ours
 _SAVED = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 _RUNTIME = (("model.language_model.", "model."), ("model.vision_tower.", TOWER),
             ("model.multi_modal_projector.", PROJECTOR))  # fmt: skip
@@ -57,11 +56,8 @@ def config_from_hf(hf: PretrainedConfig) -> LlavaConfig:
         )
     if not isinstance(hf.vision_feature_layer, int):
         raise ModelError("LLaVA with several vision_feature_layer values is not supported yet")
-    text = hf_adapter.config_from_hf(hf.text_config, family=family)
-    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(DecoderConfig)}
-    fields.update(family=hf.model_type, tie_embeddings=bool(hf.tie_word_embeddings), hf_config=hf.to_dict())
     return LlavaConfig(
-        **fields,
+        **hf_adapter.decoder_fields(hf, family),
         image_token_id=hf.image_token_id,
         feature_layer=hf.vision_feature_layer,
         select=hf.vision_feature_select_strategy,
@@ -71,17 +67,5 @@ def config_from_hf(hf: PretrainedConfig) -> LlavaConfig:
 
 def hf_config_from(cfg: LlavaConfig, model_type: str, architecture: str) -> PretrainedConfig:
     """The checkpoint's config with the decoder's shape written back into its text_config."""
-    text_cfg = cfg.hf_config.get("text_config", {})
-    family = text_cfg.get("model_type", "llama")
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
-    text = hf_adapter.hf_config_from(dataclasses.replace(cfg, hf_config=text_cfg), model_type=family,
-                                     architecture=arch)  # fmt: skip
-    text_dict = text.to_dict()
-    for key in ("architectures", "transformers_version", "tie_word_embeddings"):
-        text_dict.pop(key, None)
-    base = dict(cfg.hf_config)
-    for key in ("model_type", "transformers_version"):
-        base.pop(key, None)
-    base.update(text_config=text_dict, vision_config=cfg.vision, architectures=[architecture],
-                tie_word_embeddings=cfg.tie_embeddings, image_token_id=cfg.image_token_id)  # fmt: skip
-    return AutoConfig.for_model(model_type, **base)
+    family = cfg.hf_config.get("text_config", {}).get("model_type", "llama")
+    return hf_adapter.with_text_config(cfg, model_type, architecture, family, {})

@@ -5,11 +5,8 @@ spell the decoder `model.layers...` (as published, and as transformers writes th
 
 from __future__ import annotations
 
-import dataclasses
+from transformers import PretrainedConfig
 
-from transformers import AutoConfig, PretrainedConfig
-
-from shardforge.models.common.config import DecoderConfig
 from shardforge.models.llama import hf_adapter
 from shardforge.models.qwen2_vl.model import VisionLanguageConfig
 
@@ -33,16 +30,9 @@ def runtime_module(hf_module: str) -> str:
 
 
 def config_from_hf(hf: PretrainedConfig) -> VisionLanguageConfig:
-    text = hf_adapter.config_from_hf(hf.text_config, family="qwen2")
-    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(DecoderConfig)}
-    fields.update(
-        family=hf.model_type,
-        tie_embeddings=bool(hf.tie_word_embeddings),
-        hf_config=hf.to_dict(),
-    )
     sections = (hf.text_config.rope_parameters or {}).get("mrope_section", [16, 24, 24])
     return VisionLanguageConfig(
-        **fields,
+        **hf_adapter.decoder_fields(hf, "qwen2"),
         image_token_id=hf.image_token_id,
         vision_start_token_id=hf.vision_start_token_id,
         vision_end_token_id=hf.vision_end_token_id,
@@ -52,16 +42,6 @@ def config_from_hf(hf: PretrainedConfig) -> VisionLanguageConfig:
 
 
 def hf_config_from(cfg: VisionLanguageConfig, model_type: str, architecture: str) -> PretrainedConfig:
-    """The checkpoint's config with the decoder's shape written back into its text_config."""
-    text = hf_adapter.hf_config_from(dataclasses.replace(cfg, hf_config=cfg.hf_config.get("text_config", {})),
-                                     model_type="qwen2", architecture="Qwen2ForCausalLM")  # fmt: skip
-    text_dict = text.to_dict()
-    for key in ("architectures", "model_type", "transformers_version", "tie_word_embeddings"):
-        text_dict.pop(key, None)
-    text_dict["rope_parameters"] = {**text_dict["rope_parameters"], "mrope_section": list(cfg.mrope_section)}
-    base = dict(cfg.hf_config)
-    for key in ("model_type", "transformers_version"):
-        base.pop(key, None)
-    base.update(text_config=text_dict, vision_config=cfg.vision, architectures=[architecture],
-                tie_word_embeddings=cfg.tie_embeddings, image_token_id=cfg.image_token_id)  # fmt: skip
-    return AutoConfig.for_model(model_type, **base)
+    """The checkpoint's config with the decoder's shape (and M-RoPE's sections) in its text_config."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "mrope_section": list(cfg.mrope_section)}
+    return hf_adapter.with_text_config(cfg, model_type, architecture, "qwen2", {"rope_parameters": rope})
