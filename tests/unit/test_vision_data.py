@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shardforge.errors import DataError
 from shardforge.models.common.images import ImageInputs
@@ -383,3 +385,60 @@ def test_the_cost_model_counts_the_tower(tmp_path, model_dir, qwen2_5_vl_dir, ll
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model.image_embeddings(inputs, torch.float32)
     assert costs.patch_flops * patches == pytest.approx(counter.get_total_flops(), rel=0.05)
+
+
+IMAGE_VALUES = st.sampled_from(["pic.png", "missing.png", "data:image/png;base64,AAAA", "data:text/x;base64,",
+                                "https://x/a.png", "", "/etc/passwd", "<image>"])  # fmt: skip
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8) | IMAGE_VALUES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+PART = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "input_audio", 3, None])},
+    optional={"text": JSON, "image_url": JSON | st.fixed_dictionaries({"url": IMAGE_VALUES})},
+)
+TURN = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", 1])},
+    optional={"content": st.lists(PART, max_size=3) | st.text(max_size=12) | IMAGE_VALUES | JSON},
+)
+GOOD_PART = st.sampled_from([{"type": "text", "text": "Look: "}, {"type": "text", "text": "<image>"},
+                             {"type": "image_url", "image_url": {"url": "pic.png"}}])  # fmt: skip
+PAIR = st.builds(  # a well-formed exchange, so that records are also read, not only refused
+    lambda prompt, reply: [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}],
+    st.lists(GOOD_PART, max_size=3) | st.lists(PART, max_size=2) | st.sampled_from(["<image>Hi", "Hi"]),
+    st.sampled_from(["ok", "<image>"]),
+)
+RECORD = st.fixed_dictionaries(
+    {"messages": PAIR | st.lists(TURN, max_size=4) | JSON},
+    optional={"images": st.just(["pic.png"]) | st.lists(IMAGE_VALUES, max_size=3) | JSON, "videos": JSON},
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    record=RECORD, fmt=st.sampled_from(["openai", "sharegpt"]), stage=st.sampled_from(["sft", "dpo", "pt"])
+)
+def test_any_record_with_images_is_read_or_refused_with_its_source(tmp_path_factory, record, fmt, stage):
+    """Records of any shape with images, image parts and marks among them: a record (whose images are
+    resolved files or data URLs, one per mark) or a DataError naming it, never a traceback."""
+    from dataclasses import replace
+
+    from shardforge.config.schema import MethodSection
+    from shardforge.data.formats import default_fields, parse_record
+    from shardforge.data.media import IMAGE
+    from shardforge.objectives import build_objective, reading_of
+
+    folder = tmp_path_factory.getbasetemp() / "fuzz-images"
+    folder.mkdir(exist_ok=True)
+    random_image(28, 28).save(folder / "pic.png")
+    how = reading_of(build_objective(MethodSection(stage=stage)))
+    fields = replace(default_fields(fmt), messages="messages", role="role", content="content", media=folder)
+    try:
+        parsed = parse_record(record, "f:1", fmt, fields, how)
+    except DataError as e:
+        assert str(e).startswith("f:1: ")
+        return
+    marks = sum(m["content"].count(IMAGE) for m in parsed.messages or () if isinstance(m.get("content"), str))
+    assert not parsed.images or marks == len(parsed.images)
+    assert all(ref.startswith("data:image/") or Path(ref).is_file() for ref in parsed.images)
