@@ -12,17 +12,25 @@ and `use_cpu` is added (no GPU here).
 
 preprocess: LF's own data pipeline (`get_dataset`) on the data set its arguments name (ARGS.json: stage,
 dataset, cutoff_len, template, dataset_dir, ...), answered with each encoded column (input_ids, labels, and
-chosen_ / rejected_ / kl_ ones) of its train and eval splits."""
+chosen_ / rejected_ / kl_ ones) of its train and eval splits. With "processor": true in ARGS.json (taken out
+before LF parses the rest), the records' images go through LF's multimodal plugin with a processor made as
+LF's loader would patch one (`patch_processor`): the tokenizer folder's image processor (transformers'
+AutoProcessor would also want a video processor, which needs torchvision), LF's tokenizer, and the media
+settings of LF's model arguments; the answer then also carries each record's image_grid_thw and pixel_values
+as the plugin makes them."""
 
 import enum
 import importlib.machinery
 import json
+import os
 import sys
 import types
 
-# LF's data package imports torchaudio / torchvision / av for its multimodal plugin, none of which installs
-# beside this CPU torch: empty stand-ins let it import (the text processors use none of them)
-for _name in ("torchaudio", "torchvision", "av"):
+# LF's data package imports torchaudio (and av, where found) for its multimodal plugin, neither of which
+# installs beside this CPU torch: empty stand-ins let it import (its image and text paths use neither). Not
+# torchvision: with Pillow installed, transformers takes a module of that name for the real one and imports
+# from it; without one, transformers' image processors are its PIL ones
+for _name in ("torchaudio", "av"):
     _stub = types.ModuleType(_name)
     _stub.__spec__ = importlib.machinery.ModuleSpec(_name, None)
     sys.modules.setdefault(_name, _stub)
@@ -72,10 +80,30 @@ def resolve(mapping: dict, keys: list[str], steps: int) -> dict:
     return {"args": out, "lr": lrs}
 
 
+def processor_for(tokenizer_path: str, tokenizer, model_args) -> types.SimpleNamespace:
+    """What LF's loader makes of a multimodal model's processor (llamafactory/model/patcher.py
+    patch_processor sets each attribute but `image_processor` from LF's tokenizer and model arguments). The
+    image processor is transformers' PIL one of the folder's type: AutoImageProcessor wants torchvision."""
+    import transformers
+
+    with open(os.path.join(tokenizer_path, "preprocessor_config.json")) as f:
+        kind = json.load(f)["image_processor_type"].removesuffix("Fast")
+    image_processor = getattr(transformers, f"{kind}Pil").from_pretrained(tokenizer_path)
+    keys = ("image_max_pixels", "image_min_pixels", "image_do_pan_and_scan", "crop_to_patches",
+            "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video",
+            "audio_sampling_rate")  # fmt: skip
+    return types.SimpleNamespace(
+        image_processor=image_processor, tokenizer=tokenizer,
+        **{k: getattr(model_args, k) for k in keys},
+    )  # fmt: skip
+
+
 def preprocess(lf_args: dict, tokenizer_path: str) -> dict:
     from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
     from transformers import AutoTokenizer
 
+    lf_args = dict(lf_args)
+    with_processor = lf_args.pop("processor", False)
     args = {"model_name_or_path": "unused", "output_dir": "lf_reference_out", "use_cpu": True,
             "do_train": True, "overwrite_cache": True, "preprocessing_num_workers": 1, **lf_args}  # fmt: skip
     stage = args["stage"]
@@ -83,13 +111,20 @@ def preprocess(lf_args: dict, tokenizer_path: str) -> dict:
     data_args.packing = data_args.packing if data_args.packing is not None else stage == "pt"
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     template = get_template_and_fix_tokenizer(tokenizer, data_args)
+    processor = processor_for(tokenizer_path, tokenizer, model_args) if with_processor else None
     lf_stage = "rm" if stage == "dpo" else stage  # LF's DPO workflow reads its data as stage rm
-    module = get_dataset(template, model_args, data_args, training_args, lf_stage, tokenizer=tokenizer)
+    module = get_dataset(
+        template, model_args, data_args, training_args, lf_stage, tokenizer=tokenizer, processor=processor
+    )
     out = {}
     for split in ("train", "eval"):
         data = module.get(f"{split}_dataset")
         if data is not None:
             out[split] = {c: list(data[c]) for c in data.column_names if c.endswith(("input_ids", "labels"))}
+            if processor is not None and "images" in data.column_names:  # each record's, by LF's plugin
+                made = [template.mm_plugin._get_mm_inputs(i or [], [], [], processor) for i in data["images"]]
+                for key in ("image_grid_thw", "pixel_values"):
+                    out[split][key] = [m[key].tolist() if key in m else [] for m in made]
     return out
 
 

@@ -6,6 +6,7 @@ registry), the tests that need it are skipped, saying why."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / ".lf-reference"
 VERSION = "0.9.5"
 SCRIPT = Path(__file__).with_name("lf_reference.py")
+REQUIREMENTS = Path(__file__).with_name("requirements.txt")
 
 
 @dataclass(frozen=True)
@@ -58,20 +60,23 @@ def _run(args: list[str], what: str) -> None:
 def reference() -> Reference:
     venv, src = ROOT / "venv", ROOT / f"llamafactory-{VERSION}"
     python, done = venv / "bin" / "python", ROOT / "ready"
-    if not done.is_file():
+    # the version and the pins it was made with: an environment made before a pin changed is brought up to it
+    stamp = f"{VERSION} {hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()[:16]}"
+    if not done.is_file() or done.read_text() != stamp:
         ROOT.mkdir(exist_ok=True)
         if not python.is_file():
             _run([sys.executable, "-m", "venv", str(venv)], "venv")
         pip = [str(python), "-m", "pip", "install", "-q"]
-        _run([*pip, "-r", str(Path(__file__).with_name("requirements.txt"))], "its pinned dependencies")
+        _run([*pip, "-r", str(REQUIREMENTS)], "its pinned dependencies")
         _run([*pip, "--no-deps", f"llamafactory=={VERSION}"], "llamafactory")
-        sdist = ROOT / "sdist"
-        _run(
-            [str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d",
-             str(sdist), f"llamafactory=={VERSION}"],
-            "its source distribution (examples and demo data)",
-        )  # fmt: skip
-        with tarfile.open(next(sdist.glob("llamafactory-*.tar.gz"))) as tar:
-            tar.extractall(ROOT, filter="data")
-        done.write_text(VERSION)
+        if not src.is_dir():
+            sdist = ROOT / "sdist"
+            _run(
+                [str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d",
+                 str(sdist), f"llamafactory=={VERSION}"],
+                "its source distribution (examples and demo data)",
+            )  # fmt: skip
+            with tarfile.open(next(sdist.glob("llamafactory-*.tar.gz"))) as tar:
+                tar.extractall(ROOT, filter="data")
+        done.write_text(stamp)
     return Reference(python, src)

@@ -1,0 +1,98 @@
+"""Images through LLaMA-Factory's own data pipeline (0.9.5, its environment: reference_env.py) and ours: LF's
+multimodal demo form (sharegpt messages with `<image>` marks, records of one and of two images of different
+sizes) under its qwen2_vl template and a tiny Qwen2-VL whose chat template renders as that template does.
+Each record encodes to the same token ids (each mark expanded to the same count of image tokens) and the same
+targets (LF's labels), image tokens are never targets, and the images become the same patch grids and
+pixels as LF's Qwen2-VL plugin makes of them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.chat_templates import QWEN_TOOLS
+from tests.lf.reference_env import reference
+from tests.vision import lf_image_dataset, random_image, tiny_qwen2_vl
+
+pytestmark = pytest.mark.slow
+# Qwen2-VL's own chat template, for string contents: Qwen 2.5's with "You are a helpful assistant." as the
+# default system message, what LF's qwen2_vl template renders
+QWEN2_VL = QWEN_TOOLS.replace(
+    "'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.'", "'You are a helpful assistant.'"
+)
+assert QWEN2_VL != QWEN_TOOLS
+
+
+def _odd_images(folder) -> None:
+    """Two more records for LF's demo form lf_image_dataset wrote: a side under Qwen2-VL's 28 pixels and an
+    aspect ratio over its 200, both of which LF's plugin resizes before the image processor."""
+    records = json.loads((folder / "mllm_demo.json").read_text())
+    for name, (height, width) in {"narrow": (20, 300), "strip": (28, 6000)}.items():
+        random_image(height, width, seed=height).save(folder / "mllm_demo_data" / f"{name}.png")
+        records.append({"messages": [
+            {"role": "user", "content": f"<image>How wide is the {name} one?"},
+            {"role": "assistant", "content": f"{width} pixels."},
+        ], "images": [f"mllm_demo_data/{name}.png"]})  # fmt: skip
+    (folder / "mllm_demo.json").write_text(json.dumps(records, indent=1))
+
+
+CASES = {  # LF's arguments beyond the data set and template, and our data section's
+    "replies": ({}, {}),
+    "train_on_prompt": ({"train_on_prompt": True}, {"train_on_prompt": True}),
+    "pixel_limits": (  # images resized down to the maximum, and up to the minimum, before the processor
+        {"image_max_pixels": 4000, "image_min_pixels": 2500},
+        {"image_max_pixels": 4000, "image_min_pixels": 2500},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_lf_s_multimodal_data_encodes_as_lf_encodes_it(tmp_path, case):
+    from shardforge.config import load_config
+    from shardforge.data.build import build_data
+    from shardforge.models.build import model_source
+    from shardforge.objectives import build_objective, reading_of
+
+    ref = reference()
+    model = tiny_qwen2_vl(tmp_path / "model")
+    (model / "chat_template.jinja").write_text(QWEN2_VL.strip() + "\n")
+    folder = tmp_path / "data"
+    info = lf_image_dataset(folder, count=5)
+    _odd_images(folder)
+    lf_extra, our_extra = CASES[case]
+    lf_args = {"stage": "sft", "dataset": "mllm_demo", "dataset_dir": str(folder), "template": "qwen2_vl",
+               "cutoff_len": 1024, "processor": True, **lf_extra}  # fmt: skip
+    theirs = ref.preprocess(lf_args, model, tmp_path)["train"]
+    config = load_config(None, base={
+        "model": {"path": str(model)},
+        "data": {"train": [{"name": "mllm_demo", "dataset_info": str(info)}], "template": "auto",
+                 "max_length": 1024, "truncation": "lf", "packing": False, "cache": False, "workers": 1,
+                 **our_extra},
+        "output_dir": str(tmp_path / "run"),
+    })  # fmt: skip
+    objective = build_objective(config.method)
+    rows, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
+    store = rows.examples
+    records = json.loads((folder / "mllm_demo.json").read_text())
+    assert len(store) == len(theirs["input_ids"]) == len(records)
+    assert sorted(len(r["images"]) for r in records) == [1, 1, 1, 1, 1, 1, 2]
+    pad = json.loads((model / "config.json").read_text())["image_token_id"]
+    for i in range(len(store)):
+        ids, trained = store.arrays(i)
+        labels = [int(t) if f else -100 for t, f in zip(ids, trained, strict=True)]
+        assert ids.tolist() == theirs["input_ids"][i], i
+        lf_labels = theirs["labels"][i]
+        # train_on_prompt: LF's labels are the prompt's ids, its image tokens too; ours never are targets
+        if case == "train_on_prompt":
+            assert pad in lf_labels, i
+            lf_labels = [-100 if t == pad else t for t in lf_labels]
+        else:
+            assert pad not in lf_labels, i
+        assert labels == lf_labels, i
+        assert not trained[ids == pad].any() and trained.any(), i
+        images = store.images(i)
+        assert images.grids.tolist() == theirs["image_grid_thw"][i], i
+        assert int((ids == pad).sum()) == int(images.grids.prod(-1).sum()) // 4, i
+        np.testing.assert_array_equal(images.pixels, np.asarray(theirs["pixel_values"][i], np.float32))
