@@ -33,12 +33,13 @@ class RequestImages:
         device = next(model.parameters()).device
         ids = torch.tensor(prompt, device=device)[None]
         dtype = model.embed_tokens.weight.dtype
-        embeddings = model.image_embeddings(images.to(device), dtype)
-        positions = torch.arange(len(prompt), device=device)[None]
-        rotary = model.rotary_positions(ids, positions, images.to(device))
-        own = rotary.dim() == 2
-        digest = hashlib.sha256(images.pixel_values.detach().cpu().numpy().tobytes())
+        digest = hashlib.sha256(images.pixel_values.detach().cpu().numpy().tobytes())  # as sent
         digest.update(images.grid_thw.detach().cpu().numpy().tobytes())
+        images = images.to(device)
+        embeddings = model.image_embeddings(images, dtype)
+        positions = torch.arange(len(prompt), device=device)[None]
+        rotary = model.rotary_positions(ids, positions, images)
+        own = rotary.dim() == 2
         return cls(
             embeddings,
             np.flatnonzero(np.asarray(prompt) == model.config.image_token_id),
