@@ -51,7 +51,8 @@ class Batch:
         """The per-row tensors besides the token ids: what a pipeline schedule splits into chunks (along the
         rows) and hands to every stage. The per-document layout is not a per-row tensor: chunks use masks."""
         rows = {"targets": self.targets, "position_ids": self.position_ids, "doc_ids": self.doc_ids}
-        return rows | self.extras
+        images = {} if self.images is None else self.images.as_rows()  # cut with their rows
+        return rows | images | self.extras
 
     def sequence_ids(self) -> torch.Tensor:
         """Each position's document [rows, width], numbered over the micro-batch in row-major order (one
@@ -68,7 +69,8 @@ class Batch:
         nothing reads them on a chunk, and counting would sync with the device)."""
         rest = dict(fields)
         targets, positions, docs = rest.pop("targets"), rest.pop("position_ids"), rest.pop("doc_ids")
-        return cls(input_ids, targets, positions, docs, -1, -1, None, rest)
+        images = ImageInputs.from_rows(rest)
+        return cls(input_ids, targets, positions, docs, -1, -1, None, rest, images)
 
 
 def collate(
@@ -111,11 +113,13 @@ def _images(examples: Sequence[Example], rows: Sequence[Sequence[int]]) -> Image
     """The rows' documents' images, in row-major order (that of their tokens), or None."""
     if not isinstance(examples, ExampleStore) or not examples.has_images:
         return None
-    found = [a for row in rows for i in row if (a := examples.images(i)) is not None]
+    per_row = [[a for i in row if (a := examples.images(i)) is not None] for row in rows]
+    found = [a for row in per_row for a in row]
     if not found:
         return None
     pixels = torch.from_numpy(np.concatenate([a.pixels for a in found]))
-    return ImageInputs(pixels, torch.from_numpy(np.concatenate([a.grids for a in found])))
+    counts = torch.tensor([[sum(len(a.grids) for a in r), sum(len(a.pixels) for a in r)] for r in per_row])
+    return ImageInputs(pixels, torch.from_numpy(np.concatenate([a.grids for a in found])), rows=counts)
 
 
 def _empty_rows(n: int, width: int, pad_id: int) -> tuple[torch.Tensor, ...]:

@@ -251,7 +251,8 @@ def split_batch(batch, cp: int, rank: int):
     index = local_indices(seq, cp, rank, batch.targets.device)
 
     def cut(key: str, value):
-        if key == "doc_ids" or value is None or value.dim() < 2 or value.shape[1] != seq:
+        whole = key == "doc_ids" or key.startswith("image_")  # images: refused under cp (planner/layout.py)
+        if whole or value is None or value.dim() < 2 or value.shape[1] != seq:
             return value
         return value.index_select(1, index)
 

@@ -20,6 +20,7 @@ import datetime
 import functools
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -163,7 +164,7 @@ class PipelineEngine:
     ) -> dict[str, torch.Tensor]:
         """Forward and backward of `batch` in the schedule (torch's stages reduce FSDP gradients at the end
         of every schedule run, whatever `sync` says)."""
-        batch = self.split(batch) if self.split is not None else batch
+        batch = self._with_rotary(self.split(batch) if self.split is not None else batch)
         rows, width = batch.input_ids.shape
         fresh = (rows, width) not in self._schedules
         schedule = self._schedule(rows, width)
@@ -180,6 +181,16 @@ class PipelineEngine:
             param.grad = grad if param.grad is None else param.grad + grad
         return self._everywhere()
 
+    def _with_rotary(self, batch: Any) -> Any:
+        """A batch with images gets its rotary positions made from its token ids here, once (a family's
+        own, e.g. Qwen2-VL's M-RoPE): the stages after the first see only the stream, and each stage's
+        chunk of rows takes its rows' positions with its images."""
+        images = batch.images
+        if images is None or images.positions is not None:
+            return batch
+        rotary = self.model.rotary_positions(batch.input_ids, batch.position_ids, images)
+        return replace(batch, images=replace(images, positions=rotary))
+
     def _take_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         taken = []
         for param in self.model.parameters():
@@ -192,7 +203,7 @@ class PipelineEngine:
     def eval_sums(self, batch: Any) -> dict[str, torch.Tensor]:
         """Forward only: the whole batch goes through the stages in model order (no schedule, no chunks),
         the last computing the objective's sums."""
-        batch = self.split(batch) if self.split is not None else batch
+        batch = self._with_rotary(self.split(batch) if self.split is not None else batch)
         self._prepare(batch)
         fields = batch.fields()
         with loss_context(self.dims):

@@ -49,6 +49,7 @@ class PipelinePlan:
     virtual: int
     microbatches: int  # per schedule run, i.e. per micro-step of train.micro_batch rows
     layers: tuple[tuple[int, ...], ...]  # per stage, the decoder layers it holds
+    tower: bool = False  # a vision-language model's vision modules, on the first stage
 
     @property
     def num_stages(self) -> int:
@@ -76,7 +77,7 @@ class PipelinePlan:
         for stage, layers in enumerate(self.layers):
             what = [f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"layer {layers[0]}"]
             if stage == 0:
-                what.insert(0, "embedding")
+                what[:0] = ["embedding", "vision tower"] if self.tower else ["embedding"]
             if stage == self.num_stages - 1:
                 what.append("norm + head + loss")
             parts.append(f"stage {stage} (rank {self.rank_of(stage)}): {' + '.join(what)}")
@@ -129,7 +130,7 @@ def plan_pipeline(
     for n in counts:
         layers.append(tuple(range(start, start + n)))
         start += n
-    return PipelinePlan(name, pp, virtual, m, tuple(layers))
+    return PipelinePlan(name, pp, virtual, m, tuple(layers), model_config.takes_images)
 
 
 def parse_layer_counts(text: str, num_layers: int, stages: int) -> list[int]:

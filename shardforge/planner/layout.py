@@ -189,17 +189,17 @@ def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
 
 
 def check_vision(cfg: Config, dims: ParallelDims, shape: Any) -> None:
-    """A vision-language model trains data and tensor parallel so far (its tower whole on every tensor-
-    parallel rank, its decoder split): pipeline, context and expert parallel would have to carry the images
-    with the rows, and the rollout engine does not place images yet."""
+    """A vision-language model trains data, tensor and pipeline parallel so far (its tower whole on every
+    tensor-parallel rank of the first stage, its decoder split): context and expert parallel would have to
+    cut the images with the sequence, and the rollout engine does not place images yet."""
     if not shape.takes_images:
         return
-    for key, degree in (("pp", dims.pp), ("cp", dims.cp), ("ep", dims.ep)):
+    for key, degree in (("cp", dims.cp), ("ep", dims.ep)):
         if degree > 1:
             raise ConfigError(
-                f"parallel.{key}={degree}: a vision-language model ({shape.family}) trains with data and "
-                f"tensor parallel only so far (parallel.dp_shard / dp_replicate, parallel.tp); set "
-                f"parallel.{key}: 1"
+                f"parallel.{key}={degree}: a vision-language model ({shape.family}) trains with data, tensor "
+                f"and pipeline parallel only so far (parallel.dp_shard / dp_replicate, parallel.tp, "
+                f"parallel.pp); set parallel.{key}: 1"
             )
     if traits_of(cfg).rollouts:
         raise ConfigError(

@@ -20,8 +20,9 @@ LAYOUTS = {
     "zero3": {"dp_shard": 2, "zero_stage": 3},
     "tp2": {"tp": 2, "dp_shard": 1, "sequence_parallel": False},  # the tower whole on both, the decoder split
     "tp2-sp": {"tp": 2, "dp_shard": 1, "sequence_parallel": True},
+    "pp2": {"pp": 2, "dp_shard": 1, "pp_microbatches": 2},  # the tower on the first stage, a row a chunk
 }
-TP = {"tp2", "tp2-sp"}  # no data parallel: each rank runs all 4 rows
+WHOLE = {"tp2", "tp2-sp", "pp2"}  # no data parallel: each rank runs all 4 rows
 VISION = {"frozen-tower": {}, "all-parts": {"freeze_tower": False, "freeze_projector": False}}
 
 
@@ -49,7 +50,7 @@ def _config(tmp_path, folders, name, train, vision, parallel=None):
 
 def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders):
     cases = [("qwen2_vl", v, layout) for v in VISION for layout in LAYOUTS]
-    cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3", "tp2-sp")]
+    cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3", "tp2-sp", "pp2")]
     refs = {}
     for family, v in sorted({(f, v) for f, v, _ in cases}):
         name = f"one-{family}-{v}"
@@ -59,7 +60,7 @@ def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders
             tmp_path,
             folders[f],
             f"{f}-{layout}-{v}",
-            ONE if layout in TP else RANKS,
+            ONE if layout in WHOLE else RANKS,
             VISION[v],
             LAYOUTS[layout],
         )

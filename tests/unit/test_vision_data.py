@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardforge.errors import DataError
+from shardforge.errors import DataError, ModelError
 from shardforge.models.common.images import ImageInputs
 from tests.vision import lf_image_dataset, random_image, tiny_llava, tiny_qwen2_vl
 
@@ -217,6 +217,46 @@ def test_the_first_step_loss_equals_transformers(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_a_pipeline_chunk_of_rows_carries_its_own_images_and_positions(
+    tmp_path, model_dir, llava_dir, family
+):
+    """What a pipeline schedule does to a micro-batch: its per-row fields (the images and M-RoPE positions
+    among them) cut into chunks of rows. Each chunk holds exactly its rows' images (those collate gives the
+    rows alone), and the model's output on it equals the whole batch's on those rows (packed and single rows,
+    positions made once from the whole batch's token ids)."""
+    from dataclasses import replace
+
+    from shardforge.data.batching import Batch, collate
+    from shardforge.models import load_model
+
+    folder = {"qwen2_vl": model_dir, "llava": llava_dir}[family]
+    info = lf_image_dataset(tmp_path / "data", count=5)
+    config = _config(tmp_path, folder, [{"name": "mllm_demo", "dataset_info": str(info)}])
+    store = _rows(config).examples
+    rows = [[0, 1], [2], [3, 4]]
+    batch = collate(store, rows, pad_id=0)
+    model = load_model(folder).eval()
+    inputs = {"position_ids": batch.position_ids, "doc_ids": batch.doc_ids}
+    with torch.no_grad():
+        whole = model(batch.input_ids, **inputs, images=batch.images)
+    rotary = model.rotary_positions(batch.input_ids, batch.position_ids, batch.images)
+    staged = replace(batch, images=replace(batch.images, positions=rotary))
+    fields = staged.fields()
+    for r, row in enumerate(rows):
+        chunk = Batch.from_fields(batch.input_ids[r : r + 1], {k: v[r : r + 1] for k, v in fields.items()})
+        alone = collate(store, [row], pad_id=0).images
+        torch.testing.assert_close(chunk.images.pixel_values, alone.pixel_values, rtol=0, atol=0)
+        torch.testing.assert_close(chunk.images.grid_thw, alone.grid_thw, rtol=0, atol=0)
+        with torch.no_grad():
+            out = model(chunk.input_ids, chunk.position_ids, chunk.doc_ids, images=chunk.images)
+        torch.testing.assert_close(out, whole[r : r + 1], rtol=1e-5, atol=1e-5)
+    if family == "qwen2_vl":  # a later stage, given no positions, cannot make M-RoPE's from the stream
+        stream = torch.zeros(*batch.input_ids.shape, 8)
+        with pytest.raises(ModelError, match="need the token ids"):
+            model.rotary_positions(stream, batch.position_ids, batch.images)
+
+
 @pytest.mark.parametrize(
     "finetuning, vision, trains",
     [
@@ -294,7 +334,7 @@ def test_every_chat_objective_trains_with_images(tmp_path, model_dir, stage, nam
     assert all(np.isfinite(losses)) and losses[0] != losses[-1]
 
 
-def test_rollout_stages_and_model_parallel_layouts_are_refused(tmp_path, model_dir):
+def test_rollout_stages_and_context_and_expert_parallel_are_refused(tmp_path, model_dir):
     from shardforge.config import load_config
     from shardforge.errors import ConfigError
     from shardforge.models.build import check_model_source
@@ -305,8 +345,9 @@ def test_rollout_stages_and_model_parallel_layouts_are_refused(tmp_path, model_d
         mode="json"
     )
     shape = check_model_source(load_config(None, base=base).model)
-    with pytest.raises(ConfigError, match=r"parallel\.pp=2: a vision-language model"):
-        check_layout(load_config(None, base={**base, "parallel": {"pp": 2}}), 2, shape)
+    with pytest.raises(ConfigError, match=r"parallel\.cp=2: a vision-language model"):
+        check_layout(load_config(None, base={**base, "parallel": {"cp": 2}}), 2, shape)
+    check_layout(load_config(None, base={**base, "parallel": {"pp": 2, "dp_shard": 1}}), 2, shape)
     with pytest.raises(ConfigError, match="does not take images yet"):
         check_layout(load_config(None, base={**base, "method": {"stage": "grpo"}}), 1, shape)
 

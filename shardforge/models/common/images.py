@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shardforge.errors import ModelError
+
 
 @dataclass
 class ImageInputs:
@@ -14,20 +16,60 @@ class ImageInputs:
     flattened patches [patches, features] and each image's (t, h, w) patch grid [images, 3]. The inference
     engine encodes a request's images once and passes, per step, the `embeddings` of the image tokens the
     step holds [tokens, hidden] and the rotary `positions` of its tokens (Qwen2-VL's M-RoPE [3, b, s]; the
-    KV cache's own positions stay the sequence's) instead."""
+    KV cache's own positions stay the sequence's) instead. `rows` [b, 2]: each row's count of images and of
+    patch rows (collate's), by which a pipeline cuts the images with their rows."""
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
     embeddings: torch.Tensor | None = None
     positions: torch.Tensor | None = None
-    slots: torch.Tensor | None = (
-        None  # [b, s] where the embeddings go (a prompt's image tokens, not new ones)
-    )
+    slots: torch.Tensor | None = None  # [b, s] where the embeddings go (a prompt's image tokens, not new)
+    rows: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> ImageInputs:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         pixels, grids = self.pixel_values.to(device), self.grid_thw.to(device)
-        return ImageInputs(pixels, grids, move(self.embeddings), move(self.positions), move(self.slots))
+        return ImageInputs(
+            pixels, grids, move(self.embeddings), move(self.positions), move(self.slots), move(self.rows)
+        )
+
+    def as_rows(self) -> dict[str, torch.Tensor]:
+        """The images as tensors of one entry per row, which a pipeline schedule cuts into chunks of rows
+        with the tokens: each row's patches [b, most patches, features] and grids [b, most images, 3],
+        zero-padded, its counts (`rows`), and the rotary positions where set ([b, 3, s] for M-RoPE's)."""
+        if self.rows is None:
+            raise ModelError("the images carry no per-row counts (collate's): they cannot follow rows")
+        counts = self.rows.tolist()
+        most_images, most_patches = (max(1, *(c[i] for c in counts)) for i in (0, 1))
+        pixels = self.pixel_values.new_zeros(len(counts), most_patches, self.pixel_values.shape[-1])
+        grids = self.grid_thw.new_zeros(len(counts), most_images, 3)
+        image = patch = 0
+        for r, (n_images, n_patches) in enumerate(counts):
+            pixels[r, :n_patches] = self.pixel_values[patch : patch + n_patches]
+            grids[r, :n_images] = self.grid_thw[image : image + n_images]
+            image, patch = image + n_images, patch + n_patches
+        out = {"image_pixels": pixels, "image_grids": grids, "image_rows": self.rows}
+        if self.positions is not None:
+            out["image_positions"] = _rows_first(self.positions)
+        return out
+
+    @classmethod
+    def from_rows(cls, fields: dict[str, torch.Tensor | None]) -> ImageInputs | None:
+        """`as_rows`' tensors (of a chunk of the rows) back as the chunk's images, popped from `fields`;
+        None where the chunk has none."""
+        pixels, grids, rows = (fields.pop(k, None) for k in ("image_pixels", "image_grids", "image_rows"))
+        positions = fields.pop("image_positions", None)
+        if rows is None:
+            return None
+        counts = rows.tolist()
+        if not any(n_images for n_images, _ in counts):
+            return None  # text rows: their plain positions turn as M-RoPE's would
+        return cls(
+            torch.cat([pixels[r, :n] for r, (_, n) in enumerate(counts)]),
+            torch.cat([grids[r, :n] for r, (n, _) in enumerate(counts)]),
+            positions=None if positions is None else _rows_first(positions),
+            rows=rows,
+        )
 
     @classmethod
     def encoded(
@@ -36,6 +78,11 @@ class ImageInputs:
         """A step's images as the engine passes them (already encoded)."""
         none = torch.zeros(0, dtype=torch.long, device=embeddings.device)
         return cls(none, none.view(0, 3), embeddings, positions, slots)
+
+
+def _rows_first(positions: torch.Tensor) -> torch.Tensor:
+    """M-RoPE's [3, b, s] positions as [b, 3, s] and back; plain [b, s] ones as they are."""
+    return positions.transpose(0, 1) if positions.dim() == 3 else positions
 
 
 @dataclass(frozen=True)

@@ -108,12 +108,15 @@ class Qwen2VLDecoder(VisionLanguageDecoder):
     def rotary_positions(
         self, x: torch.Tensor, position_ids: torch.Tensor, images: ImageInputs | None
     ) -> torch.Tensor:
-        """M-RoPE's [3, b, s] positions where there are images: the engine's, or made from the rows' [b, s]
-        positions (each packed document from 0) and the images' grids."""
-        if images is None or self.embed_tokens is None:
+        """M-RoPE's [3, b, s] positions where there are images: those given (the engine's, or a pipeline's,
+        made before its stages), or made from the token ids `x`, the rows' [b, s] positions (each packed
+        document from 0) and the images' grids."""
+        if images is None:
             return position_ids
         if images.positions is not None:
             return images.positions
+        if x.is_floating_point():
+            raise ModelError("M-RoPE positions need the token ids: a later pipeline stage must be given them")
         return rope_index(x, self.config.image_token_id, images.grid_thw, self.config.merge, position_ids)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
