@@ -34,7 +34,7 @@ def apply_finetuning(model: nn.Module, method: MethodSection, seed: int, adapter
     if method.finetuning == "freeze":
         freeze(model, method.freeze)
     elif method.finetuning == "lora":
-        add_lora(model, method.lora, seed)
+        add_lora(model, method.lora, seed, tower=not method.vision.freeze_tower)
         if adapter is not None:
             from shardforge.adapters.peft_format import load_adapter
 
@@ -43,8 +43,10 @@ def apply_finetuning(model: nn.Module, method: MethodSection, seed: int, adapter
 
 
 def freeze_parts(model: CausalModel, method: MethodSection) -> None:
-    """A vision-language model's parts that method.vision freezes. LoRA adapts the decoder's blocks only,
-    so the tower and projector train there only as whole modules (freeze_tower / freeze_projector false);
+    """A vision-language model's parts that method.vision freezes, as LLaMA-Factory does: with full or
+    freeze finetuning an unfrozen tower or projector trains whole; with LoRA an unfrozen tower takes
+    adapters (`add_lora`) and its weights stay frozen, while the projector, which LoRA never reaches
+    (LLaMA-Factory's `all` leaves it out), is refused unfrozen rather than silently kept frozen.
     freeze_language_model freezes the decoder's weights (and its adapters)."""
     vision = method.vision
     frozen = {"tower": vision.freeze_tower, "projector": vision.freeze_projector}
@@ -53,17 +55,18 @@ def freeze_parts(model: CausalModel, method: MethodSection) -> None:
     parts = {model.config.part_of(model.canonical_name(n)) for n, _ in model.named_parameters()}
     if parts == {"language"}:
         return
-    if method.finetuning == "lora" and not (vision.freeze_tower and vision.freeze_projector):
+    lora = method.finetuning == "lora"
+    if lora and not vision.freeze_projector:
         raise ConfigError(
-            "method.finetuning=lora adapts the language model; LoRA in the vision tower or a projector "
-            "trained beside the adapters is not available yet: keep method.vision.freeze_tower and "
-            "freeze_projector true (or train them with finetuning full / freeze)"
+            "method.finetuning=lora with method.vision.freeze_projector=false: LoRA does not reach the "
+            "projector (LLaMA-Factory's lora_target all leaves it out, so it would stay frozen there); "
+            "keep freeze_projector true, or train it whole with finetuning full / freeze"
         )
     for name, param in model.named_parameters():
         part = model.config.part_of(model.canonical_name(name))
         if frozen[part]:
             param.requires_grad_(False)
-        elif part != "language":
+        elif part != "language" and not lora:
             param.requires_grad_(True)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(
@@ -82,8 +85,11 @@ def freeze(model: CausalModel, section: FreezeSection) -> None:
         param.requires_grad_(in_layer or parts[0] in section.extra_modules)
 
 
-def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
-    """Wrap the targeted linears; returns their names. Base weights (and everything else) are frozen."""
+def add_lora(model: CausalModel, section: LoraSection, seed: int, tower: bool = False) -> list[str]:
+    """Wrap the targeted linears; returns their names. Base weights (and everything else) are frozen.
+    `tower`: a vision-language model's tower takes adapters too (LLaMA-Factory's LoRA with
+    freeze_vision_tower false): every linear of it under `all` (its patch embedding is a convolution),
+    else those whose names are targets (CLIP's q_proj, ...)."""
     for param in model.parameters():
         param.requires_grad_(False)
     generic = not model.native_names  # the generic backend: transformers' module names
@@ -100,11 +106,17 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
         for name, module in model.named_modules()
         if model.canonical_name(name).startswith("layers.") and adaptable(module)
     ]
+    in_tower = {
+        name: module
+        for name, module in model.named_modules()
+        if tower and adaptable(module) and model.config.part_of(name) == "tower"
+    }
     wrapped = []
-    for name, module in linears:
+    for name, module in linears + list(in_tower.items()):
         parent_name, _, leaf = name.rpartition(".")
         # `all` on the generic backend: every linear of the blocks (PEFT's all-linear; e.g. Phi-3's qkv_proj)
-        if leaf not in targets and not (every and generic and leaf not in left_out):
+        everything = every and (generic or name in in_tower)
+        if leaf not in targets and not (everything and leaf not in left_out):
             continue
         lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)
         lora.reset_adapter(name, seed)
@@ -112,6 +124,13 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int) -> list[str]:
         wrapped.append(name)
     if experts:
         wrapped += _adapt_experts(model, section, seed, experts)
+    if in_tower and not in_tower.keys() & set(wrapped):
+        held = sorted({name.rpartition(".")[2] for name in in_tower})
+        raise ConfigError(
+            f"method.vision.freeze_tower=false with method.lora.targets ({', '.join(targets)}): no linear of "
+            f"the vision tower is a target, so it would not train; its linears are {', '.join(held)} "
+            f"(targets: all takes them), or keep freeze_tower true"
+        )
     if not wrapped:
         held = sorted({name.rpartition(".")[2] for name, _ in linears})
         asked = "all" if every else ", ".join(targets)

@@ -228,6 +228,13 @@ def merged_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
     return out
 
 
+def _owner(key: str) -> str:
+    """What holds an adapter tensor, as a pipeline rank holds it or not: its decoder layer (`layers.3`), or
+    the module it is in (a vision-language model's tower: `visual`)."""
+    parts = key.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
 def load_adapter(model: torch.nn.Module, folder: Path, lora: LoraSection) -> None:
     """Put a PEFT LoRA folder's tensors into a model that `add_lora` prepared with the same settings (the
     layers this model holds: a pipeline rank holds some). Settings, targets or a base that differ are
@@ -244,8 +251,8 @@ def load_adapter(model: torch.nn.Module, folder: Path, lora: LoraSection) -> Non
             f"model.adapter {folder}: {'; '.join(differ)} (set method.lora to match the adapter)"
         )
     ours = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
-    held = {k.split(".")[1] for k in ours}
-    theirs = {k: v for k, v in tensors.items() if k.split(".")[1] in held}
+    held = {_owner(k) for k in ours}
+    theirs = {k: v for k, v in tensors.items() if _owner(k) in held}
     missing, unexpected = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
     if missing or unexpected:
         shown = ", ".join(

@@ -98,16 +98,17 @@ class CostModel:
         attention_pairs: int,
         trained: float = 1.0,
         patches: int = 0,
-        tower_trained: bool = False,
+        tower_passes: int = 1,
     ) -> float:
         """Forward + backward: backward computes input and weight gradients, twice the forward. With a share
         `trained` < 1 of the weights training (LoRA, freeze), the weight gradients of the rest are not
         computed: the matmuls cost (2 + trained) forwards, attention (no weights) still three. A
-        vision-language model's `patches` go through its tower once, three times as much where it trains
-        (nothing before a frozen tower needs a gradient)."""
+        vision-language model's `patches` cost `tower_passes` forwards of its tower: 1 where it is frozen
+        (nothing before it needs a gradient), 2 with LoRA in it (input gradients; the adapters' are small),
+        3 where it trains."""
         pairs = attention_pairs * sum(self.pair_flops)
         matmuls = self.forward_flops(tokens, scored, attention_pairs) - pairs
-        tower = patches * self.patch_flops * (3 if tower_trained else 1)
+        tower = patches * self.patch_flops * tower_passes
         return (2 + trained) * matmuls + 3 * pairs + tower
 
     def pipeline(self, seq_len: int) -> PipelineCosts:

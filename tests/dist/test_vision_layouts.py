@@ -1,7 +1,9 @@
 """Vision-language models (tiny Qwen2-VL and LLaVA, images in every record) on 2 ranks equal one process, in
 one launch: DDP, ZeRO-2 and ZeRO-3 (FSDP2) for Qwen2-VL with LLaMA-Factory's default freezing (the tower and
-the projector frozen) and with every part training, and TP2 with and without sequence parallel (the tower
-whole on both ranks, the decoder split); DDP, ZeRO-3 and TP2 + SP for LLaVA with every part training."""
+the projector frozen) and with every part training, TP2 with and without sequence parallel (the tower whole
+on both ranks, the decoder split) and PP2 (the tower on the first stage, each chunk of rows with its own
+images, M-RoPE positions made before the stages); LoRA in the tower and the decoder under ZeRO-3, TP2 + SP
+and PP2; DDP, ZeRO-3, TP2 + SP and PP2 for LLaVA with every part training."""
 
 from __future__ import annotations
 
@@ -23,7 +25,11 @@ LAYOUTS = {
     "pp2": {"pp": 2, "dp_shard": 1, "pp_microbatches": 2},  # the tower on the first stage, a row a chunk
 }
 WHOLE = {"tp2", "tp2-sp", "pp2"}  # no data parallel: each rank runs all 4 rows
-VISION = {"frozen-tower": {}, "all-parts": {"freeze_tower": False, "freeze_projector": False}}
+METHODS = {  # method sections
+    "frozen-tower": {},
+    "all-parts": {"vision": {"freeze_tower": False, "freeze_projector": False}},
+    "lora-tower": {"finetuning": "lora", "lora": {"rank": 4}, "vision": {"freeze_tower": False}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +39,14 @@ def folders(tmp_path_factory):
     return {"qwen2_vl": (tiny_qwen2_vl(root / "qwen2_vl"), data), "llava": (tiny_llava(root / "llava"), data)}
 
 
-def _config(tmp_path, folders, name, train, vision, parallel=None):
+def _config(tmp_path, folders, name, train, method, parallel=None):
     model, info = folders
     return {
         "output_dir": str(tmp_path / name),
         "model": {"path": str(model)},
         "data": {"train": [{"name": "mllm_demo", "dataset_info": str(info)}], "max_length": 256,
                  "packing": name.endswith("packed"), "cache_dir": str(tmp_path / "cache")},
-        "method": {"vision": vision},
+        "method": method,
         "train": train,
         "parallel": parallel or {},
         "log": {"tensorboard": False, "plot": False, "progress": False},
@@ -49,19 +55,20 @@ def _config(tmp_path, folders, name, train, vision, parallel=None):
 
 
 def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders):
-    cases = [("qwen2_vl", v, layout) for v in VISION for layout in LAYOUTS]
+    cases = [("qwen2_vl", v, layout) for v in ("frozen-tower", "all-parts") for layout in LAYOUTS]
+    cases += [("qwen2_vl", "lora-tower", layout) for layout in ("zero3", "tp2-sp", "pp2")]
     cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3", "tp2-sp", "pp2")]
     refs = {}
     for family, v in sorted({(f, v) for f, v, _ in cases}):
         name = f"one-{family}-{v}"
-        refs[family, v] = train_runs([_config(tmp_path, folders[family], name, ONE, VISION[v])])[0]
+        refs[family, v] = train_runs([_config(tmp_path, folders[family], name, ONE, METHODS[v])])[0]
     configs = [
         _config(
             tmp_path,
             folders[f],
             f"{f}-{layout}-{v}",
             ONE if layout in WHOLE else RANKS,
-            VISION[v],
+            METHODS[v],
             LAYOUTS[layout],
         )
         for f, v, layout in cases
@@ -74,12 +81,14 @@ def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders
     moved = refs["qwen2_vl", "all-parts"]["state"]["visual.blocks.0.attn.qkv.weight"]
     kept = refs["qwen2_vl", "frozen-tower"]["state"]["visual.blocks.0.attn.qkv.weight"]
     assert not torch.equal(moved, kept)  # the tower trained in one, not in the other
+    adapted = refs["qwen2_vl", "lora-tower"]["state"]["visual.blocks.0.attn.qkv.lora_B"]
+    assert adapted.abs().max() > 0  # the tower's adapters trained (B starts at 0)
 
 
 def test_tensor_and_data_parallel_together_on_four_ranks(tmp_path, folders):
     """TP2 x ZeRO-3 (FSDP2 over a 2-D mesh: the tower's replicated DTensors sharded over data parallel)."""
-    ref = train_runs([_config(tmp_path, folders["qwen2_vl"], "one", ONE, VISION["all-parts"])])[0]
+    ref = train_runs([_config(tmp_path, folders["qwen2_vl"], "one", ONE, METHODS["all-parts"])])[0]
     parallel = {"tp": 2, "dp_shard": 2, "zero_stage": 3, "sequence_parallel": True}
-    config = _config(tmp_path, folders["qwen2_vl"], "tp2-zero3", RANKS, VISION["all-parts"], parallel)
+    config = _config(tmp_path, folders["qwen2_vl"], "tp2-zero3", RANKS, METHODS["all-parts"], parallel)
     (run,) = run_ranks(train_runs, 4, [config])[0]
     assert_same(run, ref, rel=1e-5, atol=1e-4)

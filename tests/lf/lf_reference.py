@@ -2,6 +2,7 @@
 
     python lf_reference.py parse cases.json out.json
     python lf_reference.py preprocess ARGS.json TOKENIZER out.json   (in LF's source folder)
+    python lf_reference.py lora_targets ARGS.json MODEL out.json
 
 parse: each case's YAML mapping through LF 0.9.5's argument parser, answered with the resolved value of
 every key the converter reads and the learning rate transformers' scheduler gives at each step, as LF's
@@ -17,7 +18,13 @@ before LF parses the rest), the records' images go through LF's multimodal plugi
 LF's loader would patch one (`patch_processor`): the tokenizer folder's image processor (transformers'
 AutoProcessor would also want a video processor, which needs torchvision), LF's tokenizer, and the media
 settings of LF's model arguments; the answer then also carries each record's image_grid_thw and pixel_values
-as the plugin makes them."""
+as the plugin makes them.
+
+lora_targets: the modules LF's LoRA adapts in a vision-language model (ARGS.json: lora_target and the
+freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model switches): the model built from
+MODEL's config.json as transformers defines it, LF's own target list (`find_all_linear_modules` for `all`,
+then `patch_target_modules`), handed to peft as LF's adapter setup does; answered with the names of the
+modules peft wrapped."""
 
 import enum
 import importlib.machinery
@@ -128,8 +135,33 @@ def preprocess(lf_args: dict, tokenizer_path: str) -> dict:
     return out
 
 
+def lora_targets(lf_args: dict, model_path: str) -> list[str]:
+    from llamafactory.model.model_utils.misc import find_all_linear_modules
+    from llamafactory.model.model_utils.visual import patch_target_modules
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_path))
+    switches = {k: lf_args.get(k, True) for k in
+                ("freeze_vision_tower", "freeze_multi_modal_projector")}  # fmt: skip
+    finetuning = types.SimpleNamespace(
+        **switches, freeze_language_model=lf_args.get("freeze_language_model", False)
+    )
+    target = lf_args.get("lora_target", "all").split(",")
+    targets = find_all_linear_modules(model, finetuning.freeze_vision_tower) if target == ["all"] else target
+    targets = patch_target_modules(model, finetuning, targets)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    return sorted(
+        n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)
+    )
+
+
 def main() -> None:
-    if sys.argv[1] == "preprocess":
+    if sys.argv[1] == "lora_targets":
+        with open(sys.argv[2]) as f:
+            answer = lora_targets(json.load(f), sys.argv[3])
+    elif sys.argv[1] == "preprocess":
         with open(sys.argv[2]) as f:
             answer = preprocess(json.load(f), sys.argv[3])
     else:

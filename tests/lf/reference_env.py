@@ -50,6 +50,17 @@ class Reference:
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(answer.read_text())
 
+    def lora_targets(self, args: dict, model: Path, work: Path) -> list[str]:
+        """The modules LF's LoRA adapts in a vision-language model (tests/lf/lf_reference.py lora_targets)."""
+        request, answer = work / "lf_lora.json", work / "lf_lora_targets.json"
+        request.write_text(json.dumps(args))
+        proc = subprocess.run(
+            [str(self.python), str(SCRIPT), "lora_targets", str(request), str(model), str(answer)],
+            capture_output=True, text=True, timeout=600, cwd=work,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(answer.read_text())
+
 
 def _run(args: list[str], what: str) -> None:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)

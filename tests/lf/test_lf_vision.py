@@ -96,3 +96,57 @@ def test_lf_s_multimodal_data_encodes_as_lf_encodes_it(tmp_path, case):
         assert images.grids.tolist() == theirs["image_grid_thw"][i], i
         assert int((ids == pad).sum()) == int(images.grids.prod(-1).sum()) // 4, i
         np.testing.assert_array_equal(images.pixels, np.asarray(theirs["pixel_values"][i], np.float32))
+
+
+LORA_CASES = {  # LF's switches and lora_target, as `shardforge convert` maps them to method.*
+    "decoder": {},
+    "tower_all": {"freeze_vision_tower": False},
+    "tower_named": {"freeze_vision_tower": False, "lora_target": "q_proj,v_proj"},
+    "language_frozen": {"freeze_vision_tower": False, "freeze_language_model": True},
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_lora_adapts_the_modules_lf_s_lora_adapts(tmp_path, family):
+    """LoRA on a vision-language model under each of LF's switches: the modules we adapt (as peft names
+    them) are those LF's own target rules hand to peft (its find_all_linear_modules / patch_target_modules),
+    but for LLaVA's tower layers after its feature layer, which reach no output (LF adapts them, their
+    adapters never train; we leave them out). Where LF would adapt no module of an unfrozen tower
+    (Qwen2-VL's tower has no q_proj), ours is an error saying so rather than a tower that silently stays
+    frozen. LF's freeze_language_model leaves the decoder unadapted; ours adapts it and freezes its
+    adapters (the same run: their B stays 0)."""
+    from shardforge.adapters.apply import apply_finetuning
+    from shardforge.adapters.lora import LoRALinear
+    from shardforge.adapters.peft_format import peft_keys
+    from shardforge.config import lf_convert, load_config
+    from shardforge.errors import ConfigError
+    from shardforge.models import load_model
+    from tests.vision import tiny_llava
+
+    ref = reference()
+    model = (tiny_qwen2_vl if family == "qwen2_vl" else tiny_llava)(tmp_path / "model")
+    unused = "vision_tower.encoder.layers.1."  # the tiny LLaVA's tower has 2 layers, its feature layer -2
+    for case, switches in LORA_CASES.items():
+        lf_args = {"finetuning_type": "lora", **switches}
+        theirs = {n.replace(".vision_model.", ".") for n in ref.lora_targets(lf_args, model, tmp_path)}
+        theirs = {n for n in theirs if unused not in n}
+        converted = lf_convert.convert_lf({"model_name_or_path": str(model), "stage": "sft",
+                                           "dataset": "mllm_demo", **lf_args})  # fmt: skip
+        assert not converted.unsupported, converted.unsupported
+        config = load_config(None, base={**converted.config, "output_dir": str(tmp_path / "run")})
+        ours_model = load_model(model)
+        tower_adapted = any(".visual." in n or ".vision_tower." in n for n in theirs)
+        if not switches.get("freeze_vision_tower", True) and not tower_adapted:
+            with pytest.raises(ConfigError, match="no linear of the vision tower is a target"):
+                apply_finetuning(ours_model, config.method, 0)
+            continue
+        apply_finetuning(ours_model, config.method, 0)
+        adapters = [f"{n}.lora_A" for n, m in ours_model.named_modules() if isinstance(m, LoRALinear)]
+        ours = {
+            k.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            for k in peft_keys(ours_model.config.family, adapters).values()
+        }
+        ours = {n.replace(".vision_model.", ".") for n in ours}
+        if switches.get("freeze_language_model"):
+            ours = {n for n in ours if ".language_model." not in n}
+        assert ours == theirs, (case, sorted(ours ^ theirs))

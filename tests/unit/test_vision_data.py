@@ -278,16 +278,26 @@ def test_method_vision_says_which_parts_train(model_dir, finetuning, vision, tra
     assert parts == trains
 
 
-def test_lora_in_the_tower_is_refused(model_dir):
+def test_lora_with_a_projector_or_tower_it_cannot_reach_is_refused(model_dir):
+    """LoRA never reaches the projector (LF's `all` leaves it out): unfrozen beside LoRA it is refused, not
+    kept frozen silently; nor does a tower train whose linears are none of the targets (Qwen2-VL's are
+    qkv, proj, fc1, fc2). The frozen base weights of an adapted tower stay frozen."""
     from shardforge.adapters.apply import apply_finetuning
     from shardforge.config.schema import MethodSection
     from shardforge.errors import ConfigError
     from shardforge.models import load_model
 
-    with pytest.raises(ConfigError, match="freeze_tower"):
-        apply_finetuning(
-            load_model(model_dir), MethodSection(finetuning="lora", vision={"freeze_tower": False}), 0
-        )
+    lora = {"finetuning": "lora"}
+    with pytest.raises(ConfigError, match="LoRA does not reach the projector"):
+        apply_finetuning(load_model(model_dir), MethodSection(**lora, vision={"freeze_projector": False}), 0)
+    named = MethodSection(**lora, lora={"targets": ["q_proj"]}, vision={"freeze_tower": False})
+    with pytest.raises(ConfigError, match="its linears are fc1, fc2, proj, qkv"):
+        apply_finetuning(load_model(model_dir), named, 0)
+    model = load_model(model_dir)
+    apply_finetuning(model, MethodSection(**lora, vision={"freeze_tower": False}), 0)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(n.startswith("visual.blocks.0.attn.qkv.lora_") for n in trained)
+    assert all("lora_" in n for n in trained), sorted(trained)
 
 
 def _pair_data(folder: Path) -> Path:
@@ -352,12 +362,16 @@ def test_rollout_stages_and_context_and_expert_parallel_are_refused(tmp_path, mo
         check_layout(load_config(None, base={**base, "method": {"stage": "grpo"}}), 1, shape)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
-def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_dir, llava_dir, family):
-    """LoRA on the decoder of a VLM: the run's PEFT folder loads onto transformers' model with no missing or
-    unexpected key (peft names modules as transformers 5 holds them: model.language_model.*; LLaVA's CLIP
-    tower has q_proj / k_proj / v_proj too, which target_modules must not reach), and gives our logits with
-    images; our own reader takes the folder back."""
+@pytest.mark.parametrize(
+    "family, tower", [("qwen2_vl", False), ("qwen2_vl", True), ("llava", False), ("llava", True)]
+)
+def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_dir, llava_dir, family, tower):
+    """LoRA on the decoder of a VLM, and in its tower too (LF's freeze_vision_tower false): the run's PEFT
+    folder loads onto transformers' model with no missing or unexpected key (peft names modules as
+    transformers 5 holds them: model.language_model.*, model.visual.*; LLaVA's CLIP tower has q_proj /
+    k_proj / v_proj too, which target_modules must not reach where the tower is frozen, nor its layers after
+    the feature layer where it is not), and gives our logits with images; our own reader takes the folder
+    back."""
     import warnings
 
     from peft import PeftModel
@@ -373,11 +387,13 @@ def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_d
     base = _config(tmp_path, folder, [{"name": "mllm_demo", "dataset_info": str(info)}]).model_dump(
         mode="json"
     )
-    base["method"] = {"finetuning": "lora", "lora": {"rank": 4}}
+    base["method"] = {"finetuning": "lora", "lora": {"rank": 4}, "vision": {"freeze_tower": not tower}}
     base["train"]["lr"] = 0.05
     config = load_config(None, base=base)
     adapter = train(config).final_model
     assert (adapter / "adapter_config.json").is_file()
+    stored = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+    assert tower == any("vision" in t or "visual" in t or t in ("qkv", "fc1") for t in stored), stored
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # peft warns of missing or unexpected adapter keys
         reference = PeftModel.from_pretrained(reference_model(folder), adapter).eval()
@@ -419,7 +435,7 @@ def test_the_cost_model_counts_the_tower(tmp_path, model_dir, qwen2_5_vl_dir, ll
     assert costs.train_flops(100, 10, 5050, patches=patches) == pytest.approx(
         text + patches * costs.patch_flops
     )
-    trained = costs.train_flops(100, 10, 5050, patches=patches, tower_trained=True)
+    trained = costs.train_flops(100, 10, 5050, patches=patches, tower_passes=3)
     assert trained == pytest.approx(text + 3 * patches * costs.patch_flops)
     images = store.images(0)
     inputs = ImageInputs(torch.tensor(images.pixels), torch.tensor(images.grids))
