@@ -118,6 +118,32 @@ def tiny_llava(folder: Path, std: float = 0.3) -> Path:
     return _save_random(LlavaForConditionalGeneration, cfg, std, folder, tokenizer, processor)
 
 
+def tiny_llava_next(folder: Path, std: float = 0.3) -> Path:
+    """A random LLaVA-NeXT-shaped model: a CLIP tower of 28-pixel tiles of 14-pixel patches (4 per tile),
+    images resized onto one of five grid resolutions up to 3 tiles a side, features from the tower's
+    second-to-last layer, a Llama decoder; saved with the bundled tokenizer plus <image> and LLaVA-NeXT's
+    (PIL) image processor."""
+    from transformers import AutoTokenizer, LlavaNextConfig, LlavaNextForConditionalGeneration
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    pinpoints = [[28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
+    cfg = LlavaNextConfig(
+        text_config={"model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64,
+                     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "eos_token_id": tokenizer.eos_token_id},
+        vision_config={"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        image_grid_pinpoints=pinpoints, image_seq_length=4,
+    )  # fmt: skip
+    processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints
+    )
+    return _save_random(LlavaNextForConditionalGeneration, cfg, std, folder, tokenizer, processor)
+
+
 def _save_random(model_cls, cfg, std: float, folder: Path, tokenizer, processor) -> Path:
     """transformers' model of `cfg` with weights N(0, std) (large enough that logits are peaked, so greedy
     tokens have no near-ties), saved with its tokenizer and image processor."""

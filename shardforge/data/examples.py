@@ -27,13 +27,14 @@ class Example:
 @dataclass(frozen=True)
 class ImageArrays:
     """A sequence's images as its model's image processor made them: patches [patches, features] (float32)
-    and each image's patch grid [images, 3]; `token` is the image token, of which the sequence holds
-    `tokens` (truncation must not cut into them)."""
+    and each image's patch grid [images, 3] (LLaVA-NeXT: tiles, height, width); `token` is the image
+    token, of which the sequence holds `tokens` (truncation must not cut into them)."""
 
     pixels: Any
     grids: Any
     token: int = -1
     tokens: int = 0
+    patches: int = 0  # the tower's patches of these images (its work; ImagePrompt.patches)
 
 
 @dataclass

@@ -74,7 +74,9 @@ class ImageReader:
     def process(self, refs: tuple[str, ...] | list[str], src: str) -> tuple[np.ndarray, np.ndarray]:
         """Images (paths or data URLs) as [rows, features] patches and [images, 3] grids. A processor with
         patch grids (Qwen2-VL) gives both; one of whole resized images (LLaVA's [images, channels, height,
-        width]) is kept an image per row, its grid (1, height, width) in the tower's patches."""
+        width]) is kept an image per row, its grid (1, height, width) in the tower's patches; one of tiles
+        (LLaVA-NeXT's [images, most tiles, channels, height, width] and each image's size) is kept a tile
+        per row, its grid (tiles, height, width) with the size in pixels, which its tokens depend on."""
         images = [
             regularize(open_image(ref, src), self.max_pixels, self.min_pixels, self.prompt) for ref in refs
         ]
@@ -82,6 +84,15 @@ class ImageReader:
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         if "image_grid_thw" in out:
             return pixels, np.asarray(out["image_grid_thw"], np.int64)
+        if "image_sizes" in out:  # tiles, padded to the most any image has: each image's own are kept
+            sizes = np.asarray(out["image_sizes"], np.int64)
+            tiling = self.prompt.tiling
+            if tiling is None:
+                raise DataError(f"{src}: the image processor cuts images into tiles; the model does not")
+            tiles = [tiling.tiles(h, w) for h, w in sizes.tolist()]
+            kept = [pixels[i, :n].reshape(n, -1) for i, n in enumerate(tiles)]
+            grids = np.asarray([[n, h, w] for n, (h, w) in zip(tiles, sizes.tolist(), strict=True)], np.int64)
+            return np.concatenate(kept), grids
         side = self.prompt.patch  # whole images: their grid of the tower's patches
         grids = np.array([[1, pixels.shape[-2] // side, pixels.shape[-1] // side]] * len(pixels), np.int64)
         return pixels.reshape(len(pixels), -1), grids
@@ -128,7 +139,8 @@ class ImageEncoder:
             )
         pixels, grids = self.reader.process(record.images, record.source)
         token, tokens = self.reader.prompt.token_id, self.reader.tokens(grids)
-        arrays = ImageArrays(pixels, grids, token, tokens)
+        patches = sum(self.reader.prompt.patches(tuple(g)) for g in grids.tolist())
+        arrays = ImageArrays(pixels, grids, token, tokens, patches)
         out: list[Sequence_] = []
         for ids, trained, *_ in _encode(self.inner, [self.expand(record, grids)])[0]:
             ids = np.asarray(ids, dtype=np.int64)

@@ -16,7 +16,8 @@ import numpy as np
 from shardforge.data.examples import Example, ImageArrays
 
 ARRAYS = ("tokens", "flags", "offsets", "num_targets", "tags")
-IMAGE_ARRAYS = ("pixels", "pixel_offsets", "grids", "grid_offsets")  # only where sequences have images
+# only where sequences have images (`patches`: caches written before it counted grids instead)
+IMAGE_ARRAYS = ("pixels", "pixel_offsets", "grids", "grid_offsets", "patches")
 
 
 class ExampleStore(Sequence[Example]):
@@ -24,7 +25,8 @@ class ExampleStore(Sequence[Example]):
     int64, num_targets [n] int64 (targets of each sequence: flags after its first token), tags [n] int8
     (each sequence's record tag, see Example). With images: pixels [patches, features] float32 (the image
     processor's output), pixel_offsets [n+1] int64 (each sequence's patches), grids [images, 3] int64 (each
-    image's patch grid), grid_offsets [n+1] int64 (each sequence's images)."""
+    image's patch grid), grid_offsets [n+1] int64 (each sequence's images), patches [n] int64 (each
+    sequence's tower patches: the tower's work)."""
 
     def __init__(
         self,
@@ -37,6 +39,7 @@ class ExampleStore(Sequence[Example]):
         pixel_offsets: np.ndarray | None = None,
         grids: np.ndarray | None = None,
         grid_offsets: np.ndarray | None = None,
+        patches: np.ndarray | None = None,
     ):
         self.tokens, self.flags, self.offsets, self.num_targets = tokens, flags, offsets, num_targets
         self.tags = np.zeros(len(num_targets), dtype=np.int8) if tags is None else tags
@@ -46,6 +49,7 @@ class ExampleStore(Sequence[Example]):
             grids,
             grid_offsets,
         )
+        self._patches = patches
 
     @property
     def has_images(self) -> bool:
@@ -74,7 +78,7 @@ class ExampleStore(Sequence[Example]):
         """From each sequence's token ids and target flags (as encoding produces them), and its images
         where any sequence has some."""
         offsets = _offsets(lengths)
-        media: tuple[np.ndarray | None, ...] = (None,) * 4
+        media: tuple[np.ndarray | None, ...] = (None,) * 5
         if images is not None and any(i is not None for i in images):
             pixels = [i.pixels for i in images if i is not None]
             grids = [i.grids for i in images if i is not None]
@@ -83,6 +87,7 @@ class ExampleStore(Sequence[Example]):
                 _offsets([0 if i is None else len(i.pixels) for i in images]),
                 np.concatenate(grids).astype(np.int64, copy=False),
                 _offsets([0 if i is None else len(i.grids) for i in images]),
+                np.asarray([0 if i is None else i.patches for i in images], dtype=np.int64),
             )
         return cls(
             np.concatenate(tokens).astype(np.uint32, copy=False),
@@ -108,7 +113,7 @@ class ExampleStore(Sequence[Example]):
         paths = []
         for name in ARRAYS + (IMAGE_ARRAYS if self.has_images else ()):
             path = folder / f"{name}.npy"
-            np.save(path, np.asarray(getattr(self, name)))
+            np.save(path, np.asarray(self.patches if name == "patches" else getattr(self, name)))
             paths.append(path)
         return paths
 
@@ -118,9 +123,12 @@ class ExampleStore(Sequence[Example]):
 
     @property
     def patches(self) -> np.ndarray:
-        """Each sequence's image patches (t x h x w of each of its images' grids): the tower's work."""
+        """Each sequence's tower patches (ImagePrompt.patches of its images; in a cache written before
+        they were kept, t x h x w of each of its images' grids): the tower's work."""
         if not self.has_images:
             return np.zeros(len(self), dtype=np.int64)
+        if self._patches is not None:
+            return np.asarray(self._patches)
         per_image = np.prod(np.asarray(self.grids), axis=1)
         total = np.concatenate([[0], np.cumsum(per_image)])
         return total[np.asarray(self.grid_offsets[1:])] - total[np.asarray(self.grid_offsets[:-1])]

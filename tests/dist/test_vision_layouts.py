@@ -3,7 +3,8 @@ one launch: DDP, ZeRO-2 and ZeRO-3 (FSDP2) for Qwen2-VL with LLaMA-Factory's def
 the projector frozen) and with every part training, TP2 with and without sequence parallel (the tower whole
 on both ranks, the decoder split) and PP2 (the tower on the first stage, each chunk of rows with its own
 images, M-RoPE positions made before the stages); LoRA in the tower and the decoder under ZeRO-3, TP2 + SP
-and PP2; DDP, ZeRO-3, TP2 + SP and PP2 for LLaVA with every part training."""
+and PP2; DDP, ZeRO-3, TP2 + SP and PP2 for LLaVA, and ZeRO-3, TP2 + SP and PP2 for LLaVA-NeXT (its images in
+tiles, its newline embedding replicated with the tower), with every part training."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from tests.dist._harness import run_ranks
 from tests.dist._training import assert_same, parity_train, train_runs
-from tests.vision import lf_image_dataset, tiny_llava, tiny_qwen2_vl
+from tests.vision import lf_image_dataset, tiny_llava, tiny_llava_next, tiny_qwen2_vl
 
 ONE = parity_train(3, mb=2)  # 4 rows a step: 2 per micro-step x 2 accumulation
 RANKS = parity_train(3, mb=1)  # ... as 1 per rank x 2 accumulation x 2 ranks
@@ -36,7 +37,11 @@ METHODS = {  # method sections
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
     data = lf_image_dataset(root / "data", count=8)
-    return {"qwen2_vl": (tiny_qwen2_vl(root / "qwen2_vl"), data), "llava": (tiny_llava(root / "llava"), data)}
+    return {
+        "qwen2_vl": (tiny_qwen2_vl(root / "qwen2_vl"), data),
+        "llava": (tiny_llava(root / "llava"), data),
+        "llava_next": (tiny_llava_next(root / "llava_next"), data),
+    }
 
 
 def _config(tmp_path, folders, name, train, method, parallel=None):
@@ -58,6 +63,7 @@ def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders
     cases = [("qwen2_vl", v, layout) for v in ("frozen-tower", "all-parts") for layout in LAYOUTS]
     cases += [("qwen2_vl", "lora-tower", layout) for layout in ("zero3", "tp2-sp", "pp2")]
     cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3", "tp2-sp", "pp2")]
+    cases += [("llava_next", "all-parts", layout) for layout in ("zero3", "tp2-sp", "pp2")]
     refs = {}
     for family, v in sorted({(f, v) for f, v, _ in cases}):
         name = f"one-{family}-{v}"

@@ -2,7 +2,7 @@
 
     python lf_reference.py parse cases.json out.json
     python lf_reference.py preprocess ARGS.json TOKENIZER out.json   (in LF's source folder)
-    python lf_reference.py lora_targets ARGS.json MODEL out.json
+    python lf_reference.py lora_targets CASES.json out.json
 
 parse: each case's YAML mapping through LF 0.9.5's argument parser, answered with the resolved value of
 every key the converter reads and the learning rate transformers' scheduler gives at each step, as LF's
@@ -20,11 +20,11 @@ AutoProcessor would also want a video processor, which needs torchvision), LF's 
 settings of LF's model arguments; the answer then also carries each record's image_grid_thw and pixel_values
 as the plugin makes them.
 
-lora_targets: the modules LF's LoRA adapts in a vision-language model (ARGS.json: lora_target and the
-freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model switches): the model built from
-MODEL's config.json as transformers defines it, LF's own target list (`find_all_linear_modules` for `all`,
-then `patch_target_modules`), handed to peft as LF's adapter setup does; answered with the names of the
-modules peft wrapped."""
+lora_targets: the modules LF's LoRA adapts in vision-language models (CASES.json: {name: {"model": folder,
+"args": {lora_target and the freeze_vision_tower / freeze_multi_modal_projector / freeze_language_model
+switches}}}): each model built from its folder's config.json as transformers defines it, LF's own target
+list (`find_all_linear_modules` for `all`, then `patch_target_modules`), handed to peft as LF's adapter
+setup does; answered with the names of the modules peft wrapped, per case."""
 
 import enum
 import importlib.machinery
@@ -160,7 +160,7 @@ def lora_targets(lf_args: dict, model_path: str) -> list[str]:
 def main() -> None:
     if sys.argv[1] == "lora_targets":
         with open(sys.argv[2]) as f:
-            answer = lora_targets(json.load(f), sys.argv[3])
+            answer = {name: lora_targets(c["args"], c["model"]) for name, c in json.load(f).items()}
     elif sys.argv[1] == "preprocess":
         with open(sys.argv[2]) as f:
             answer = preprocess(json.load(f), sys.argv[3])

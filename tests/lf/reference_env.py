@@ -50,12 +50,13 @@ class Reference:
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(answer.read_text())
 
-    def lora_targets(self, args: dict, model: Path, work: Path) -> list[str]:
-        """The modules LF's LoRA adapts in a vision-language model (tests/lf/lf_reference.py lora_targets)."""
+    def lora_targets(self, cases: dict[str, dict], work: Path) -> dict[str, list[str]]:
+        """The modules LF's LoRA adapts in vision-language models, per case ({"model": folder, "args":
+        LF's arguments}; tests/lf/lf_reference.py lora_targets)."""
         request, answer = work / "lf_lora.json", work / "lf_lora_targets.json"
-        request.write_text(json.dumps(args))
+        request.write_text(json.dumps(cases))
         proc = subprocess.run(
-            [str(self.python), str(SCRIPT), "lora_targets", str(request), str(model), str(answer)],
+            [str(self.python), str(SCRIPT), "lora_targets", str(request), str(answer)],
             capture_output=True, text=True, timeout=600, cwd=work,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]

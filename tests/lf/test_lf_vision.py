@@ -106,35 +106,37 @@ LORA_CASES = {  # LF's switches and lora_target, as `shardforge convert` maps th
 }
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
-def test_lora_adapts_the_modules_lf_s_lora_adapts(tmp_path, family):
-    """LoRA on a vision-language model under each of LF's switches: the modules we adapt (as peft names
-    them) are those LF's own target rules hand to peft (its find_all_linear_modules / patch_target_modules),
-    but for LLaVA's tower layers after its feature layer, which reach no output (LF adapts them, their
-    adapters never train; we leave them out). Where LF would adapt no module of an unfrozen tower
-    (Qwen2-VL's tower has no q_proj), ours is an error saying so rather than a tower that silently stays
-    frozen. LF's freeze_language_model leaves the decoder unadapted; ours adapts it and freezes its
-    adapters (the same run: their B stays 0)."""
+def test_lora_adapts_the_modules_lf_s_lora_adapts(tmp_path):
+    """LoRA on a vision-language model (Qwen2-VL, LLaVA, LLaVA-NeXT) under each of LF's switches: the
+    modules we adapt (as peft names them) are those LF's own target rules hand to peft (its
+    find_all_linear_modules / patch_target_modules), but for LLaVA's tower layers after its feature layer,
+    which reach no output (LF adapts them, their adapters never train; we leave them out). Where LF would
+    adapt no module of an unfrozen tower (Qwen2-VL's tower has no q_proj), ours is an error saying so rather
+    than a tower that silently stays frozen. LF's freeze_language_model leaves the decoder unadapted; ours
+    adapts it and freezes its adapters (the same run: their B stays 0)."""
     from shardforge.adapters.apply import apply_finetuning
     from shardforge.adapters.lora import LoRALinear
     from shardforge.adapters.peft_format import peft_keys
     from shardforge.config import lf_convert, load_config
     from shardforge.errors import ConfigError
     from shardforge.models import load_model
-    from tests.vision import tiny_llava
+    from tests.vision import tiny_llava, tiny_llava_next
 
-    ref = reference()
-    model = (tiny_qwen2_vl if family == "qwen2_vl" else tiny_llava)(tmp_path / "model")
-    unused = "vision_tower.encoder.layers.1."  # the tiny LLaVA's tower has 2 layers, its feature layer -2
-    for case, switches in LORA_CASES.items():
-        lf_args = {"finetuning_type": "lora", **switches}
-        theirs = {n.replace(".vision_model.", ".") for n in ref.lora_targets(lf_args, model, tmp_path)}
+    makers = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava, "llava_next": tiny_llava_next}
+    models = {family: make(tmp_path / family) for family, make in makers.items()}
+    cases = {(family, case): {"model": str(models[family]), "args": {"finetuning_type": "lora", **switches}}
+             for family in models for case, switches in LORA_CASES.items()}  # fmt: skip
+    answers = reference().lora_targets({f"{f}/{c}": v for (f, c), v in cases.items()}, tmp_path)
+    unused = "vision_tower.encoder.layers.1."  # the tiny LLaVAs' towers have 2 layers, their feature layer -2
+    for (family, case), request in cases.items():
+        lf_args, switches = request["args"], LORA_CASES[case]
+        theirs = {n.replace(".vision_model.", ".") for n in answers[f"{family}/{case}"]}
         theirs = {n for n in theirs if unused not in n}
-        converted = lf_convert.convert_lf({"model_name_or_path": str(model), "stage": "sft",
+        converted = lf_convert.convert_lf({"model_name_or_path": request["model"], "stage": "sft",
                                            "dataset": "mllm_demo", **lf_args})  # fmt: skip
         assert not converted.unsupported, converted.unsupported
         config = load_config(None, base={**converted.config, "output_dir": str(tmp_path / "run")})
-        ours_model = load_model(model)
+        ours_model = load_model(models[family])
         tower_adapted = any(".visual." in n or ".vision_tower." in n for n in theirs)
         if not switches.get("freeze_vision_tower", True) and not tower_adapted:
             with pytest.raises(ConfigError, match="no linear of the vision tower is a target"):
@@ -149,4 +151,4 @@ def test_lora_adapts_the_modules_lf_s_lora_adapts(tmp_path, family):
         ours = {n.replace(".vision_model.", ".") for n in ours}
         if switches.get("freeze_language_model"):
             ours = {n for n in ours if ".language_model." not in n}
-        assert ours == theirs, (case, sorted(ours ^ theirs))
+        assert ours == theirs, (family, case, sorted(ours ^ theirs))

@@ -23,7 +23,7 @@ def folder(request, tmp_path_factory):
 def _expected(folder, ids, kwargs):
     """transformers' greedy tokens and each one's log-probability."""
     reference = reference_model(folder)
-    if reference.config.model_type == "llava":
+    if reference.config.model_type.startswith("llava"):
         kwargs = {k: v for k, v in kwargs.items() if k != "mm_token_type_ids"}
     with torch.no_grad():
         out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
@@ -129,6 +129,8 @@ def test_the_generate_command_reads_images_in_both_forms(tmp_path, folder, capsy
     prompt = check_model_source(ModelSection(path=str(folder))).image_prompt(tokenizer)
     if "image_grid_thw" in processed:
         grid, kwargs = processed["image_grid_thw"][0].tolist(), dict(processed)
+    elif "image_sizes" in processed:  # LLaVA-NeXT: tiles, and the size its tokens depend on
+        grid, kwargs = [0, *processed["image_sizes"][0].tolist()], dict(processed)
     else:
         grid, kwargs = [1, 56, 56], {"pixel_values": processed["pixel_values"]}
     chat = [{"role": "user", "content": "Describe " + prompt.text(tuple(grid))}]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardforge.models.common.images import ImageInputs
-from tests.vision import random_image, tiny_llava, tiny_qwen2_vl
+from tests.vision import random_image, tiny_llava, tiny_llava_next, tiny_qwen2_vl
 
 # (height, width) of each sample's images: none, one, two of different sizes (and orientations)
 SAMPLES = [(), ((56, 84),), ((112, 56), (60, 90))]
@@ -19,6 +19,7 @@ FAMILIES = {
     "qwen2_vl": tiny_qwen2_vl,
     "qwen2_5_vl": partial(tiny_qwen2_vl, kind="qwen2_5_vl"),
     "llava": tiny_llava,
+    "llava_next": tiny_llava_next,
 }
 
 
@@ -56,6 +57,14 @@ def encode(folder, sizes, seed=0):
             grids = out["image_grid_thw"]
             ours = ImageInputs(pixels, grids)
             theirs = {"pixel_values": pixels, "image_grid_thw": grids}
+        elif "image_sizes" in out:  # LLaVA-NeXT: each image's tiles (padded to the most), and its size
+            sizes = out["image_sizes"]
+            tiles = [prompt.tiling.tiles(h, w) for h, w in sizes.tolist()]
+            grids = torch.tensor([[n, h, w] for n, (h, w) in zip(tiles, sizes.tolist(), strict=True)])
+            ours = ImageInputs(
+                torch.cat([p[:n].flatten(1) for p, n in zip(pixels, tiles, strict=True)]), grids
+            )
+            theirs = {"pixel_values": pixels, "image_sizes": sizes}
         else:  # LLaVA: whole resized images
             grids = torch.tensor([[1, pixels.shape[-2] // 14, pixels.shape[-1] // 14]] * len(images))
             ours = ImageInputs(pixels.flatten(1), grids)
@@ -74,7 +83,7 @@ def test_logits_equal_transformers(folder, sizes):
 
     ids, images, kwargs = encode(folder, sizes)
     reference = reference_model(folder)
-    if reference.config.model_type == "llava":
+    if reference.config.model_type.startswith("llava"):
         kwargs.pop("mm_token_type_ids", None)
     ours = load_model(folder).eval()
     with torch.no_grad():
@@ -103,8 +112,41 @@ def test_qwen2_vl_export_is_a_folder_transformers_loads(tmp_path, tie):
     _exports_exactly(tmp_path, tiny_qwen2_vl(tmp_path / "in", tie=tie))
 
 
-def test_llava_export_is_a_folder_transformers_loads(tmp_path):
-    _exports_exactly(tmp_path, tiny_llava(tmp_path / "in"))
+@pytest.mark.parametrize("make", [tiny_llava, tiny_llava_next], ids=["llava", "llava_next"])
+def test_llava_export_is_a_folder_transformers_loads(tmp_path, make):
+    _exports_exactly(tmp_path, make(tmp_path / "in"))
+
+
+def test_llava_next_image_tokens_are_transformers_processor_s(tmp_path):
+    """How many tokens an image of any size becomes (its tiles' feature map unpadded, a newline per row,
+    the whole image's features) equals transformers' LlavaNextProcessor's count, which LLaMA-Factory's
+    LLaVA-NeXT plugin uses too, over sizes of every aspect; and the tiles its image processor makes."""
+    from transformers import AutoImageProcessor, AutoTokenizer, LlavaNextProcessor
+
+    from shardforge.config.schema import ModelSection
+    from shardforge.models.build import check_model_source
+
+    folder = tiny_llava_next(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    image_processor = AutoImageProcessor.from_pretrained(folder)
+    processor = LlavaNextProcessor(
+        image_processor,
+        tokenizer,
+        patch_size=14,
+        image_token="<image>",
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )  # the class token, as checkpoints set it
+    tiling = check_model_source(ModelSection(path=str(folder))).image_prompt(tokenizer).tiling
+    rng = np.random.default_rng(0)
+    sizes = [(28, 28), (29, 300), (300, 29), (57, 85), (100, 100), (33, 47)]
+    sizes += [tuple(int(v) for v in rng.integers(8, 400, 2)) for _ in range(40)]
+    for h, w in sizes:
+        expected = processor._get_number_of_features(h, w, 28, 28) - 1  # less the class token ("default")
+        assert tiling.tokens(h, w) == expected, (h, w)
+    for h, w in sizes[:6]:
+        out = image_processor(images=[random_image(h, w)], return_tensors="np")
+        assert out["pixel_values"].shape[1] == tiling.tiles(h, w), (h, w)
 
 
 def _exports_exactly(tmp_path, source):
@@ -118,7 +160,7 @@ def _exports_exactly(tmp_path, source):
     back, info = cls.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
     ids, images, kwargs = encode(source, SAMPLES[2])
-    if back.config.model_type == "llava":
+    if back.config.model_type.startswith("llava"):
         kwargs.pop("mm_token_type_ids", None)
     with torch.no_grad():
         expected = back.eval()(input_ids=ids, **kwargs).logits

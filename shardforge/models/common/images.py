@@ -4,6 +4,7 @@ them (a leaf: models, data and inference all pass it along)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -85,6 +86,17 @@ def _rows_first(positions: torch.Tensor) -> torch.Tensor:
     return positions.transpose(0, 1) if positions.dim() == 3 else positions
 
 
+class Tiling(Protocol):
+    """How a family cuts an image into tiles of its tower's size (LLaVA-NeXT's any-resolution grid), and
+    how many image tokens that makes (picklable: data workers take it)."""
+
+    tile_patches: int  # the tower's patches per tile
+
+    def tiles(self, height: int, width: int) -> int: ...
+
+    def tokens(self, height: int, width: int) -> int: ...
+
+
 @dataclass(frozen=True)
 class ImagePrompt:
     """How a family's prompt holds one image: `before`, its image token once per image embedding, `after`
@@ -100,13 +112,21 @@ class ImagePrompt:
     min_side: int = 0  # pixels an image's shorter side is raised to (Qwen2-VL: 28)
     max_aspect: float = 0.0  # a longer / shorter side above this is cut to 180 (Qwen2-VL: 200); 0: none
     patch: int = 1  # pixels per patch side where the processor gives whole images (LLaVA's tower: 14)
+    tiling: Tiling | None = None  # images cut into tiles: each one's grid is (tiles, height, width) in pixels
 
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """Image tokens of an image whose (t, h, w) patch grid is `grid`."""
+        t, h, w = grid
+        if self.tiling is not None:
+            return self.tiling.tokens(h, w)
         if self.fixed:
             return self.fixed
-        t, h, w = grid
         return t * h * w // (self.merge * self.merge)
+
+    def patches(self, grid: tuple[int, int, int]) -> int:
+        """The tower's patches of an image (its work): the patch grid's, or its tiles'."""
+        t, h, w = grid
+        return t * self.tiling.tile_patches if self.tiling is not None else t * h * w
 
     def text(self, grid: tuple[int, int, int]) -> str:
         return self.before + self.token * self.tokens(grid) + self.after

@@ -78,13 +78,13 @@ def vision_language_costs(model_cls: type[VisionLanguageDecoder], cfg: Any) -> C
     base = costs(cfg)
     with torch.device("meta"):
         modules = model_cls.vision_modules(cfg)
-    params = {"tower": 0, "projector": 0, "unused": 0}
+    params = {"tower": 0, "projector": 0, "unused": 0, "language": 0}  # language: LLaVA-NeXT's newline
     for attr, module in modules.items():
         for name, p in module.named_parameters():
             params[cfg.part_of(f"{attr}.{name}")] += p.numel()
     tower, projector = params["tower"] + params["unused"], params["projector"]
     return replace(
         base,
-        params=replace(base.params, vision=tower + projector),
+        params=replace(base.params, vision=tower + projector + params["language"]),
         patch_flops=2.0 * tower + 2.0 * projector / (cfg.merge * cfg.merge),
     )

@@ -6,25 +6,31 @@ transformers' own. Checkpoints spell the decoder `language_model.model.layers...
 
 from __future__ import annotations
 
+import dataclasses
+
 from transformers import PretrainedConfig
 
 from shardforge.errors import ModelError
 from shardforge.models.llama import hf_adapter
 from shardforge.models.llava.model import PROJECTOR, TOWER, LlavaConfig
+from shardforge.models.llava.next import NEWLINE, LlavaNextConfig
 
 TEXT_FAMILIES = tuple(
     hf_adapter.TEXT_ARCHITECTURES
 )  # the language models LLaVA checkpoints use that are ours
-_SAVED = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+_SAVED = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+          ("image_newline", NEWLINE))  # fmt: skip
 _RUNTIME = (("model.language_model.", "model."), ("model.vision_tower.", TOWER),
-            ("model.multi_modal_projector.", PROJECTOR))  # fmt: skip
+            ("model.multi_modal_projector.", PROJECTOR), ("model.image_newline", NEWLINE))  # fmt: skip
 
 
 def _vision_part(key: str) -> bool:
-    return key.startswith((TOWER, PROJECTOR))
+    return key.startswith((TOWER, PROJECTOR, NEWLINE))
 
 
 def key_to_hf(key: str) -> str:
+    if key == NEWLINE:
+        return "image_newline"  # LLaVA-NeXT's, beside the tower (as published)
     if _vision_part(key):
         return key
     return "language_model." + hf_adapter.key_to_hf(key)  # language_model.model.* and language_model.lm_head
@@ -45,6 +51,14 @@ def runtime_module(hf_module: str) -> str:
     if hf_module.startswith("language_model.lm_head"):
         return hf_module.removeprefix("language_model.")
     return "model." + hf_module if _vision_part(hf_module) else hf_module
+
+
+def next_config_from_hf(hf: PretrainedConfig) -> LlavaNextConfig:
+    """LLaVA-NeXT's: LLaVA's, and the resolutions its images are tiled at."""
+    base = config_from_hf(hf)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    pinpoints = tuple(tuple(int(v) for v in p) for p in hf.image_grid_pinpoints)
+    return LlavaNextConfig(**fields, grid_pinpoints=pinpoints)
 
 
 def config_from_hf(hf: PretrainedConfig) -> LlavaConfig:

@@ -97,14 +97,15 @@ class LlavaDecoder(VisionLanguageDecoder):
 
     def image_embeddings(self, images: ImageInputs, dtype: torch.dtype) -> torch.Tensor:
         """[images x tokens per image, hidden]: each image's projected features, in order."""
-        cfg = self.config
-        patch = int(cfg.vision["patch_size"])
+        patch = int(self.config.vision["patch_size"])
         _, h, w = (int(v) * patch for v in images.grid_thw[0].tolist())  # its grid of patches
         pixels = images.pixel_values.view(len(images.grid_thw), 3, h, w)
-        tower = self.vision_tower
-        weight = next(tower.parameters())
-        out = tower(pixels.to(weight.dtype), output_hidden_states=True, return_dict=True)
-        features = out.hidden_states[cfg.feature_layer]
-        if cfg.select == "default":
-            features = features[:, 1:]
-        return self.multi_modal_projector(features).flatten(0, 1).to(dtype)
+        return self.multi_modal_projector(self.tower_features(pixels)).flatten(0, 1).to(dtype)
+
+    def tower_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[images, patches, tower hidden]: the feature layer's hidden states of each image [3, h, w]
+        (without the class token under the "default" strategy)."""
+        weight = next(self.vision_tower.parameters())
+        out = self.vision_tower(pixels.to(weight.dtype), output_hidden_states=True, return_dict=True)
+        features = out.hidden_states[self.config.feature_layer]
+        return features[:, 1:] if self.config.select == "default" else features
