@@ -52,6 +52,38 @@ def tiny_qwen2_vl(folder: Path, std: float = 0.3, tie: bool = False, kind: str =
     return _save_random(model_cls, cfg, std, folder, tokenizer, processor)
 
 
+def tiny_qwen3_vl(folder: Path, std: float = 0.3, tie: bool = False) -> Path:
+    """A random Qwen3-VL-shaped model: a Qwen3 decoder (q/k norms) with interleaved M-RoPE, a tower of
+    16-pixel patches with a learned 8 x 8 position grid and two deepstack feature maps (added after decoder
+    layers 0 and 1), saved with the bundled tokenizer plus the vision tokens and a Qwen2-VL (PIL) image
+    processor of 16-pixel patches, as Qwen3-VL's folders carry."""
+    from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    start, end, image, video = tokenizer.convert_tokens_to_ids(VISION_TOKENS)
+    cfg = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "max_position_embeddings": 512, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [4, 2, 2],
+                                "mrope_interleaved": True},
+        },
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1],
+        },
+        vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video,
+        tie_word_embeddings=tie,
+    )  # fmt: skip
+    processor = Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 64)
+    return _save_random(Qwen3VLForConditionalGeneration, cfg, std, folder, tokenizer, processor)
+
+
 def random_image(height: int, width: int, seed: int = 0):
     from PIL import Image
 
@@ -94,6 +126,24 @@ def lf_image_dataset(folder: Path, count: int = 4) -> Path:
     }  # fmt: skip
     (folder / "dataset_info.json").write_text(json.dumps({"mllm_demo": entry}, indent=1))
     return folder / "dataset_info.json"
+
+
+def mixed_image_dataset(folder: Path) -> Path:
+    """LF's multimodal demo form as lf_image_dataset writes it (4 records; record 1 has two images of
+    different sizes) plus 3 records with no image (an empty `images` list); returns the dataset_info.json
+    path (entry "mllm_demo")."""
+    import json
+
+    info = lf_image_dataset(folder, count=4)
+    records = json.loads((folder / "mllm_demo.json").read_text())
+    for i in range(3):
+        messages = [
+            {"role": "user", "content": f"Plain text question number {i}, no picture at all."},
+            {"role": "assistant", "content": "A plain answer" + " indeed" * i + "."},
+        ]
+        records.append({"messages": messages, "images": []})
+    (folder / "mllm_demo.json").write_text(json.dumps(records, indent=1))
+    return info
 
 
 def tiny_llava(folder: Path, std: float = 0.3) -> Path:

@@ -85,11 +85,14 @@ def freeze(model: CausalModel, section: FreezeSection) -> None:
         param.requires_grad_(in_layer or parts[0] in section.extra_modules)
 
 
-def add_lora(model: CausalModel, section: LoraSection, seed: int, tower: bool = False) -> list[str]:
+def add_lora(
+    model: CausalModel, section: LoraSection, seed: int, tower: bool | frozenset[str] = False
+) -> list[str]:
     """Wrap the targeted linears; returns their names. Base weights (and everything else) are frozen.
     `tower`: a vision-language model's tower takes adapters too (LLaMA-Factory's LoRA with
     freeze_vision_tower false): every linear of it under `all` (its patch embedding is a convolution),
-    else those whose names are targets (CLIP's q_proj, ...)."""
+    else those whose names are targets (CLIP's q_proj, ...); or exactly the named ones (a saved
+    adapter's)."""
     for param in model.parameters():
         param.requires_grad_(False)
     generic = not model.native_names  # the generic backend: transformers' module names
@@ -106,17 +109,20 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int, tower: bool = 
         for name, module in model.named_modules()
         if model.canonical_name(name).startswith("layers.") and adaptable(module)
     ]
+    named = tower if isinstance(tower, frozenset) else None
     in_tower = {
         name: module
         for name, module in model.named_modules()
         if tower and adaptable(module) and model.config.part_of(name) == "tower"
-    }
+        and (named is None or name in named)
+    }  # fmt: skip
     wrapped = []
     for name, module in linears + list(in_tower.items()):
         parent_name, _, leaf = name.rpartition(".")
         # `all` on the generic backend: every linear of the blocks (PEFT's all-linear; e.g. Phi-3's qkv_proj)
         everything = every and (generic or name in in_tower)
-        if leaf not in targets and not (everything and leaf not in left_out):
+        chosen = named is not None and name in in_tower
+        if leaf not in targets and not (everything and leaf not in left_out) and not chosen:
             continue
         lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)
         lora.reset_adapter(name, seed)
@@ -124,7 +130,7 @@ def add_lora(model: CausalModel, section: LoraSection, seed: int, tower: bool = 
         wrapped.append(name)
     if experts:
         wrapped += _adapt_experts(model, section, seed, experts)
-    if in_tower and not in_tower.keys() & set(wrapped):
+    if tower is True and in_tower and not in_tower.keys() & set(wrapped):
         held = sorted({name.rpartition(".")[2] for name in in_tower})
         raise ConfigError(
             f"method.vision.freeze_tower=false with method.lora.targets ({', '.join(targets)}): no linear of "

@@ -19,8 +19,12 @@ from shardforge.config.schema import EXPERT_TARGETS, LINEAR_TARGETS, LoraSection
 def merge_adapter(model: nn.Module, folder: Path) -> None:
     """The PEFT adapter in `folder` applied to `model` and merged into its weights, in place."""
     config, tensors = read_adapter(folder, model.config.family)
+    # a vision-language model's tower modules it adapts, named whole (their names are not targets')
+    tower = frozenset(
+        k.rpartition(".")[0] for k in tensors if model.config.part_of(k.rpartition(".")[0]) == "tower"
+    )
     # the adapted modules' names from its tensors (another tool's target_modules may be a regex)
-    adapted = adapted_leaves(tensors)
+    adapted = adapted_leaves(k for k in tensors if k.rpartition(".")[0] not in tower)
     experts = [t for t in adapted if t in EXPERT_TARGETS]
     linears: list[str] | str = [t for t in adapted if t not in EXPERT_TARGETS]
     if not model.native_names and not set(linears) <= set(LINEAR_TARGETS):
@@ -36,7 +40,7 @@ def merge_adapter(model: nn.Module, folder: Path) -> None:
     section = LoraSection(targets=linears if linears == "all" else linears + experts, **settings)
     if linears == "all" and experts:  # `all` is the linears only; the experts' adapters come on top
         add_lora(model, LoraSection(targets=experts, **settings), seed=0)
-    add_lora(model, section, seed=0)
+    add_lora(model, section, seed=0, tower=tower or False)
     load_adapter(model, folder, section)
     merge_lora_modules(model)
 

@@ -250,8 +250,9 @@ def load_adapter(model: torch.nn.Module, folder: Path, lora: LoraSection) -> Non
         raise ModelError(
             f"model.adapter {folder}: {'; '.join(differ)} (set method.lora to match the adapter)"
         )
-    ours = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
-    held = {_owner(k) for k in ours}
+    state = model.state_dict()
+    ours = {k: v for k, v in state.items() if is_adapter_key(k)}
+    held = {_owner(k) for k in state}  # what this rank holds, adapted or not
     theirs = {k: v for k, v in tensors.items() if _owner(k) in held}
     missing, unexpected = sorted(ours.keys() - theirs.keys()), sorted(theirs.keys() - ours.keys())
     if missing or unexpected:

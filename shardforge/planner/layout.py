@@ -206,6 +206,12 @@ def check_vision(cfg: Config, dims: ParallelDims, shape: Any) -> None:
             f"method.stage={cfg.method.stage} samples with the inference engine, which does not take "
             f"images yet: train {shape.family} with sft, dpo, kto or rm"
         )
+    if shape.deepstack_layers and dims.tp > 1 and cfg.parallel.sequence_parallel:
+        raise ConfigError(
+            f"parallel.tp={dims.tp} with sequence_parallel: {shape.family} adds image features to the "
+            f"outputs of its first {shape.deepstack_layers} decoder layers, which need the whole stream; "
+            f"set parallel.sequence_parallel: false"
+        )
 
 
 @functools.lru_cache(maxsize=8)

@@ -4,16 +4,27 @@ the projector frozen) and with every part training, TP2 with and without sequenc
 on both ranks, the decoder split) and PP2 (the tower on the first stage, each chunk of rows with its own
 images, M-RoPE positions made before the stages); LoRA in the tower and the decoder under ZeRO-3, TP2 + SP
 and PP2; DDP, ZeRO-3, TP2 + SP and PP2 for LLaVA, and ZeRO-3, TP2 + SP and PP2 for LLaVA-NeXT (its images in
-tiles, its newline embedding replicated with the tower), with every part training."""
+tiles, its newline embedding replicated with the tower), and ZeRO-3, TP2 and PP2 for Qwen3-VL (its deepstack
+features added after the first stage's layers), with every part training; and data where one record of
+four has images, so that some ranks (DDP, ZeRO-3) and pipeline chunks run no image while others do."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from tests.dist._harness import run_ranks
 from tests.dist._training import assert_same, parity_train, train_runs
-from tests.vision import lf_image_dataset, tiny_llava, tiny_llava_next, tiny_qwen2_vl
+from tests.vision import (
+    lf_image_dataset,
+    mixed_image_dataset,
+    tiny_llava,
+    tiny_llava_next,
+    tiny_qwen2_vl,
+    tiny_qwen3_vl,
+)
 
 ONE = parity_train(3, mb=2)  # 4 rows a step: 2 per micro-step x 2 accumulation
 RANKS = parity_train(3, mb=1)  # ... as 1 per rank x 2 accumulation x 2 ranks
@@ -24,8 +35,11 @@ LAYOUTS = {
     "tp2": {"tp": 2, "dp_shard": 1, "sequence_parallel": False},  # the tower whole on both, the decoder split
     "tp2-sp": {"tp": 2, "dp_shard": 1, "sequence_parallel": True},
     "pp2": {"pp": 2, "dp_shard": 1, "pp_microbatches": 2},  # the tower on the first stage, a row a chunk
+    # Qwen3-VL: its deepstack layers (0 and 1 of 3) on the first stage; the whole stream (no SP)
+    "pp2-deepstack": {"pp": 2, "dp_shard": 1, "pp_microbatches": 2, "pp_layers": "2,1"},
 }
-WHOLE = {"tp2", "tp2-sp", "pp2"}  # no data parallel: each rank runs all 4 rows
+WHOLE = {"tp2", "tp2-sp", "pp2", "pp2-deepstack"}
+PLAIN = ("ddp", "zero2", "zero3", "tp2", "tp2-sp", "pp2")  # no data parallel: each rank runs all 4 rows
 METHODS = {  # method sections
     "frozen-tower": {},
     "all-parts": {"vision": {"freeze_tower": False, "freeze_projector": False}},
@@ -37,10 +51,17 @@ METHODS = {  # method sections
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
     data = lf_image_dataset(root / "data", count=8)
+    qwen2_vl = tiny_qwen2_vl(root / "qwen2_vl")
+    # one record with images and three without, four rows a step: some ranks' rows have no image
+    mixed = mixed_image_dataset(root / "mixed")
+    records = json.loads((root / "mixed" / "mllm_demo.json").read_text())
+    (root / "mixed" / "mllm_demo.json").write_text(json.dumps([records[1], *records[4:]]))
     return {
-        "qwen2_vl": (tiny_qwen2_vl(root / "qwen2_vl"), data),
+        "qwen2_vl": (qwen2_vl, data),
+        "qwen2_vl/mixed": (qwen2_vl, mixed),
         "llava": (tiny_llava(root / "llava"), data),
         "llava_next": (tiny_llava_next(root / "llava_next"), data),
+        "qwen3_vl": (tiny_qwen3_vl(root / "qwen3_vl"), data),
     }
 
 
@@ -60,10 +81,16 @@ def _config(tmp_path, folders, name, train, method, parallel=None):
 
 
 def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders):
-    cases = [("qwen2_vl", v, layout) for v in ("frozen-tower", "all-parts") for layout in LAYOUTS]
+    cases = [("qwen2_vl", v, layout) for v in ("frozen-tower", "all-parts") for layout in PLAIN]
     cases += [("qwen2_vl", "lora-tower", layout) for layout in ("zero3", "tp2-sp", "pp2")]
+    # rows without images beside rows with: the tower gets no gradient on some ranks, in some chunks
+    cases += [
+        ("qwen2_vl/mixed", v, layout) for v in ("all-parts", "lora-tower") for layout in ("ddp", "zero3")
+    ]
+    cases += [("qwen2_vl/mixed", "lora-tower", "pp2")]
     cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3", "tp2-sp", "pp2")]
     cases += [("llava_next", "all-parts", layout) for layout in ("zero3", "tp2-sp", "pp2")]
+    cases += [("qwen3_vl", "all-parts", layout) for layout in ("zero3", "tp2", "pp2-deepstack")]
     refs = {}
     for family, v in sorted({(f, v) for f, v, _ in cases}):
         name = f"one-{family}-{v}"

@@ -107,8 +107,8 @@ LORA_CASES = {  # LF's switches and lora_target, as `shardforge convert` maps th
 
 
 def test_lora_adapts_the_modules_lf_s_lora_adapts(tmp_path):
-    """LoRA on a vision-language model (Qwen2-VL, LLaVA, LLaVA-NeXT) under each of LF's switches: the
-    modules we adapt (as peft names them) are those LF's own target rules hand to peft (its
+    """LoRA on a vision-language model (Qwen2-VL, Qwen3-VL, LLaVA, LLaVA-NeXT) under each of LF's switches:
+    the modules we adapt (as peft names them) are those LF's own target rules hand to peft (its
     find_all_linear_modules / patch_target_modules), but for LLaVA's tower layers after its feature layer,
     which reach no output (LF adapts them, their adapters never train; we leave them out). Where LF would
     adapt no module of an unfrozen tower (Qwen2-VL's tower has no q_proj), ours is an error saying so rather
@@ -120,9 +120,10 @@ def test_lora_adapts_the_modules_lf_s_lora_adapts(tmp_path):
     from shardforge.config import lf_convert, load_config
     from shardforge.errors import ConfigError
     from shardforge.models import load_model
-    from tests.vision import tiny_llava, tiny_llava_next
+    from tests.vision import tiny_llava, tiny_llava_next, tiny_qwen3_vl
 
-    makers = {"qwen2_vl": tiny_qwen2_vl, "llava": tiny_llava, "llava_next": tiny_llava_next}
+    makers = {"qwen2_vl": tiny_qwen2_vl, "qwen3_vl": tiny_qwen3_vl, "llava": tiny_llava,
+              "llava_next": tiny_llava_next}  # fmt: skip
     models = {family: make(tmp_path / family) for family, make in makers.items()}
     cases = {(family, case): {"model": str(models[family]), "args": {"finetuning_type": "lora", **switches}}
              for family in models for case, switches in LORA_CASES.items()}  # fmt: skip

@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 
 from shardforge.errors import DataError, ModelError
 from shardforge.models.common.images import ImageInputs
-from tests.vision import lf_image_dataset, random_image, tiny_llava, tiny_llava_next, tiny_qwen2_vl
+from tests.vision import (
+    lf_image_dataset,
+    random_image,
+    tiny_llava,
+    tiny_llava_next,
+    tiny_qwen2_vl,
+    tiny_qwen3_vl,
+)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +181,11 @@ def llava_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qwen3_vl_dir(tmp_path_factory):
+    return tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"))
+
+
+@pytest.fixture(scope="module")
 def llava_next_dir(tmp_path_factory):
     return tiny_llava_next(tmp_path_factory.mktemp("llava_next"))
 
@@ -183,10 +195,10 @@ def qwen2_5_vl_dir(tmp_path_factory):
     return tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_5_vl"), kind="qwen2_5_vl")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "llava", "llava_next"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"])
 @pytest.mark.parametrize("packing", [False, True])
 def test_the_first_step_loss_equals_transformers(
-    tmp_path, model_dir, qwen2_5_vl_dir, llava_dir, llava_next_dir, family, packing
+    tmp_path, model_dir, qwen2_5_vl_dir, qwen3_vl_dir, llava_dir, llava_next_dir, family, packing
 ):
     """A micro-batch of the run (two records, three images, packed into one row or not): our loss equals
     transformers' model's (Qwen2-VL, LLaVA) on the same tokens, images and labels (each document alone)."""
@@ -195,8 +207,8 @@ def test_the_first_step_loss_equals_transformers(
     from shardforge.objectives import build_objective
     from tests.unit.test_vision_language import reference_model
 
-    folder = {"qwen2_vl": model_dir, "qwen2_5_vl": qwen2_5_vl_dir, "llava": llava_dir,
-              "llava_next": llava_next_dir}[family]  # fmt: skip
+    folder = {"qwen2_vl": model_dir, "qwen2_5_vl": qwen2_5_vl_dir, "qwen3_vl": qwen3_vl_dir,
+              "llava": llava_dir, "llava_next": llava_next_dir}[family]  # fmt: skip
     info = lf_image_dataset(tmp_path / "data")
     config = _config(tmp_path, folder, [{"name": "mllm_demo", "dataset_info": str(info)}], packing=packing)
     store = _rows(config).examples
@@ -352,7 +364,7 @@ def test_every_chat_objective_trains_with_images(tmp_path, model_dir, stage, nam
     assert all(np.isfinite(losses)) and losses[0] != losses[-1]
 
 
-def test_rollout_stages_and_context_and_expert_parallel_are_refused(tmp_path, model_dir):
+def test_rollout_stages_and_context_and_expert_parallel_are_refused(tmp_path, model_dir, qwen3_vl_dir):
     from shardforge.config import load_config
     from shardforge.errors import ConfigError
     from shardforge.models.build import check_model_source
@@ -368,6 +380,12 @@ def test_rollout_stages_and_context_and_expert_parallel_are_refused(tmp_path, mo
     check_layout(load_config(None, base={**base, "parallel": {"pp": 2, "dp_shard": 1}}), 2, shape)
     with pytest.raises(ConfigError, match="does not take images yet"):
         check_layout(load_config(None, base={**base, "method": {"stage": "grpo"}}), 1, shape)
+    # Qwen3-VL's deepstack features join the stream after its first layers: the whole stream, not SP's shard
+    qwen3 = check_model_source(load_config(None, base={**base, "model": {"path": str(qwen3_vl_dir)}}).model)
+    tp = {"tp": 2, "dp_shard": 1}
+    with pytest.raises(ConfigError, match="sequence_parallel: false"):
+        check_layout(load_config(None, base={**base, "parallel": tp}), 2, qwen3)
+    check_layout(load_config(None, base={**base, "parallel": {**tp, "sequence_parallel": False}}), 2, qwen3)
 
 
 @pytest.mark.parametrize(

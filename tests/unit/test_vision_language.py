@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from shardforge.models.common.images import ImageInputs
-from tests.vision import random_image, tiny_llava, tiny_llava_next, tiny_qwen2_vl
+from tests.vision import random_image, tiny_llava, tiny_llava_next, tiny_qwen2_vl, tiny_qwen3_vl
 
 # (height, width) of each sample's images: none, one, two of different sizes (and orientations)
 SAMPLES = [(), ((56, 84),), ((112, 56), (60, 90))]
 FAMILIES = {
     "qwen2_vl": tiny_qwen2_vl,
     "qwen2_5_vl": partial(tiny_qwen2_vl, kind="qwen2_5_vl"),
+    "qwen3_vl": tiny_qwen3_vl,
     "llava": tiny_llava,
     "llava_next": tiny_llava_next,
 }
@@ -112,8 +113,10 @@ def test_qwen2_vl_export_is_a_folder_transformers_loads(tmp_path, tie):
     _exports_exactly(tmp_path, tiny_qwen2_vl(tmp_path / "in", tie=tie))
 
 
-@pytest.mark.parametrize("make", [tiny_llava, tiny_llava_next], ids=["llava", "llava_next"])
-def test_llava_export_is_a_folder_transformers_loads(tmp_path, make):
+@pytest.mark.parametrize(
+    "make", [tiny_llava, tiny_llava_next, tiny_qwen3_vl], ids=["llava", "llava_next", "qwen3_vl"]
+)
+def test_llava_and_qwen3_vl_exports_are_folders_transformers_loads(tmp_path, make):
     _exports_exactly(tmp_path, make(tmp_path / "in"))
 
 
@@ -170,3 +173,27 @@ def _exports_exactly(tmp_path, source):
     np.testing.assert_array_equal(
         np.asarray(back.config.architectures), np.asarray(ours.config.hf_config["architectures"])
     )
+
+
+def test_text_rows_run_the_trained_tower_on_a_blank_image_counted_zero_times(folder):
+    """A training micro-batch with no image still runs the tower (on the family's blank image): its
+    logits are the text model's exactly, and every tower and projector parameter gets a gradient, zeros,
+    so that data-parallel ranks and pipeline chunks with and without images reduce alike."""
+    from shardforge.models import load_model
+
+    model = load_model(folder)
+    ids, _, _ = encode(folder, ())
+    with torch.no_grad():
+        expected = model.eval()(ids)
+    model.train()
+    got = model(ids)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    got.sum().backward()
+    tower = model.vision_parameters()
+    used = [p for n, p in model.named_parameters() if model.config.part_of(n) in ("tower", "projector")]
+    assert used and all(p.grad is not None and not p.grad.any() for p in used)  # LLaVA's unused: frozen
+    for p in tower:
+        p.requires_grad_(False)
+    model.zero_grad()
+    model(ids).sum().backward()  # a frozen tower is not run at all
+    assert all(p.grad is None for p in tower)

@@ -63,6 +63,12 @@ class DecoderConfig:
 
     takes_images: ClassVar[bool] = False  # a vision-language family's (images in its forward and data)
 
+    @property
+    def deepstack_layers(self) -> int:
+        """Decoder layers after whose outputs the family adds image features (Qwen3-VL's deepstack): they
+        need the whole stream (not a sequence-parallel shard), on the first pipeline stage."""
+        return 0
+
     def part_of(self, name: str) -> str:
         """Which part of the model a parameter (our name) is in: "tower" (a vision encoder), "projector"
         (what maps its features into the decoder), "language" (the decoder), or "unused" (held, as the

@@ -163,17 +163,17 @@ def with_text_config(
 ) -> PretrainedConfig:
     """A vision-language checkpoint's config (the loaded one, `cfg.hf_config`) with the decoder's shape
     written back into its text_config (a `text_type` config, with `text`'s entries on top)."""
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
-        text_type
-    ]
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}[text_type]  # fmt: skip
     original = cfg.hf_config.get("text_config", {})
     text_dict = hf_config_from(
         replace(cfg, hf_config=original), model_type=text_type, architecture=arch
     ).to_dict()
     for key in ("architectures", "transformers_version", "tie_word_embeddings"):
         text_dict.pop(key, None)
-    if "model_type" not in original:
-        text_dict.pop("model_type", None)
+    text_dict.pop("model_type", None)
+    if "model_type" in original:  # the checkpoint's own text model type (e.g. qwen3_vl_text)
+        text_dict["model_type"] = original["model_type"]
     base = {k: v for k, v in cfg.hf_config.items() if k not in ("model_type", "transformers_version")}
     base.update(
         text_config={**text_dict, **text},

@@ -203,6 +203,12 @@ class Decoder(StagedModel):
         """The decoder blocks this model holds, in order (all of them, or a pipeline stage's)."""
         return list(self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers)
 
+    def indexed_blocks(self) -> list[tuple[int, nn.Module]]:
+        """`blocks()` with each one's index in the whole model."""
+        if isinstance(self.layers, nn.ModuleDict):
+            return [(int(k), m) for k, m in self.layers.items()]
+        return list(enumerate(self.layers))
+
     def prune(self, layers: list[int], first: bool, last: bool) -> None:
         """Keep only what a pipeline rank holds, in place (on the meta device: nothing is ever allocated for
         the rest): the given layers, as a ModuleDict keyed by their original index so names stay

@@ -39,6 +39,13 @@ class VisionLanguageDecoder(Decoder):
     def image_embeddings(self, images: ImageInputs, dtype: torch.dtype) -> torch.Tensor:
         """[image tokens, hidden]: every image's embeddings, in the order of their tokens."""
 
+    @abstractmethod
+    def blank_image(self) -> ImageInputs:
+        """The smallest image the tower takes, all zeros (run where a training micro-batch has none)."""
+
+    def vision_parameters(self) -> list[nn.Parameter]:
+        return [p for name in self.TOWERS if (m := getattr(self, name)) is not None for p in m.parameters()]
+
     def prune(self, layers: list[int], first: bool, last: bool) -> None:
         super().prune(layers, first, last)
         if not first:
@@ -57,10 +64,17 @@ class VisionLanguageDecoder(Decoder):
         if self.embed_tokens is None:
             return super().embed(x, None)
         h = self.embed_tokens(x)
+        if images is None and self.training and any(p.requires_grad for p in self.vision_parameters()):
+            # Rows without an image still run the tower, on a blank image counted zero times: every
+            # data-parallel rank and pipeline chunk then gives the trained tower a gradient (zeros here),
+            # and the gradient reductions (DDP's, FSDP2's reduce-scatters, in their order) match
+            blank = self.image_embeddings(self.blank_image().to(x.device), h.dtype)
+            return self.stream_split(h + 0.0 * blank.sum())
         if images is not None:
             slots = x == self.config.image_token_id if images.slots is None else images.slots
             features = images.embeddings
             features = self.image_embeddings(images, h.dtype) if features is None else features.to(h.dtype)
+            features = features[:, : h.shape[-1]]  # Qwen3-VL's rows carry its deepstack features after
             if int(slots.sum()) != features.shape[0]:
                 raise ModelError(
                     f"the batch has {int(slots.sum())} image tokens but its {len(images.grid_thw)} image(s) "

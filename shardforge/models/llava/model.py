@@ -102,6 +102,10 @@ class LlavaDecoder(VisionLanguageDecoder):
         pixels = images.pixel_values.view(len(images.grid_thw), 3, h, w)
         return self.multi_modal_projector(self.tower_features(pixels)).flatten(0, 1).to(dtype)
 
+    def blank_image(self) -> ImageInputs:
+        side, patch = int(self.config.vision["image_size"]), int(self.config.vision["patch_size"])
+        return ImageInputs(torch.zeros(1, 3 * side * side), torch.tensor([[1, side // patch, side // patch]]))
+
     def tower_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """[images, patches, tower hidden]: the feature layer's hidden states of each image [3, h, w]
         (without the class token under the "default" strategy)."""

@@ -140,6 +140,12 @@ class LlavaNextDecoder(LlavaDecoder):
             "anyres": AnyRes(cfg),
         }
 
+    def blank_image(self) -> ImageInputs:
+        """An image of one tile's size, in the tiles the grid cuts it into."""
+        side = int(self.config.vision["image_size"])
+        tiles = self.config.grid.tiles(side, side)
+        return ImageInputs(torch.zeros(tiles, 3 * side * side), torch.tensor([[tiles, side, side]]))
+
     def image_embeddings(self, images: ImageInputs, dtype: torch.dtype) -> torch.Tensor:
         cfg = self.config
         side = int(cfg.vision["image_size"])

@@ -5,13 +5,14 @@ inference engine already take: the tower is one more submodule beside its layers
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from shardforge.errors import ModelError
+from shardforge.models.common.attention import Cache, DocLayout
 from shardforge.models.common.config import DecoderConfig
 from shardforge.models.common.images import ImageInputs, ImagePrompt
 from shardforge.models.llama.vision import VisionLanguageDecoder
@@ -27,12 +28,14 @@ class VisionLanguageConfig(DecoderConfig):
     vision_start_token_id: int = -1
     vision_end_token_id: int = -1
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False  # Qwen3-VL: frequencies take t, h, w in turn (rope.py)
+    deepstack: int = 0  # Qwen3-VL: the tower's feature maps added to the first decoder layers' outputs
     vision: dict = field(default_factory=dict)  # config.json's vision_config
     takes_images: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if sum(self.mrope_section) != self.head_dim // 2:
+        if sum(self.mrope_section) != self.head_dim // 2 and not self.mrope_interleaved:
             raise ModelError(
                 f"rope_parameters.mrope_section {list(self.mrope_section)} sums to "
                 f"{sum(self.mrope_section)}; "
@@ -40,12 +43,16 @@ class VisionLanguageConfig(DecoderConfig):
             )
 
     @property
+    def deepstack_layers(self) -> int:
+        return self.deepstack
+
+    @property
     def merge(self) -> int:
         """Patches per image token along each side (the patch merger's)."""
         return int(self.vision.get("spatial_merge_size", 2))
 
     def part_of(self, name: str) -> str:
-        if name.startswith("visual.merger."):
+        if name.startswith("visual.merger."):  # Qwen3-VL's deepstack mergers: the tower's, as for LF
             return "projector"
         return "tower" if name.startswith("visual.") else "language"
 
@@ -66,6 +73,7 @@ class VisionLanguageConfig(DecoderConfig):
 TOWER_CLASSES = {
     "qwen2_vl": ("qwen2_vl", "Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel"),
     "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel"),
+    "qwen3_vl": ("qwen3_vl", "Qwen3VLVisionConfig", "Qwen3VLVisionModel"),
 }
 
 
@@ -101,9 +109,19 @@ class Qwen2VLDecoder(VisionLanguageDecoder):
             self.visual.rotary_pos_emb = type(rotary)(self.visual.config).to(device)
 
     def image_embeddings(self, images: ImageInputs, dtype: torch.dtype) -> torch.Tensor:
-        """[image tokens, hidden]: the tower's merged patches of every image, in order."""
+        """[image tokens, hidden]: the tower's merged patches of every image, in order (Qwen3-VL: each row
+        followed by its deepstack features, [image tokens, hidden x (1 + deepstack)])."""
         pixels = images.pixel_values.to(self.visual.patch_embed.proj.weight.dtype)
-        return self.visual(pixels, grid_thw=images.grid_thw).pooler_output.to(dtype)
+        out = self.visual(pixels, grid_thw=images.grid_thw)
+        stacked = out.deepstack_features if self.config.deepstack else ()
+        return torch.cat([out.pooler_output, *stacked], dim=-1).to(dtype)
+
+    def blank_image(self) -> ImageInputs:
+        """One image of merge x merge patches (a single image token)."""
+        vision, merge = self.config.vision, self.config.merge
+        patch, frames = int(vision["patch_size"]), int(vision.get("temporal_patch_size", 2))
+        features = int(vision.get("in_channels", 3)) * frames * patch * patch
+        return ImageInputs(torch.zeros(merge * merge, features), torch.tensor([[1, merge, merge]]))
 
     def rotary_positions(
         self, x: torch.Tensor, position_ids: torch.Tensor, images: ImageInputs | None
@@ -122,4 +140,40 @@ class Qwen2VLDecoder(VisionLanguageDecoder):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if positions.dim() == 2:
             return super().rope(positions, dtype)
-        return mrope_cos_sin(positions, self.inv_freq, self.config.mrope_section, dtype)
+        cfg = self.config
+        return mrope_cos_sin(positions, self.inv_freq, cfg.mrope_section, dtype, cfg.mrope_interleaved)
+
+    def hidden(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        doc_layout: DocLayout | None = None,
+        cache: Cache | None = None,
+        images: ImageInputs | None = None,
+    ) -> torch.Tensor:
+        """The decoder's body; with Qwen3-VL's deepstack, the tower's k feature maps of the image tokens
+        are added to the outputs of decoder layers 0..k-1 (which the first pipeline stage must hold)."""
+        if not self.config.deepstack or images is None or self.embed_tokens is None:
+            return super().hidden(x, position_ids, doc_ids, doc_layout, cache, images)
+        hidden = self.config.hidden_size
+        if images.embeddings is None:  # encoded once, for the embedding and the deepstack alike
+            images = replace(images, embeddings=self.image_embeddings(images, self.embed_tokens.weight.dtype))
+        slots = x == self.config.image_token_id if images.slots is None else images.slots
+        stacked = images.embeddings[:, hidden:].unflatten(-1, (self.config.deepstack, hidden))
+        held = dict(self.indexed_blocks())
+        if not set(range(self.config.deepstack)) <= held.keys():
+            raise ModelError(
+                f"{self.config.family} adds the tower's deepstack features after decoder layers 0-"
+                f"{self.config.deepstack - 1}: the first pipeline stage must hold them (parallel.pp_layers)"
+            )
+        h = self.embed(x, images)
+        rotary = self.rotary_positions(x, position_ids, images)
+        cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout, cache, rotary)
+        for index, layer in held.items():
+            h = layer(h, cos, sin, ctx)
+            if index < self.config.deepstack:
+                h = h.masked_scatter(slots[..., None], h[slots] + stacked[:, index].to(h.dtype))
+        if cache is not None:
+            cache.advance(position_ids.shape[-1])
+        return h

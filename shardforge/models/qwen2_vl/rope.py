@@ -62,13 +62,24 @@ def rope_index(
 
 
 def mrope_cos_sin(
-    position_ids: torch.Tensor, inv_freq: torch.Tensor, sections: tuple[int, ...], dtype: torch.dtype
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    sections: tuple[int, ...],
+    dtype: torch.dtype,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [b, 1, s, head_dim] for [3, b, s] positions: frequency j turned by the position component
-    of the section it falls in (section i takes component i mod 3)."""
-    component = torch.cat([torch.full((n,), i % 3, dtype=torch.long) for i, n in enumerate(sections)]).to(
-        position_ids.device
-    )
+    it is given: Qwen2-VL's sections run one after another (section i takes component i mod 3); Qwen3-VL's
+    interleave (h at every third frequency from 1, w from 2, as far as three times their sections, t at
+    the rest), as transformers' Qwen3VLTextRotaryEmbedding lays them out."""
+    n = inv_freq.shape[0]
+    if interleaved:
+        component = torch.zeros(n, dtype=torch.long)
+        component[1 : 3 * sections[1] : 3] = 1
+        component[2 : 3 * sections[2] : 3] = 2
+    else:
+        component = torch.cat([torch.full((k,), i % 3, dtype=torch.long) for i, k in enumerate(sections)])
+    component = component.to(position_ids.device)
     freqs = position_ids[..., None].float() * inv_freq.float()  # [3, b, s, head_dim / 2]
     index = component.expand(1, *freqs.shape[1:])
     freqs = freqs.gather(0, index)[0]

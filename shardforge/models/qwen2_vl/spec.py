@@ -1,4 +1,5 @@
-"""Register Qwen2-VL and Qwen2.5-VL: our decoder with transformers' vision tower of each (model.py)."""
+"""Register Qwen2-VL, Qwen2.5-VL and Qwen3-VL: our decoder with transformers' vision tower of each
+(model.py)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,18 @@ from shardforge.models.spec import ModelSpec, register
 for _type, _arch in (
     ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
     ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
 ):
+    _qwen3 = _type == "qwen3_vl"
     register(
         ModelSpec(
             name=_type,
             model_type=_type,
             architecture=_arch,
             model_cls=Qwen2VLDecoder,
-            config_from_hf=hf_adapter.config_from_hf,
+            config_from_hf=hf_adapter.qwen3_config_from_hf if _qwen3 else hf_adapter.config_from_hf,
             hf_config_from=partial(hf_adapter.hf_config_from, model_type=_type, architecture=_arch),
-            key_to_hf=hf_adapter.key_to_hf,
+            key_to_hf=hf_adapter.runtime_key_to_hf if _qwen3 else hf_adapter.key_to_hf,
             key_from_hf=hf_adapter.key_from_hf,
             costs=partial(vision_language_costs, Qwen2VLDecoder),
             tp_plan=partial(vision_language_plan, towers=("visual",)),
