@@ -197,3 +197,52 @@ def test_text_rows_run_the_trained_tower_on_a_blank_image_counted_zero_times(fol
     model.zero_grad()
     model(ids).sum().backward()  # a frozen tower is not run at all
     assert all(p.grad is None for p in tower)
+
+
+def test_m_rope_positions_of_packed_rows_equal_transformers_document_by_document(tmp_path):
+    """rope_index (tensor ops, no loop over tokens) on random batches of packed rows: documents of text
+    runs and images of random grids (some at a document's start), padding after: each
+    document's positions equal transformers' get_rope_index of that document alone, and padding's are 0.
+    (transformers reads a run of image tokens as one image: in prompts a vision-end token follows each.)"""
+    import random
+
+    from shardforge.models.qwen2_vl.rope import rope_index
+
+    folder = tiny_qwen2_vl(tmp_path)
+    reference = reference_model(folder)
+    pad = reference.config.image_token_id
+    rng = random.Random(0)
+    for _ in range(40):
+        rows, grids = [], []
+        for _ in range(rng.randint(1, 3)):
+            documents = []
+            for _ in range(rng.randint(1, 3)):
+                ids, own = [], []
+                for _ in range(rng.randint(1, 4)):
+                    if rng.random() < 0.5:
+                        ids += [rng.randint(3, 50) for _ in range(rng.randint(1, 5))]
+                        continue
+                    for _ in range(rng.randint(1, 2)):  # one image, or two with one token between
+                        grid = [1, 2 * rng.randint(1, 3), 2 * rng.randint(1, 3)]
+                        ids += [pad] * (grid[1] * grid[2] // 4) + [2]  # as <|vision_end|> follows
+                        own.append(grid)
+                documents.append((ids, own))
+                grids += own
+            rows.append(documents)
+        width = max(sum(len(ids) for ids, _ in row) for row in rows) + 2
+        tokens = torch.full((len(rows), width), 1)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        expected = torch.zeros(3, len(rows), width, dtype=torch.long)
+        for r, row in enumerate(rows):
+            col = 0
+            for ids, own in row:
+                doc = torch.tensor([ids])
+                tokens[r, col : col + len(ids)] = doc[0]
+                positions[r, col : col + len(ids)] = torch.arange(len(ids))
+                alone, _ = reference.model.get_rope_index(
+                    doc, (doc == pad).int(), image_grid_thw=torch.tensor(own).view(-1, 3)
+                )
+                expected[:, r, col : col + len(ids)] = alone[:, 0]
+                col += len(ids)
+        got = rope_index(tokens, pad, torch.tensor(grids).view(-1, 3), 2, positions)
+        assert torch.equal(got, expected)

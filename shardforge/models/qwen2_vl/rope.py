@@ -21,44 +21,44 @@ def rope_index(
     """[3, b, s] positions of rows whose images' tokens are runs of `image_token`, the images' (t, h, w)
     patch `grids` [images, 3] in order, `merge` x `merge` patches per token. `positions` [b, s]: the rows'
     1-D positions as collate lays them out (packed documents and padding restart at 0), each document
-    numbered on its own; None: one sequence per row."""
+    numbered on its own; None: one sequence per row. Tensor ops throughout (no loop over tokens), on the
+    tokens' device: a text token advances the position by one, an image by its larger merged side."""
     b, s = tokens.shape
-    out = torch.zeros(3, b, s, dtype=torch.long)
-    grid = iter(grids.tolist())
-    is_image = (tokens == image_token).cpu()
-    starts = torch.zeros(b, s, dtype=torch.bool) if positions is None else (positions == 0).cpu()
-    for r in range(b):
-        col, pos = 0, 0
-        while col < s:
-            if not is_image[r, col]:  # a run of text (to a document's start): positions go on one by one
-                if starts[r, col]:
-                    pos = 0
-                end = col + 1
-                while end < s and not is_image[r, end] and not starts[r, end]:
-                    end += 1
-                out[:, r, col:end] = torch.arange(pos, pos + end - col)
-                pos += end - col
-                col = end
-                continue
-            if starts[r, col]:
-                pos = 0
-            t, h, w = next(grid, (0, 0, 0))
-            gh, gw = h // merge, w // merge
-            n = t * gh * gw
-            if n == 0 or col + n > s or not bool(is_image[r, col : col + n].all()):
-                raise ModelError(
-                    f"row {r}: the image tokens at column {col} do not match the images' patch grids "
-                    f"({grids.tolist()}); each image needs t*h*w/{merge * merge} tokens in a row"
-                )
-            grid_t = torch.arange(t).repeat_interleave(gh * gw)
-            grid_h = torch.arange(gh).repeat_interleave(gw).repeat(t)
-            grid_w = torch.arange(gw).repeat(t * gh)
-            out[:, r, col : col + n] = torch.stack([grid_t, grid_h, grid_w]) + pos
-            pos += max(gh, gw)
-            col += n
-    if next(grid, None) is not None:
-        raise ModelError(f"more images ({len(grids)}) than runs of image tokens in the batch")
-    return out.to(tokens.device)
+    device = tokens.device
+    is_image = (tokens == image_token).flatten()
+    grids = grids.to(device).long()
+    t, gh, gw = grids[:, 0], grids[:, 1] // merge, grids[:, 2] // merge
+    sizes = t * gh * gw  # each image's tokens
+    where = is_image.nonzero().squeeze(1)  # the image tokens' flat indices, row-major
+    if len(where) != int(sizes.sum()) or bool((sizes == 0).any()):
+        raise ModelError(
+            f"the batch's {len(where)} image tokens do not match the images' patch grids ({grids.tolist()}): "
+            f"each image needs t*h*w/{merge * merge} tokens in a row"
+        )
+    image = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)  # each token's image
+    first = torch.cumsum(sizes, 0) - sizes
+    k = torch.arange(len(where), device=device) - first[image]  # its place in its image
+    start = where[first][image]  # the flat index of its image's first token
+    if bool((where != start + k).any()) or bool(((start % s) + sizes[image] > s).any()):
+        raise ModelError(
+            f"the image tokens do not match the images' patch grids ({grids.tolist()}): each image's "
+            f"t*h*w/{merge * merge} tokens must be one run within a row"
+        )
+    # how far each token moves the position on: text 1, an image its larger merged side (at its last token)
+    step = torch.ones(b * s, dtype=torch.long, device=device)
+    step[where] = 0
+    last = where[first + sizes - 1]
+    step[last] = torch.maximum(gh, gw)
+    starts = torch.zeros(b, s, dtype=torch.bool, device=device) if positions is None else positions == 0
+    starts = starts.clone()
+    starts[:, 0] = True
+    before = (torch.cumsum(step, 0) - step).view(b, s)  # moved on by the tokens before, over the batch
+    document = torch.cumsum(starts.flatten().long(), 0) - 1  # each token's document
+    pos = before.flatten() - before.flatten()[starts.flatten().nonzero().squeeze(1)][document]
+    out = pos.expand(3, -1).clone()
+    offsets = torch.stack([k // (gh * gw)[image], (k // gw[image]) % gh[image], k % gw[image]])
+    out[:, where] = pos[start] + offsets
+    return out.view(3, b, s)
 
 
 def mrope_cos_sin(
