@@ -281,6 +281,11 @@ class VisionSection(Section):
     freeze_projector: bool = True
     freeze_language_model: bool = False
 
+    def tower_passes(self, finetuning: str) -> int:
+        """Forward passes' worth of work an image's patches cost in the tower per step: 1 frozen (nothing
+        before it needs a gradient), 2 with adapters in it (input gradients), 3 trained (and weights')."""
+        return 1 if self.freeze_tower else 2 if finetuning == "lora" else 3
+
 
 class MethodSection(Section):
     stage: StageName = "sft"

@@ -84,6 +84,11 @@ class CostModel:
     # (mode, dtype bytes, tp, sequence_parallel) -> bytes kept for backward; the family's formula.
     activations: Callable[[CheckpointMode, int, int, bool], ActivationBytes]
     patch_flops: float = 0.0  # forward, per image patch through a vision-language model's tower and projector
+    # what the tower keeps for backward per patch and activation byte, where it gets gradients (trained,
+    # or adapters in it): per layer 12 of its widths (norms, q/k/v and their rotated copies, attention out,
+    # MLP input) and 3 of its MLP's (the activation's input and output), and the projector's (checked
+    # against activation_report: tests/unit/test_vision_data.py)
+    patch_activations: float = 0.0
 
     def forward_flops(self, tokens: int, scored: int, attention_pairs: int) -> float:
         """Forward FLOPs of `tokens` positions of which `scored` reach the LM head, with `attention_pairs`

@@ -340,6 +340,15 @@ class Memory:
         }
 
 
+def tower_bytes_per_row(cfg: Config, shape: object, costs: CostModel, dtype_bytes: int) -> float:
+    """What a vision-language model's tower keeps for backward per row, where it gets gradients (trained,
+    or adapters in it): the planner's row holds one image of data.image_max_pixels (the data are not read
+    yet; more images per row scale it). A frozen tower keeps nothing."""
+    if cfg.method.vision.freeze_tower:
+        return 0.0
+    return shape.planned_patches(cfg.data.image_max_pixels) * costs.patch_activations * dtype_bytes
+
+
 class MemoryModel:
     """Memory of any layout for one model, method and batch shape."""
 
@@ -352,6 +361,7 @@ class MemoryModel:
         self.act_dtype_bytes = activation_itemsize(cfg)
         self.group = sequences_per_group(cfg)  # rows per micro-batch group
         self.critic = critic_memory(cfg)
+        self.row_tower = tower_bytes_per_row(cfg, shape, costs, self.act_dtype_bytes)
 
     def activations(
         self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, scored: float = 1.0
@@ -365,7 +375,8 @@ class MemoryModel:
             rows = layout.micro_batch * self.group
             tokens = rows * seq // layout.cp
             masks = self._mask(layout, rows, self.shape.num_layers)
-            return per.total(tokens, tokens * scored) + self._cp_extra(layout, rows) + masks
+            tower = rows * self.row_tower
+            return per.total(tokens, tokens * scored) + self._cp_extra(layout, rows) + masks + tower
         m = layout.pipeline_microbatches
         rows = layout.micro_batch * self.group / m
         tokens = rows * seq / layout.cp
@@ -375,6 +386,7 @@ class MemoryModel:
             for s in _stages_of(layout, stages, r):
                 stage = per.stage(stages[s], s == len(stages) - 1)
                 held = stage.total(tokens, tokens * scored) + self._mask(layout, rows, len(stages[s]))
+                held += rows * self.row_tower if s == 0 else 0.0  # the tower runs on the first stage
                 total += held * in_flight(layout, r, m)
             worst = max(worst, total)
         return worst

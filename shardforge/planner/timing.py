@@ -95,6 +95,13 @@ class TimeModel:
         # an adapter's output is added to its base's: per token and layer
         self.adapter_bytes = sum(adapted) * self.act
 
+    def tower_flops(self, batch: int) -> float:
+        """A vision-language model's tower and projector over `batch` rows of one image each at
+        data.image_max_pixels (the data are not read yet), forward and backward as the method trains it."""
+        vision, method = self.cfg.method.vision, self.cfg.method
+        patches = batch * self.shape.planned_patches(self.cfg.data.image_max_pixels)
+        return patches * self.costs.patch_flops * vision.tower_passes(method.finetuning)
+
     def _adapter_widths(self) -> list[int]:
         """Output features of each linear of a layer that carries a LoRA adapter."""
         if self.cfg.method.finetuning != "lora":
@@ -123,6 +130,8 @@ class TimeModel:
         flops = (
             c.train_flops(tokens, tokens, pairs, self.trained) + recompute[layout.activation_checkpoint]
         ) / split
+        # the tower: whole on every tensor-parallel rank, on the first pipeline stage (its critical path)
+        flops += self.tower_flops(batch) / layout.dp
         if layout.tp > s.num_kv_heads:  # replicated kv heads: each tp rank projects all of them
             runs = 4 if layout.activation_checkpoint == "full" else 3  # forward (again), two in backward
             kv_total = runs * 2 * tokens * s.hidden_size * 2 * s.num_kv_heads * s.head_dim * s.num_layers
@@ -160,7 +169,7 @@ class TimeModel:
             parts["optimizer"] = 7 * states.grads / (d.memory_gbps * 1e9)
         else:
             parts["offload"] = self._offload(layout, states)
-        model_flops = c.train_flops(tokens, tokens, pairs, self.trained)
+        model_flops = c.train_flops(tokens, tokens, pairs, self.trained) + self.tower_flops(batch)
         return StepTime(parts, tokens, model_flops, layout.world, d.peak.get(self.dtype, d.peak["fp32"]))
 
     def _offload(self, layout: Layout, states: StateBytes) -> float:

@@ -40,7 +40,7 @@ def metrics_for(run: Run, start_step: int) -> MetricsProcessor:
     plot = run.run_dir / "loss.png" if log.plot else None
     world = run.dims.world_size
     method = run.config.method  # frozen weights need no weight gradients; a frozen tower no backward at all
-    tower = 1 if method.vision.freeze_tower else 2 if method.finetuning == "lora" else 3
+    tower = method.vision.tower_passes(method.finetuning)
     flops = partial(run.costs.train_flops, trained=run.trained, tower_passes=tower)
     return MetricsProcessor(run.objective, flops, run.peak, world, run.device, writer, plot, static)
 

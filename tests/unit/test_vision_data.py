@@ -478,6 +478,79 @@ def test_the_cost_model_counts_the_tower(
     assert costs.patch_flops * patches == pytest.approx(counter.get_total_flops(), rel=rel)
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "llava_next"])
+def test_the_tower_s_activations_per_patch_are_what_it_keeps(
+    model_dir, qwen2_5_vl_dir, qwen3_vl_dir, llava_dir, llava_next_dir, family
+):
+    """The cost model's bytes a training tower keeps per patch (its layers' and the projector's widths)
+    against activation_report of the tower's forward on an image: within 25% for every family (the tiny
+    towers' 32 widths make the per-patch scalars and Qwen2.5-VL's window bookkeeping count for more than
+    in real ones)."""
+    from shardforge.models import load_model
+    from shardforge.models.spec import costs_for
+    from shardforge.parallel.activations import activation_report
+    from tests.unit.test_vision_language import encode
+
+    folder = {"qwen2_vl": model_dir, "qwen2_5_vl": qwen2_5_vl_dir, "qwen3_vl": qwen3_vl_dir,
+              "llava": llava_dir, "llava_next": llava_next_dir}[family]  # fmt: skip
+    model = load_model(folder).train()
+    _, images, _ = encode(folder, ((112, 168),))
+    report = activation_report(model, lambda: model.image_embeddings(images, torch.float32))
+    grids = images.grid_thw
+    side = int(model.config.vision["image_size"]) // 14 if family.startswith("llava") else 0
+    patches = {  # what the tower runs: patches, and CLIP's class token per image or tile
+        "llava": side * side + 1, "llava_next": int(grids[:, 0].sum()) * (side * side + 1),
+    }.get(family, int(grids.prod(-1).sum()))  # fmt: skip
+    planned = costs_for(model.config).patch_activations * 4 * patches
+    assert report.total_bytes == pytest.approx(planned, rel=0.25)
+
+
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_the_planner_counts_a_training_tower_s_activations_and_time(tmp_path, model_dir, finetuning):
+    """A tower that gets gradients (trained, or adapters in it) keeps activations for one image of
+    data.image_max_pixels per row, on the first pipeline stage, and its FLOPs (two or three passes) join
+    the step's, whole on every tensor-parallel rank; a frozen tower keeps none and runs once."""
+    from dataclasses import replace
+
+    from shardforge.config import load_config
+    from shardforge.models.build import check_model_source
+    from shardforge.models.spec import spec_for
+    from shardforge.planner.layout import Layout
+    from shardforge.planner.memory import MemoryModel
+    from shardforge.planner.timing import TimeModel
+    from tests.unit.large_models import h100s
+
+    base = _config(tmp_path, model_dir, [{"path": "unread.json"}]).model_dump(mode="json")
+    base["method"] = {"finetuning": finetuning}
+    shape = check_model_source(load_config(None, base=base).model)
+    costs = spec_for(shape.family).costs(shape)
+    layout = Layout(1, 1, 2, 1, 1, 1, 0, False, "none", "none", 2, 1)
+    pixels = base["data"]["image_max_pixels"]
+    patches = shape.planned_patches(pixels)
+    assert patches == (int(pixels**0.5) // 28 * 2) ** 2  # a square image, whole 28-pixel tokens
+    figures = {}
+    for frozen in (True, False):
+        cfg = load_config(
+            None, base={**base, "method": {**base["method"], "vision": {"freeze_tower": frozen}}}
+        )
+        memory, timing = MemoryModel(cfg, shape, costs), TimeModel(cfg, shape, costs, h100s(2), 1.0)
+        pp = replace(layout, tp=1, pp=2, pp_microbatches=2)  # 1F1B: the first stage holds 2 chunks of 1 row
+        kept = (memory.activations(layout, None), memory.activations(pp, ((0,), (1,))))
+        figures[frozen] = (
+            kept,
+            timing.tower_flops(2),
+            timing.estimate(layout, memory.states(layout, None)[0], 2),
+        )
+    (kept_frozen, flops_frozen, step_frozen), (kept, flops, step) = figures[True], figures[False]
+    per_row = patches * costs.patch_activations * 4
+    assert kept[0] - kept_frozen[0] == pytest.approx(2 * per_row)
+    assert kept[1] - kept_frozen[1] == pytest.approx(2 * per_row)  # on the first stage only
+    assert flops_frozen == 2 * patches * costs.patch_flops
+    assert flops == flops_frozen * (2 if finetuning == "lora" else 3)
+    assert step.model_flops - step_frozen.model_flops == pytest.approx(flops - flops_frozen)
+    assert step.parts["compute"] > step_frozen.parts["compute"]
+
+
 IMAGE_VALUES = st.sampled_from(["pic.png", "missing.png", "data:image/png;base64,AAAA", "data:text/x;base64,",
                                 "https://x/a.png", "", "/etc/passwd", "<image>"])  # fmt: skip
 JSON = st.recursive(

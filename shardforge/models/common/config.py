@@ -63,6 +63,11 @@ class DecoderConfig:
 
     takes_images: ClassVar[bool] = False  # a vision-language family's (images in its forward and data)
 
+    def planned_patches(self, max_pixels: int) -> int:
+        """The tower's patches of one image of `max_pixels` (the planner's image per row); 0: a text
+        model."""
+        return 0
+
     @property
     def deepstack_layers(self) -> int:
         """Decoder layers after whose outputs the family adds image features (Qwen3-VL's deepstack): they

@@ -38,6 +38,17 @@ class LlavaConfig(DecoderConfig):
         side = int(self.vision["image_size"]) // int(self.vision["patch_size"])
         return side * side + (self.select == "full")
 
+    @property
+    def tower_dims(self) -> tuple[int, int, int]:
+        """The tower's (layers that run up to the feature layer, width, MLP width)."""
+        v = self.vision
+        used = self.feature_layer % (int(v["num_hidden_layers"]) + 1)
+        return used, int(v["hidden_size"]), int(v["intermediate_size"])
+
+    def planned_patches(self, max_pixels: int) -> int:
+        """Every image is resized to the tower's: its patches (and class token) whatever its size."""
+        return self.tokens_per_image + (self.select == "default")
+
     def part_of(self, name: str) -> str:
         """As the decoder's; the tower's layers after the feature layer, and its final norm and pooling head,
         never reach the features: "unused" (they never train)."""

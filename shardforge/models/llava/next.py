@@ -80,6 +80,11 @@ class LlavaNextConfig(LlavaConfig):
     def grid(self) -> AnyResGrid:
         return AnyResGrid(self.grid_pinpoints, int(self.vision["image_size"]), int(self.vision["patch_size"]))
 
+    def planned_patches(self, max_pixels: int) -> int:
+        """A square image of `max_pixels`: its tiles' patches and class tokens."""
+        side = int(max_pixels**0.5)
+        return self.grid.tiles(side, side) * (self.grid.tile_patches + 1)
+
     def part_of(self, name: str) -> str:
         """As LLaVA's; the newline embedding trains with the language model (LLaMA-Factory's switches leave
         it out of the tower and the projector)."""

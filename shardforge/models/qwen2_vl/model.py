@@ -47,6 +47,20 @@ class VisionLanguageConfig(DecoderConfig):
         return self.deepstack
 
     @property
+    def tower_dims(self) -> tuple[int, int, int]:
+        """The tower's (layers, width, MLP width): Qwen2-VL's embed_dim and mlp_ratio, or the sizes."""
+        v = self.vision
+        width = int(v.get("embed_dim") or v["hidden_size"])
+        inner = int(v.get("intermediate_size") or width * float(v.get("mlp_ratio", 4)))
+        return int(v["depth"]), width, inner
+
+    def planned_patches(self, max_pixels: int) -> int:
+        """A square image of `max_pixels`, cut to whole merged tokens (the processor's resize)."""
+        side = int(self.vision["patch_size"]) * self.merge
+        tokens = max(1, int(max_pixels**0.5) // side)
+        return (tokens * self.merge) ** 2
+
+    @property
     def merge(self) -> int:
         """Patches per image token along each side (the patch merger's)."""
         return int(self.vision.get("spatial_merge_size", 2))
