@@ -98,10 +98,10 @@ def vision_language_costs(model_cls: type[VisionLanguageDecoder], cfg: Any) -> C
             params[cfg.part_of(f"{attr}.{name}")] += p.numel()
     tower, projector = params["tower"] + params["unused"], params["projector"]
     layers, hidden, inner = cfg.tower_dims
-    projector = 3 * hidden + 2 * cfg.hidden_size / (cfg.merge * cfg.merge)
+    kept = layers * (12 * hidden + 3 * inner) + 3 * hidden + 2 * cfg.hidden_size / (cfg.merge * cfg.merge)
     return replace(
         base,
-        patch_activations=layers * (12 * hidden + 3 * inner) + projector,
+        patch_activations=kept,
         params=replace(base.params, vision=tower + projector + params["language"]),
         patch_flops=2.0 * tower + 2.0 * projector / (cfg.merge * cfg.merge),
     )
