@@ -52,6 +52,7 @@ def freeze_parts(model: CausalModel, method: MethodSection) -> None:
     frozen = {"tower": vision.freeze_tower, "projector": vision.freeze_projector}
     frozen["language"] = vision.freeze_language_model
     frozen["unused"] = True  # what no output depends on (LLaVA's tower layers after its feature layer)
+    frozen["newline"] = False  # LLaVA-NeXT's image_newline: as the method left it (no switch names it)
     parts = {model.config.part_of(model.canonical_name(n)) for n, _ in model.named_parameters()}
     if parts == {"language"}:
         return
@@ -66,7 +67,7 @@ def freeze_parts(model: CausalModel, method: MethodSection) -> None:
         part = model.config.part_of(model.canonical_name(name))
         if frozen[part]:
             param.requires_grad_(False)
-        elif part != "language" and not lora:
+        elif part in ("tower", "projector") and not lora:
             param.requires_grad_(True)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError(

@@ -47,6 +47,11 @@ _CODE = (
     "data/store.py",
     "data/media.py",
     "data/images.py",
+    # what an image's mark becomes (its tokens, counted by the family): written into every cached sequence
+    "models/common/images.py",
+    "models/qwen2_vl/model.py",
+    "models/llava/model.py",
+    "models/llava/next.py",
 )
 
 Splits = dict[str, tuple[ExampleStore, EncodeStats] | None]

@@ -36,7 +36,7 @@ def open_image(ref: str, src: str) -> Any:
         else:
             image = Image.open(ref)
         image.load()
-    except (OSError, UnidentifiedImageError, binascii.Error, ValueError) as exc:
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError, binascii.Error, ValueError) as exc:
         shown = f"{ref[:40]}..." if ref.startswith("data:") else ref
         raise DataError(f"{src}: cannot read image {shown} ({exc})") from None
     return image
@@ -48,7 +48,7 @@ def regularize(image: Any, max_pixels: int, min_pixels: int, prompt: ImagePrompt
     for limit, too in ((max_pixels, lambda a: a > max_pixels), (min_pixels, lambda a: a < min_pixels)):
         if too(image.width * image.height):
             factor = math.sqrt(limit / (image.width * image.height))
-            image = image.resize((int(image.width * factor), int(image.height * factor)))
+            image = image.resize((max(1, int(image.width * factor)), max(1, int(image.height * factor))))
     if image.mode != "RGB":
         image = image.convert("RGB")
     side = prompt.min_side

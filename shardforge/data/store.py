@@ -14,10 +14,16 @@ from pathlib import Path
 import numpy as np
 
 from shardforge.data.examples import Example, ImageArrays
+from shardforge.errors import DataError
 
 ARRAYS = ("tokens", "flags", "offsets", "num_targets", "tags")
-# only where sequences have images (`patches`: caches written before it counted grids instead)
-IMAGE_ARRAYS = ("pixels", "pixel_offsets", "grids", "grid_offsets", "patches")
+IMAGE_ARRAYS = (
+    "pixels",
+    "pixel_offsets",
+    "grids",
+    "grid_offsets",
+    "patches",
+)  # only where sequences have images
 
 
 class ExampleStore(Sequence[Example]):
@@ -107,6 +113,11 @@ class ExampleStore(Sequence[Example]):
             for name in ARRAYS + IMAGE_ARRAYS
             if name in ARRAYS[:4] or (folder / f"{name}.npy").is_file()
         }
+        if "grids" in arrays and "patches" not in arrays:
+            raise DataError(
+                f"{folder}: a dataset cache with images but no patches.npy (an older shardforge's): delete "
+                f"the folder, and the next run rebuilds it"
+            )
         return cls(**arrays)
 
     def save(self, folder: Path) -> list[Path]:
@@ -123,15 +134,10 @@ class ExampleStore(Sequence[Example]):
 
     @property
     def patches(self) -> np.ndarray:
-        """Each sequence's tower patches (ImagePrompt.patches of its images; in a cache written before
-        they were kept, t x h x w of each of its images' grids): the tower's work."""
-        if not self.has_images:
+        """Each sequence's tower patches (ImagePrompt.patches of its images): the tower's work."""
+        if not self.has_images or self._patches is None:
             return np.zeros(len(self), dtype=np.int64)
-        if self._patches is not None:
-            return np.asarray(self._patches)
-        per_image = np.prod(np.asarray(self.grids), axis=1)
-        total = np.concatenate([[0], np.cumsum(per_image)])
-        return total[np.asarray(self.grid_offsets[1:])] - total[np.asarray(self.grid_offsets[:-1])]
+        return np.asarray(self._patches)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

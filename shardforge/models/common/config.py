@@ -76,8 +76,9 @@ class DecoderConfig:
 
     def part_of(self, name: str) -> str:
         """Which part of the model a parameter (our name) is in: "tower" (a vision encoder), "projector"
-        (what maps its features into the decoder), "language" (the decoder), or "unused" (held, as the
-        checkpoint has it, but no output depends on it: never trained)."""
+        (what maps its features into the decoder), "language" (the decoder), "newline" (LLaVA-NeXT's
+        image_newline, which no method.vision switch freezes), or "unused" (held, as the checkpoint has it,
+        but no output depends on it: never trained)."""
         return "language"
 
     def image_prompt(self, tokenizer: Any) -> ImagePrompt | None:

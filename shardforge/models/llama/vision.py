@@ -92,7 +92,7 @@ def vision_language_costs(model_cls: type[VisionLanguageDecoder], cfg: Any) -> C
     base = costs(cfg)
     with torch.device("meta"):
         modules = model_cls.vision_modules(cfg)
-    params = {"tower": 0, "projector": 0, "unused": 0, "language": 0}  # language: LLaVA-NeXT's newline
+    params = {"tower": 0, "projector": 0, "unused": 0, "newline": 0}  # newline: LLaVA-NeXT's
     for attr, module in modules.items():
         for name, p in module.named_parameters():
             params[cfg.part_of(f"{attr}.{name}")] += p.numel()
@@ -102,6 +102,6 @@ def vision_language_costs(model_cls: type[VisionLanguageDecoder], cfg: Any) -> C
     return replace(
         base,
         patch_activations=kept,
-        params=replace(base.params, vision=tower + projector + params["language"]),
+        params=replace(base.params, vision=tower + projector + params["newline"]),
         patch_flops=2.0 * tower + 2.0 * projector / (cfg.merge * cfg.merge),
     )

@@ -86,9 +86,9 @@ class LlavaNextConfig(LlavaConfig):
         return self.grid.tiles(side, side) * (self.grid.tile_patches + 1)
 
     def part_of(self, name: str) -> str:
-        """As LLaVA's; the newline embedding trains with the language model (LLaMA-Factory's switches leave
-        it out of the tower and the projector)."""
-        return "language" if name == NEWLINE else super().part_of(name)
+        """As LLaVA's; the newline embedding is a part of its own, which no method.vision switch freezes
+        (LLaMA-Factory's name none of it: full tuning trains it whatever they say)."""
+        return "newline" if name == NEWLINE else super().part_of(name)
 
     def image_prompt(self, tokenizer: Any) -> ImagePrompt:
         base = super().image_prompt(tokenizer)
