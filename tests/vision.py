@@ -84,6 +84,31 @@ def tiny_qwen3_vl(folder: Path, std: float = 0.3, tie: bool = False) -> Path:
     return _save_random(Qwen3VLForConditionalGeneration, cfg, std, folder, tokenizer, processor)
 
 
+def vision_data_config(tmp_path: Path, model_dir: Path, train: list[dict], **data):
+    """A small SFT config of `model_dir` on `train` (data entries), `data` overriding its data keys."""
+    from shardforge.config import load_config
+
+    return load_config(None, base={
+        "model": {"path": str(model_dir)},
+        "data": {"train": train, "max_length": 256, "packing": False, "cache_dir": str(tmp_path / "cache"),
+                 **data},
+        "train": {"steps": 2, "micro_batch": 2, "lr": 1e-3, "warmup": 0, "log_every": 1},
+        "log": {"tensorboard": False, "plot": False, "progress": False},
+        "output_dir": str(tmp_path / "run"),
+    })  # fmt: skip
+
+
+def vision_rows(config):
+    """The config's training rows, read and encoded as a run reads them (images in the dataset cache)."""
+    from shardforge.data.build import build_data
+    from shardforge.models.build import model_source
+    from shardforge.objectives import build_objective, reading_of
+
+    objective = build_objective(config.method)
+    train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
+    return train
+
+
 def random_image(height: int, width: int, seed: int = 0):
     from PIL import Image
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardforge.models.common.images import ImageInputs
-from tests.vision import mixed_image_dataset, tiny_llava, tiny_qwen2_vl
+from tests.vision import mixed_image_dataset, tiny_llava, tiny_qwen2_vl, vision_data_config, vision_rows
 
 
 @pytest.fixture(scope="module")
@@ -124,22 +124,10 @@ _mixed_dataset = mixed_image_dataset
 
 
 def _store(tmp_path: Path, folder: Path):
-    from shardforge.config import load_config
-    from shardforge.data.build import build_data
-    from shardforge.models.build import model_source
-    from shardforge.objectives import build_objective, reading_of
-
-    info = _mixed_dataset(tmp_path / "data")
-    config = load_config(None, base={
-        "model": {"path": str(folder)},
-        "data": {"train": [{"name": "mllm_demo", "dataset_info": str(info)}], "max_length": 256,
-                 "packing": False, "cache_dir": str(tmp_path / "cache")},
-        "train": {"steps": 2, "micro_batch": 2, "lr": 1e-3, "warmup": 0, "log_every": 1},
-        "log": {"tensorboard": False, "plot": False, "progress": False},
-        "output_dir": str(tmp_path / "run"),
-    })  # fmt: skip
-    objective = build_objective(config.method)
-    train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
+    info = mixed_image_dataset(tmp_path / "data")
+    train = vision_rows(
+        vision_data_config(tmp_path, folder, [{"name": "mllm_demo", "dataset_info": str(info)}])
+    )
     store = train.examples
     assert store.has_images and len(store) == 7
     assert [store.images(i) is None for i in range(7)] == [False] * 4 + [True] * 3

@@ -23,6 +23,8 @@ from tests.vision import (
     tiny_llava_next,
     tiny_qwen2_vl,
     tiny_qwen3_vl,
+    vision_data_config,
+    vision_rows,
 )
 
 
@@ -31,27 +33,7 @@ def model_dir(tmp_path_factory):
     return tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))
 
 
-def _config(tmp_path: Path, model_dir: Path, train: list[dict], **data):
-    from shardforge.config import load_config
-
-    return load_config(None, base={
-        "model": {"path": str(model_dir)},
-        "data": {"train": train, "max_length": 256, "packing": False, "cache_dir": str(tmp_path / "cache"),
-                 **data},
-        "train": {"steps": 2, "micro_batch": 2, "lr": 1e-3, "warmup": 0, "log_every": 1},
-        "log": {"tensorboard": False, "plot": False, "progress": False},
-        "output_dir": str(tmp_path / "run"),
-    })  # fmt: skip
-
-
-def _rows(config):
-    from shardforge.data.build import build_data
-    from shardforge.models.build import model_source
-    from shardforge.objectives import build_objective, reading_of
-
-    objective = build_objective(config.method)
-    train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
-    return train
+_config, _rows = vision_data_config, vision_rows
 
 
 def test_lf_multimodal_records_expand_each_image_to_its_tokens(tmp_path, model_dir):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardforge.models.common.images import ImageInputs
-from tests.vision import random_image, tiny_llava_next, tiny_qwen3_vl
+from tests.vision import random_image, tiny_llava_next, tiny_qwen3_vl, vision_data_config, vision_rows
 
 NEW = 6
 
@@ -163,26 +163,10 @@ def test_llava_next_batch_rows_of_different_tile_counts_equal_transformers_row_b
 
 
 def _config(tmp_path: Path, model_dir: Path, train: list[dict], **data):
-    from shardforge.config import load_config
-
-    return load_config(None, base={
-        "model": {"path": str(model_dir)},
-        "data": {"train": train, "max_length": 512, "packing": False, "cache_dir": str(tmp_path / "cache"),
-                 **data},
-        "train": {"steps": 2, "micro_batch": 2, "lr": 1e-3, "warmup": 0, "log_every": 1},
-        "log": {"tensorboard": False, "plot": False, "progress": False},
-        "output_dir": str(tmp_path / "run"),
-    })  # fmt: skip
+    return vision_data_config(tmp_path, model_dir, train, **{"max_length": 512, **data})
 
 
-def _rows(config):
-    from shardforge.data.build import build_data
-    from shardforge.models.build import model_source
-    from shardforge.objectives import build_objective, reading_of
-
-    objective = build_objective(config.method)
-    train, _ = build_data(config, model_source(config.model)[1], objective, reading_of(objective), True)
-    return train
+_rows = vision_rows
 
 
 def _records(folder: Path, sizes: list[list[tuple[int, int]]]) -> list[dict]:

@@ -41,29 +41,20 @@ def runtime_module(hf_module: str) -> str:
     return "model." + hf_module if hf_module.startswith(TOWER) else hf_module
 
 
-def config_from_hf(hf: PretrainedConfig) -> VisionLanguageConfig:
-    sections = (hf.text_config.rope_parameters or {}).get("mrope_section", [16, 24, 24])
+def config_from_hf(hf: PretrainedConfig, text: str = "qwen2") -> VisionLanguageConfig:
+    """`text` qwen3: Qwen3-VL's, a Qwen3 decoder (q/k norms), interleaved M-RoPE sections and the tower's
+    deepstack features."""
+    qwen3 = text == "qwen3"
+    default = [24, 20, 20] if qwen3 else [16, 24, 24]
+    sections = (hf.text_config.rope_parameters or {}).get("mrope_section", default)
     return VisionLanguageConfig(
-        **hf_adapter.decoder_fields(hf, "qwen2"),
+        **hf_adapter.decoder_fields(hf, text),
         image_token_id=hf.image_token_id,
         vision_start_token_id=hf.vision_start_token_id,
         vision_end_token_id=hf.vision_end_token_id,
         mrope_section=tuple(sections),
-        vision=hf.vision_config.to_dict(),
-    )
-
-
-def qwen3_config_from_hf(hf: PretrainedConfig) -> VisionLanguageConfig:
-    """Qwen3-VL's: a Qwen3 decoder (q/k norms), interleaved M-RoPE, and the tower's deepstack features."""
-    sections = (hf.text_config.rope_parameters or {}).get("mrope_section", [24, 20, 20])
-    return VisionLanguageConfig(
-        **hf_adapter.decoder_fields(hf, "qwen3"),
-        image_token_id=hf.image_token_id,
-        vision_start_token_id=hf.vision_start_token_id,
-        vision_end_token_id=hf.vision_end_token_id,
-        mrope_section=tuple(sections),
-        mrope_interleaved=True,
-        deepstack=len(hf.vision_config.deepstack_visual_indexes),
+        mrope_interleaved=qwen3,
+        deepstack=len(hf.vision_config.deepstack_visual_indexes) if qwen3 else 0,
         vision=hf.vision_config.to_dict(),
     )
 

@@ -23,7 +23,7 @@ for _type, _arch in (
             model_type=_type,
             architecture=_arch,
             model_cls=Qwen2VLDecoder,
-            config_from_hf=hf_adapter.qwen3_config_from_hf if _qwen3 else hf_adapter.config_from_hf,
+            config_from_hf=partial(hf_adapter.config_from_hf, text="qwen3" if _qwen3 else "qwen2"),
             hf_config_from=partial(hf_adapter.hf_config_from, model_type=_type, architecture=_arch),
             key_to_hf=hf_adapter.runtime_key_to_hf if _qwen3 else hf_adapter.key_to_hf,
             key_from_hf=hf_adapter.key_from_hf,
