@@ -246,3 +246,18 @@ def test_m_rope_positions_of_packed_rows_equal_transformers_document_by_document
                 col += len(ids)
         got = rope_index(tokens, pad, torch.tensor(grids).view(-1, 3), 2, positions)
         assert torch.equal(got, expected)
+
+
+def test_qwen3_vl_s_first_pipeline_stage_must_hold_its_deepstack_layers(tmp_path):
+    """The deepstack features are made where the tower runs (the first stage) and join the outputs of
+    decoder layers 0 and 1: a first stage without both is refused when the stages are cut, by name."""
+    from shardforge.errors import ModelError
+    from shardforge.models import load_model
+
+    model = load_model(tiny_qwen3_vl(tmp_path))
+    with pytest.raises(ModelError, match=r"layers 0-1: the first pipeline stage must hold them"):
+        model.part([0], first=True, last=False)
+    model.part([0, 1], first=True, last=False)
+    model.part([2], first=False, last=True)
+    with pytest.raises(ModelError, match=r"parallel\.pp_layers"):
+        model.prune([0], first=True, last=False)

@@ -336,11 +336,23 @@ class Decoder(StagedModel):
         images: ImageInputs | None = None,
     ) -> torch.Tensor:
         """The body: the embedding (where this part has it) and the blocks, up to the final norm."""
+        images = self.encode_images(images)
         h = self.embed(x, images)
         rotary = self.rotary_positions(x, position_ids, images)
         cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout, cache, rotary)
-        for layer in self.blocks():
-            h = layer(h, cos, sin, ctx)
+        for index, layer in self.indexed_blocks():
+            h = self.after_block(index, layer(h, cos, sin, ctx), x, images)
         if cache is not None:
             cache.advance(position_ids.shape[-1])
+        return h
+
+    def encode_images(self, images: ImageInputs | None) -> ImageInputs | None:
+        """The images with their embeddings, made once per forward (a vision-language family's)."""
+        return images
+
+    def after_block(
+        self, index: int, h: torch.Tensor, x: torch.Tensor, images: ImageInputs | None
+    ) -> torch.Tensor:
+        """The stream after block `index` (whole-model numbering), where a family adds to it (Qwen3-VL's
+        deepstack features)."""
         return h

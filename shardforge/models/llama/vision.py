@@ -58,6 +58,12 @@ class VisionLanguageDecoder(Decoder):
             setattr(view, name, getattr(self, name) if first else None)
         return view
 
+    def encode_images(self, images: ImageInputs | None) -> ImageInputs | None:
+        """The images' embeddings from the tower, where this part has it and the engine has not made them."""
+        if images is None or images.embeddings is not None or self.embed_tokens is None:
+            return images
+        return replace(images, embeddings=self.image_embeddings(images, self.embed_tokens.weight.dtype))
+
     def embed(self, x: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
         """The tokens' embeddings with the images' in place of their image tokens, whole, then the stream
         as the blocks take it (`stream_split`: tensor parallel's sequence shard)."""
@@ -72,9 +78,8 @@ class VisionLanguageDecoder(Decoder):
             return self.stream_split(h + 0.0 * blank.sum())
         if images is not None:
             slots = x == self.config.image_token_id if images.slots is None else images.slots
-            features = images.embeddings
-            features = self.image_embeddings(images, h.dtype) if features is None else features.to(h.dtype)
-            features = features[:, : h.shape[-1]]  # Qwen3-VL's rows carry its deepstack features after
+            # the rows' first hidden features (Qwen3-VL's carry its deepstack features after)
+            features = images.embeddings[:, : h.shape[-1]].to(h.dtype)
             if int(slots.sum()) != features.shape[0]:
                 raise ModelError(
                     f"the batch has {int(slots.sum())} image tokens but its {len(images.grid_thw)} image(s) "

@@ -5,14 +5,13 @@ inference engine already take: the tower is one more submodule beside its layers
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from shardforge.errors import ModelError
-from shardforge.models.common.attention import Cache, DocLayout
 from shardforge.models.common.config import DecoderConfig
 from shardforge.models.common.images import ImageInputs, ImagePrompt
 from shardforge.models.llama.vision import VisionLanguageDecoder
@@ -157,37 +156,31 @@ class Qwen2VLDecoder(VisionLanguageDecoder):
         cfg = self.config
         return mrope_cos_sin(positions, self.inv_freq, cfg.mrope_section, dtype, cfg.mrope_interleaved)
 
-    def hidden(
-        self,
-        x: torch.Tensor,
-        position_ids: torch.Tensor,
-        doc_ids: torch.Tensor | None = None,
-        doc_layout: DocLayout | None = None,
-        cache: Cache | None = None,
-        images: ImageInputs | None = None,
+    def after_block(
+        self, index: int, h: torch.Tensor, x: torch.Tensor, images: ImageInputs | None
     ) -> torch.Tensor:
-        """The decoder's body; with Qwen3-VL's deepstack, the tower's k feature maps of the image tokens
-        are added to the outputs of decoder layers 0..k-1 (which the first pipeline stage must hold)."""
-        if not self.config.deepstack or images is None or self.embed_tokens is None:
-            return super().hidden(x, position_ids, doc_ids, doc_layout, cache, images)
+        """Qwen3-VL's deepstack: the tower's feature map `index` of the image tokens added to the output
+        of decoder layer `index` (the first `deepstack` layers, which the first pipeline stage holds)."""
+        if index >= self.config.deepstack or images is None or images.embeddings is None:
+            return h
         hidden = self.config.hidden_size
-        if images.embeddings is None:  # encoded once, for the embedding and the deepstack alike
-            images = replace(images, embeddings=self.image_embeddings(images, self.embed_tokens.weight.dtype))
         slots = x == self.config.image_token_id if images.slots is None else images.slots
-        stacked = images.embeddings[:, hidden:].unflatten(-1, (self.config.deepstack, hidden))
-        held = dict(self.indexed_blocks())
-        if not set(range(self.config.deepstack)) <= held.keys():
+        stacked = images.embeddings[:, hidden * (index + 1) : hidden * (index + 2)]
+        return h.masked_scatter(slots[..., None], h[slots] + stacked.to(h.dtype))
+
+    def prune(self, layers: list[int], first: bool, last: bool) -> None:
+        self._check_deepstack(layers, first)
+        super().prune(layers, first, last)
+
+    def part(self, layers: list[int], first: bool, last: bool) -> VisionLanguageDecoder:
+        self._check_deepstack(layers, first)
+        return super().part(layers, first, last)
+
+    def _check_deepstack(self, layers: list[int], first: bool) -> None:
+        """The deepstack features live where the tower runs: on the first stage, with the layers they join."""
+        k = self.config.deepstack
+        if first and k and not set(range(k)) <= set(layers):
             raise ModelError(
-                f"{self.config.family} adds the tower's deepstack features after decoder layers 0-"
-                f"{self.config.deepstack - 1}: the first pipeline stage must hold them (parallel.pp_layers)"
+                f"{self.config.family} adds the tower's deepstack features after decoder layers 0-{k - 1}: "
+                f"the first pipeline stage must hold them (parallel.pp_layers), not only {sorted(layers)}"
             )
-        h = self.embed(x, images)
-        rotary = self.rotary_positions(x, position_ids, images)
-        cos, sin, ctx = self.layer_inputs(position_ids, h.dtype, doc_ids, doc_layout, cache, rotary)
-        for index, layer in held.items():
-            h = layer(h, cos, sin, ctx)
-            if index < self.config.deepstack:
-                h = h.masked_scatter(slots[..., None], h[slots] + stacked[:, index].to(h.dtype))
-        if cache is not None:
-            cache.advance(position_ids.shape[-1])
-        return h
