@@ -99,8 +99,11 @@ def processor_for(tokenizer_path: str, tokenizer, model_args) -> types.SimpleNam
     keys = ("image_max_pixels", "image_min_pixels", "image_do_pan_and_scan", "crop_to_patches",
             "video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video",
             "audio_sampling_rate")  # fmt: skip
+    # LF's Qwen3-VL plugin reads the video processor's merge size even for images only; transformers'
+    # video processors need torchvision, so a stand-in carries the image processor's
+    video = types.SimpleNamespace(merge_size=getattr(image_processor, "merge_size", 1))
     return types.SimpleNamespace(
-        image_processor=image_processor, tokenizer=tokenizer,
+        image_processor=image_processor, video_processor=video, tokenizer=tokenizer,
         **{k: getattr(model_args, k) for k in keys},
     )  # fmt: skip
 

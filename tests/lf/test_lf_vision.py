@@ -14,7 +14,7 @@ import pytest
 
 from tests.chat_templates import QWEN_TOOLS
 from tests.lf.reference_env import reference
-from tests.vision import lf_image_dataset, random_image, tiny_qwen2_vl
+from tests.vision import lf_image_dataset, random_image, tiny_qwen2_vl, tiny_qwen3_vl
 
 pytestmark = pytest.mark.slow
 # Qwen2-VL's own chat template, for string contents: Qwen 2.5's with "You are a helpful assistant." as the
@@ -48,21 +48,35 @@ CASES = {  # LF's arguments beyond the data set and template, and our data secti
 }
 
 
+# Qwen3-VL's instruct template without thinking and with no default system message, what LF's
+# qwen3_vl_nothink template renders
+QWEN3_VL = (
+    "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+FAMILIES = {  # our tiny model, its chat template, and LF's template of the family
+    "qwen2_vl": (tiny_qwen2_vl, QWEN2_VL, "qwen2_vl"),
+    "qwen3_vl": (tiny_qwen3_vl, QWEN3_VL, "qwen3_vl_nothink"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_lf_s_multimodal_data_encodes_as_lf_encodes_it(tmp_path, case):
+def test_lf_s_multimodal_data_encodes_as_lf_encodes_it(tmp_path, case, family):
     from shardforge.config import load_config
     from shardforge.data.build import build_data
     from shardforge.models.build import model_source
     from shardforge.objectives import build_objective, reading_of
 
     ref = reference()
-    model = tiny_qwen2_vl(tmp_path / "model")
-    (model / "chat_template.jinja").write_text(QWEN2_VL.strip() + "\n")
+    make, chat_template, lf_template = FAMILIES[family]
+    model = make(tmp_path / "model")
+    (model / "chat_template.jinja").write_text(chat_template.strip() + "\n")
     folder = tmp_path / "data"
     info = lf_image_dataset(folder, count=5)
     _odd_images(folder)
     lf_extra, our_extra = CASES[case]
-    lf_args = {"stage": "sft", "dataset": "mllm_demo", "dataset_dir": str(folder), "template": "qwen2_vl",
+    lf_args = {"stage": "sft", "dataset": "mllm_demo", "dataset_dir": str(folder), "template": lf_template,
                "cutoff_len": 1024, "processor": True, **lf_extra}  # fmt: skip
     theirs = ref.preprocess(lf_args, model, tmp_path)["train"]
     config = load_config(None, base={
