@@ -13,6 +13,7 @@ import sys
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,39 +29,33 @@ class Reference:
     python: Path
     src: Path  # the unpacked sdist: examples/, data/
 
-    def resolve(self, cases: dict[str, dict], keys: list[str], steps: int, work: Path) -> dict[str, dict]:
-        """Each case's mapping through LF's own parser (tests/lf/lf_reference.py)."""
-        request, answer = work / "cases.json", work / "answers.json"
-        request.write_text(json.dumps({"keys": keys, "steps": steps, "cases": cases}))
+    def _ask(
+        self, command: str, request: object, extra: list[str], work: Path, cwd: Path, timeout: int
+    ) -> Any:
+        """tests/lf/lf_reference.py `command` on `request` (written as JSON in `work`), run by LF's Python
+        in `cwd`; its JSON answer."""
+        asked, answer = work / f"lf_{command}.json", work / f"lf_{command}_answer.json"
+        asked.write_text(json.dumps(request))
         proc = subprocess.run(
-            [str(self.python), str(SCRIPT), "parse", str(request), str(answer)],
-            capture_output=True, text=True, timeout=600, cwd=work,
+            [str(self.python), str(SCRIPT), command, str(asked), *extra, str(answer)],
+            capture_output=True, text=True, timeout=timeout, cwd=cwd,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(answer.read_text())
 
+    def resolve(self, cases: dict[str, dict], keys: list[str], steps: int, work: Path) -> dict[str, dict]:
+        """Each case's mapping through LF's own parser (tests/lf/lf_reference.py)."""
+        return self._ask("parse", {"keys": keys, "steps": steps, "cases": cases}, [], work, work, 600)
+
     def preprocess(self, args: dict, tokenizer: Path, work: Path) -> dict:
         """LF's own encoding of the data set its arguments name (tests/lf/lf_reference.py preprocess)."""
-        request, answer = work / "lf_args.json", work / "lf_encoded.json"
-        request.write_text(json.dumps({"template": "chatml", **args}))
-        proc = subprocess.run(
-            [str(self.python), str(SCRIPT), "preprocess", str(request), str(tokenizer), str(answer)],
-            capture_output=True, text=True, timeout=900, cwd=self.src,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(answer.read_text())
+        request = {"template": "chatml", **args}
+        return self._ask("preprocess", request, [str(tokenizer)], work, self.src, 900)
 
     def lora_targets(self, cases: dict[str, dict], work: Path) -> dict[str, list[str]]:
         """The modules LF's LoRA adapts in vision-language models, per case ({"model": folder, "args":
         LF's arguments}; tests/lf/lf_reference.py lora_targets)."""
-        request, answer = work / "lf_lora.json", work / "lf_lora_targets.json"
-        request.write_text(json.dumps(cases))
-        proc = subprocess.run(
-            [str(self.python), str(SCRIPT), "lora_targets", str(request), str(answer)],
-            capture_output=True, text=True, timeout=600, cwd=work,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return json.loads(answer.read_text())
+        return self._ask("lora_targets", cases, [], work, work, 600)
 
 
 def _run(args: list[str], what: str) -> None:

@@ -120,9 +120,6 @@ def test_rows_round_trip_survives_batch_to_and_a_second_cut():
 # real batches: text rows beside image rows, packed, chunks of 2 rows out of 4
 
 
-_mixed_dataset = mixed_image_dataset
-
-
 def _store(tmp_path: Path, folder: Path):
     info = mixed_image_dataset(tmp_path / "data")
     train = vision_rows(

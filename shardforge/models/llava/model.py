@@ -75,10 +75,15 @@ class LlavaConfig(DecoderConfig):
         return ImagePrompt(self.image_token_id, token, fixed=self.tokens_per_image, patch=patch)
 
 
-def _hf_llava_config(cfg: LlavaConfig) -> Any:
-    from transformers import LlavaConfig as HFLlavaConfig
+def tower_and_projector(hf: Any, projector_cls: type[nn.Module]) -> dict[str, nn.Module]:
+    """transformers' vision tower of the checkpoint's config `hf` (SDPA attention) and its projector."""
+    from transformers import AutoModel
 
-    return HFLlavaConfig.from_dict(cfg.hf_config)
+    hf.vision_config._attn_implementation = "sdpa"
+    return {
+        "vision_tower": AutoModel.from_config(hf.vision_config),
+        "multi_modal_projector": projector_cls(hf),
+    }
 
 
 class LlavaDecoder(VisionLanguageDecoder):
@@ -88,15 +93,10 @@ class LlavaDecoder(VisionLanguageDecoder):
 
     @staticmethod
     def vision_modules(cfg: LlavaConfig) -> dict[str, nn.Module]:
-        from transformers import AutoModel
+        from transformers import LlavaConfig as HFLlavaConfig
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-        hf = _hf_llava_config(cfg)
-        hf.vision_config._attn_implementation = "sdpa"
-        return {
-            "vision_tower": AutoModel.from_config(hf.vision_config),
-            "multi_modal_projector": LlavaMultiModalProjector(hf),
-        }
+        return tower_and_projector(HFLlavaConfig.from_dict(cfg.hf_config), LlavaMultiModalProjector)
 
     def reset_buffers(self) -> None:
         super().reset_buffers()

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardforge.errors import ModelError
 from shardforge.models.common.images import ImageInputs, ImagePrompt
-from shardforge.models.llava.model import LlavaConfig, LlavaDecoder
+from shardforge.models.llava.model import LlavaConfig, LlavaDecoder, tower_and_projector
 
 NEWLINE = "anyres.image_newline"  # where we hold transformers' `image_newline`
 
@@ -133,17 +133,11 @@ class LlavaNextDecoder(LlavaDecoder):
 
     @staticmethod
     def vision_modules(cfg: LlavaNextConfig) -> dict[str, nn.Module]:
-        from transformers import AutoModel
         from transformers import LlavaNextConfig as HFLlavaNextConfig
         from transformers.models.llava_next.modeling_llava_next import LlavaNextMultiModalProjector
 
         hf = HFLlavaNextConfig.from_dict(cfg.hf_config)
-        hf.vision_config._attn_implementation = "sdpa"
-        return {
-            "vision_tower": AutoModel.from_config(hf.vision_config),
-            "multi_modal_projector": LlavaNextMultiModalProjector(hf),
-            "anyres": AnyRes(cfg),
-        }
+        return {**tower_and_projector(hf, LlavaNextMultiModalProjector), "anyres": AnyRes(cfg)}
 
     def blank_image(self) -> ImageInputs:
         """An image of one tile's size, in the tiles the grid cuts it into."""

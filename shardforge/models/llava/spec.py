@@ -12,40 +12,22 @@ from shardforge.models.llava.model import LlavaDecoder
 from shardforge.models.llava.next import LlavaNextDecoder
 from shardforge.models.spec import ModelSpec, register
 
-register(
-    ModelSpec(
-        name="llava",
-        model_type="llava",
-        architecture="LlavaForConditionalGeneration",
-        model_cls=LlavaDecoder,
-        config_from_hf=hf_adapter.config_from_hf,
-        hf_config_from=partial(
-            hf_adapter.hf_config_from, model_type="llava", architecture="LlavaForConditionalGeneration"
-        ),
-        key_to_hf=hf_adapter.key_to_hf,
-        key_from_hf=hf_adapter.key_from_hf,
-        costs=partial(vision_language_costs, LlavaDecoder),
-        tp_plan=partial(vision_language_plan, towers=("vision_tower", "multi_modal_projector")),
-        runtime_module=hf_adapter.runtime_module,
+for _type, _arch, _cls, _config in (
+    ("llava", "LlavaForConditionalGeneration", LlavaDecoder, hf_adapter.config_from_hf),
+    ("llava_next", "LlavaNextForConditionalGeneration", LlavaNextDecoder, hf_adapter.next_config_from_hf),
+):
+    register(
+        ModelSpec(
+            name=_type,
+            model_type=_type,
+            architecture=_arch,
+            model_cls=_cls,
+            config_from_hf=_config,
+            hf_config_from=partial(hf_adapter.hf_config_from, model_type=_type, architecture=_arch),
+            key_to_hf=hf_adapter.key_to_hf,
+            key_from_hf=hf_adapter.key_from_hf,
+            costs=partial(vision_language_costs, _cls),
+            tp_plan=partial(vision_language_plan, towers=_cls.TOWERS),
+            runtime_module=hf_adapter.runtime_module,
+        )
     )
-)
-
-register(
-    ModelSpec(
-        name="llava_next",
-        model_type="llava_next",
-        architecture="LlavaNextForConditionalGeneration",
-        model_cls=LlavaNextDecoder,
-        config_from_hf=hf_adapter.next_config_from_hf,
-        hf_config_from=partial(
-            hf_adapter.hf_config_from,
-            model_type="llava_next",
-            architecture="LlavaNextForConditionalGeneration",
-        ),
-        key_to_hf=hf_adapter.key_to_hf,
-        key_from_hf=hf_adapter.key_from_hf,
-        costs=partial(vision_language_costs, LlavaNextDecoder),
-        tp_plan=partial(vision_language_plan, towers=LlavaNextDecoder.TOWERS),
-        runtime_module=hf_adapter.runtime_module,
-    )
-)
