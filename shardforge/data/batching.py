@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shardforge.data.examples import Example
+from shardforge.data.examples import Example, ImageArrays
 from shardforge.data.store import ExampleStore
 from shardforge.models.common.attention import DocLayout, doc_layout
 from shardforge.models.common.images import ImageInputs
@@ -113,7 +113,11 @@ def _images(examples: Sequence[Example], rows: Sequence[Sequence[int]]) -> Image
     """The rows' documents' images, in row-major order (that of their tokens), or None."""
     if not isinstance(examples, ExampleStore) or not examples.has_images:
         return None
-    per_row = [[a for i in row if (a := examples.images(i)) is not None] for row in rows]
+    return row_images([[a for i in row if (a := examples.images(i)) is not None] for row in rows])
+
+
+def row_images(per_row: Sequence[Sequence[ImageArrays]]) -> ImageInputs | None:
+    """Each row's images (its documents', in order) as one batch's, with the rows' counts; None: none."""
     found = [a for row in per_row for a in row]
     if not found:
         return None

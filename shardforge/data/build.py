@@ -133,12 +133,21 @@ def record_encoder(cfg: Config, objective: Any, tokenizer: Any, data: DataSectio
     """The objective's encoder, taking images where the model is a vision-language one (its image
     processor from the model folder) and refusing them, by record, where it is not."""
     encoder = objective.encoder(tokenizer, data)
-    shape = check_model_source(cfg.model, weights=False)
-    prompt = shape.image_prompt(tokenizer)
+    return ImageEncoder(encoder, record_image_reader(cfg, tokenizer, data), model_name(cfg))
+
+
+def record_image_reader(cfg: Config, tokenizer: Any, data: DataSection) -> ImageReader | None:
+    """How the model reads a record's images (its image processor, data's pixel limits); None for a text
+    model."""
+    prompt = check_model_source(cfg.model, weights=False).image_prompt(tokenizer)
     if prompt is None:
-        return ImageEncoder(encoder, None, str(cfg.model.path or cfg.model.preset))
+        return None
     processor = image_processor(str(cfg.model.path))
-    return ImageEncoder(encoder, ImageReader(processor, prompt, data.image_max_pixels, data.image_min_pixels))
+    return ImageReader(processor, prompt, data.image_max_pixels, data.image_min_pixels)
+
+
+def model_name(cfg: Config) -> str:
+    return str(cfg.model.path or cfg.model.preset)
 
 
 def encoding_identity(tokenizer: Any, objective: Any, how: Reading, cfg: Config) -> dict:

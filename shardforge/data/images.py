@@ -121,36 +121,15 @@ class ImageEncoder:
     reader: ImageReader | None  # None: a text model
     text_model: str = ""  # the model, named where it takes no images
 
-    def expand(self, record: Record, grids: np.ndarray) -> Record:
-        """Each `<image>` mark (in message order, then the rejected reply) as its image's prompt text."""
-        assert self.reader is not None
-        fill = self.reader.filler(grids)
-        messages = tuple({**m, "content": fill(m["content"])} for m in record.messages or ())
-        rejected = fill(record.rejected) if record.rejected else record.rejected
-        return replace(record, messages=messages, rejected=rejected)
-
     def encode_one(self, record: Record) -> list[Sequence_]:
-        if not record.images:
+        expanded, arrays = with_images(record, self.reader, self.text_model)
+        if arrays is None:
             return _encode(self.inner, [record])[0]
-        if self.reader is None:
-            raise DataError(
-                f"{record.source}: the record has images but the model ({self.text_model}) is a text model; "
-                f"train a vision-language one (docs/vision.md) or drop the images"
-            )
-        pixels, grids = self.reader.process(record.images, record.source)
-        token, tokens = self.reader.prompt.token_id, self.reader.tokens(grids)
-        patches = sum(self.reader.prompt.patches(tuple(g)) for g in grids.tolist())
-        arrays = ImageArrays(pixels, grids, token, tokens, patches)
         out: list[Sequence_] = []
-        for ids, trained, *_ in _encode(self.inner, [self.expand(record, grids)])[0]:
+        for ids, trained, *_ in _encode(self.inner, [expanded])[0]:
             ids = np.asarray(ids, dtype=np.int64)
-            held = int((ids == token).sum())
-            if held != tokens:
-                raise DataError(
-                    f"{record.source}: a sequence of this record holds {held} of its images' {tokens} image "
-                    f"tokens; images go in the prompt (a reply of a pair or a KTO completion takes none)"
-                )
-            out.append((ids, np.asarray(trained, dtype=bool) & (ids != token), arrays))
+            check_image_tokens(ids, arrays, record.source)
+            out.append((ids, np.asarray(trained, dtype=bool) & (ids != arrays.token), arrays))
         return out
 
     def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
@@ -158,6 +137,36 @@ class ImageEncoder:
 
     def __call__(self, record: Record) -> list[Sequence_]:
         return self.encode_one(record)
+
+
+def with_images(record: Record, reader: ImageReader | None, model: str) -> tuple[Record, ImageArrays | None]:
+    """The record with each `<image>` mark (in message order, then the rejected reply's) written as its
+    image's prompt text, and its images as the model's processor makes them; a record without images as it
+    is (None). `reader` None: a text model (`model`), which a record with images is refused for."""
+    if not record.images:
+        return record, None
+    if reader is None:
+        raise DataError(
+            f"{record.source}: the record has images but the model ({model}) is a text model; "
+            f"train a vision-language one (docs/vision.md) or drop the images"
+        )
+    pixels, grids = reader.process(record.images, record.source)
+    patches = sum(reader.prompt.patches(tuple(g)) for g in grids.tolist())
+    arrays = ImageArrays(pixels, grids, reader.prompt.token_id, reader.tokens(grids), patches)
+    fill = reader.filler(grids)
+    messages = tuple({**m, "content": fill(m["content"])} for m in record.messages or ())
+    rejected = fill(record.rejected) if record.rejected else record.rejected
+    return replace(record, messages=messages, rejected=rejected), arrays
+
+
+def check_image_tokens(ids: np.ndarray, arrays: ImageArrays, source: str) -> None:
+    """A sequence must hold every image token of its record's images (none in a reply)."""
+    held = int((np.asarray(ids) == arrays.token).sum())
+    if held != arrays.tokens:
+        raise DataError(
+            f"{source}: a sequence of this record holds {held} of its images' {arrays.tokens} image "
+            f"tokens; images go in the prompt (a reply of a pair or a KTO completion takes none)"
+        )
 
 
 def _encode(encoder: Encoder, records: list[Record]) -> list[list[Sequence_]]:

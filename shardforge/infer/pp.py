@@ -27,6 +27,7 @@ from shardforge.infer.executor import (
 )
 from shardforge.infer.paged import PagedKV, PagedStep
 from shardforge.infer.sampling import GenerationDefaults, SamplingParams
+from shardforge.models.common.images import ImageInputs
 from shardforge.models.common.protocol import CausalModel
 
 
@@ -67,9 +68,10 @@ def generate_in_place(
     defaults: GenerationDefaults,
     prompts: list[list[int]],
     params: list[SamplingParams],
+    images: list[ImageInputs | None] | None = None,
 ) -> list[list[Completion]]:
-    """Completions of `prompts` from a training engine's model as it is laid out, on every rank of its
-    rollout group (the leader generates; the others run its steps)."""
+    """Completions of `prompts` (with `images`, each prompt's if any) from a training engine's model as it is
+    laid out, on every rank of its rollout group (the leader generates; the others run its steps)."""
     runner: ModelRunner = (
         StageRunner(model, paged_pool(model, config), engine)
         if engine.is_pipeline
@@ -83,7 +85,7 @@ def generate_in_place(
             raise RuntimeError("the rollout's leading rank failed (its error is in its log)")
         return done
     try:
-        done = Engine(model, None, config, defaults, executor).generate(prompts, params)
+        done = Engine(model, None, config, defaults, executor).generate(prompts, params, images=images)
     except BaseException:
         executor.close()
         executor.share(None)  # the followers stop waiting and fail too

@@ -31,6 +31,7 @@ from shardforge.data.build import BatchSplit, Collation, build_batch_source
 from shardforge.data.examples import Encoder
 from shardforge.data.formats import Reader, Reading
 from shardforge.data.loader import RowSet
+from shardforge.models.common.images import ImageInputs
 from shardforge.models.head import Head, TargetLogprobs
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import Engine
@@ -72,9 +73,11 @@ class Sampler(Protocol):
     """Completions sampled with the training weights in place (train/sampler.py): the inference layer sits
     above objectives/, so an objective that rolls out is handed one."""
 
-    def sample(self, prompts: list[list[int]], positions: list[int]) -> list[list[Any]]:
+    def sample(
+        self, prompts: list[list[int]], positions: list[int], images: list[ImageInputs | None]
+    ) -> list[list[Any]]:
         """`group_size` completions (token ids, log-probs, finish reason) of each prompt; a prompt's global
-        position seeds its completions."""
+        position seeds its completions; `images`: each prompt's, if any (a vision-language model's)."""
         ...
 
 

@@ -30,13 +30,24 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardforge.config.schema import DataSection, MoESection, RLSection
 from shardforge.data.batch_source import GlobalBatch
-from shardforge.data.batching import IGNORE, Batch, GlobalOrder, collate, collate_groups, split_global_batch
-from shardforge.data.examples import Example
-from shardforge.data.formats import Reading
+from shardforge.data.batching import (
+    IGNORE,
+    Batch,
+    GlobalOrder,
+    collate,
+    collate_groups,
+    row_images,
+    split_global_batch,
+)
+from shardforge.data.build import model_name, record_image_reader
+from shardforge.data.examples import Example, ImageArrays
+from shardforge.data.formats import Reading, Record
+from shardforge.data.images import ImageReader, check_image_tokens, with_images
 from shardforge.data.loader import read_dataset
 from shardforge.data.templates import render, resolve_template, tokenize
-from shardforge.errors import DataError
+from shardforge.errors import ConfigError, DataError
 from shardforge.log import get_logger
+from shardforge.models.common.images import ImageInputs
 from shardforge.models.moe import moe_layers
 from shardforge.objectives.base import Sampler, SourceContext
 from shardforge.objectives.rewards import Completions, Reward, build_rewards
@@ -50,25 +61,42 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class Prompt:
-    ids: list[int]
-    text: str
+    ids: list[int]  # each image's mark written as its image tokens
+    text: str  # as the reward functions see it: the marks as they were
     messages: list[dict[str, str]]
     answer: str | None
+    record: Record  # where its images are read from again, each rollout that takes it (none kept)
 
 
-def load_prompts(data: DataSection, tokenizer: Any, room: int, how: Reading) -> tuple[list[Prompt], int]:
+def load_prompts(
+    data: DataSection,
+    tokenizer: Any,
+    room: int,
+    how: Reading,
+    reader: ImageReader | None = None,
+    model: str = "a text model",
+) -> tuple[list[Prompt], int]:
     """The training prompts rendered with the chat template's generation prompt, and how many were left out
     because they leave fewer than max_new_tokens of data.max_length (`room` tokens is the most a prompt
-    may have)."""
+    may have). A prompt's images (a vision-language model's `reader`) are read here for their token counts,
+    and again, with only the step's prompts in memory, by each rollout that takes it."""
     template = resolve_template(tokenizer, data.template, data.enable_thinking)
     records = [r for spec in data.train for r in read_dataset(spec, how)]
-    texts = [render(tokenizer, template, list(r.messages or ()), True, r.tools) for r in records]
+    read = [with_images(r, reader, model) for r in records]
+    if any(arrays is not None for _, arrays in read):
+        log.info(f"prompt images read: {sum(len(r.images or ()) for r in records)}")
+    texts = [render(tokenizer, template, list(r.messages or ()), True, r.tools) for r, _ in read]
     prompts, too_long = [], 0
-    for record, text, (ids, _) in zip(records, texts, tokenize(tokenizer, texts), strict=True):
+    for record, (_, arrays), text, (ids, _) in zip(
+        records, read, texts, tokenize(tokenizer, texts), strict=True
+    ):
         if len(ids) > room:
             too_long += 1
             continue
-        prompts.append(Prompt(ids.tolist(), text, list(record.messages or ()), record.answer))
+        if arrays is not None:
+            check_image_tokens(ids, arrays, record.source)
+            text = render(tokenizer, template, list(record.messages or ()), True, record.tools)
+        prompts.append(Prompt(ids.tolist(), text, list(record.messages or ()), record.answer, record))
     if not prompts:
         raise DataError(
             f"none of the {len(records)} prompts fits in {room} tokens (data.max_length minus "
@@ -110,7 +138,10 @@ def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
     its rewards."""
     cfg = ctx.config
     room = cfg.data.max_length - cfg.method.rl.max_new_tokens
-    prompts, too_long = load_prompts(cfg.data, ctx.tokenizer, room, ctx.reading)
+    reader = record_image_reader(cfg, ctx.tokenizer, cfg.data)
+    prompts, too_long = load_prompts(cfg.data, ctx.tokenizer, room, ctx.reading, reader, model_name(cfg))
+    if any(p.record.images for p in prompts):
+        check_image_rollouts(objective, ctx.dims)
     if cfg.data.eval:
         log.warning(f"stage {cfg.method.stage} does not evaluate: data.eval is not read")
     log.info(
@@ -121,9 +152,25 @@ def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
     return RolloutSource(
         prompts=prompts, rl=cfg.method.rl, rewards=rewards, tokenizer=ctx.tokenizer, sampler=ctx.sampler,
         objective=objective, engine=ctx.engine, dims=ctx.dims, mesh=ctx.mesh, autocast=ctx.autocast,
-        seed=cfg.train.seed, split=ctx.split.astuple(), multiple=ctx.multiple,
+        seed=cfg.train.seed, split=ctx.split.astuple(), multiple=ctx.multiple, reader=reader,
         packing=rollout_packing(objective.traits.packed_groups, ctx.engine.model, ctx.dims, cfg.method.moe),
     )  # fmt: skip
+
+
+def check_image_rollouts(objective: Any, dims: ParallelDims) -> None:
+    """What rolls out prompts with images: the engine places them in one process or under tensor parallel
+    (a pipeline's stage runner does not yet), and a separate critic model would read the tokens alone."""
+    if dims.pp > 1:
+        raise ConfigError(
+            f"parallel.pp={dims.pp}: the prompts have images, which the rollout engine does not place over "
+            f"pipeline stages yet; use data or tensor parallel (parallel.dp_shard, parallel.tp)"
+        )
+    if objective.traits.critic:
+        raise ConfigError(
+            f"method.ppo.critic={objective.traits.critic!r}: a separate critic model reads the tokens "
+            f"alone, not the prompts' images; use critic: head (a value head on the policy) with image "
+            f"prompts"
+        )
 
 
 class RolloutSource:
@@ -149,6 +196,7 @@ class RolloutSource:
         split: tuple[int, int, int, int],
         multiple: int,
         packing: Packing,
+        reader: ImageReader | None,
     ) -> None:
         self.prompts, self.rl, self.rewards, self.tokenizer = prompts, rl, rewards, tokenizer
         self.sampler, self.objective, self.engine = sampler, objective, engine
@@ -159,7 +207,7 @@ class RolloutSource:
         self.order = GlobalOrder(len(prompts), seed)
         self.groups: float = len(prompts)  # groups in an epoch
         self.device = engine.device
-        self.packing = packing
+        self.packing, self.reader = packing, reader
         self.cached: GlobalBatch | None = None
         self.repeats = 0  # how many more times the cached rollout trains (epochs_per_rollout)
 
@@ -185,12 +233,15 @@ class RolloutSource:
         prompts = [self.prompts[int(order[k])] for k in positions]
         critic = self.engine.inner.critic  # PPO's separate critic never generates: left sharded
         skip = [critic] if critic is not None else []
+        images = self._images(prompts)
         with torch.no_grad(), kept_unsharded(self.engine.fsdp_roots(), skip) as sync_s:
             began = time.perf_counter()
-            completions = self.sampler.sample([p.ids for p in prompts], [start + k for k in positions])
+            completions = self.sampler.sample(
+                [p.ids for p in prompts], [start + k for k in positions], [_inputs(a) for a in images]
+            )
             rollout_s = time.perf_counter() - began + sync_s
             began = time.perf_counter()
-            rows, stats = self._score(prompts, completions)
+            rows, stats = self._score(prompts, completions, images)
             micro = self._micro_batches(rows, [len(part) for part in mine])
             rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
             scores = list(rewards.split([len(part) * self.rl.group_size for part in mine]))  # per micro-batch
@@ -205,10 +256,21 @@ class RolloutSource:
         self.cached, self.repeats = batch, self.rl.epochs_per_rollout - 1
         return batch
 
-    def _score(self, prompts: list[Prompt], completions: list[list[Any]]) -> tuple[list[dict], dict]:
-        """Each row's example (prompt + completion, the completion trained) and its reward, the weighted
-        sum of the reward functions' scores (each one's sum is logged)."""
+    def _images(self, prompts: list[Prompt]) -> list[ImageArrays | None]:
+        """The step's prompts' images, read again (a prompt taken twice, once)."""
+        read: dict[int, ImageArrays | None] = {}
+        for p in prompts:
+            if id(p) not in read:
+                read[id(p)] = with_images(p.record, self.reader, "")[1]
+        return [read[id(p)] for p in prompts]
+
+    def _score(
+        self, prompts: list[Prompt], completions: list[list[Any]], images: list[ImageArrays | None]
+    ) -> tuple[list[dict], dict]:
+        """Each row's example (prompt + completion, the completion trained), its prompt's images and its
+        reward, the weighted sum of the reward functions' scores (each one's sum is logged)."""
         flat = [(p, c) for p, group in zip(prompts, completions, strict=True) for c in group]
+        pictures = [a for a, group in zip(images, completions, strict=True) for _ in group]
         texts = [self.tokenizer.decode(c.tokens, skip_special_tokens=True) for _, c in flat]
         batch = Completions(
             [p.text for p, _ in flat], texts, [len(c.tokens) for _, c in flat], [p.answer for p, _ in flat],
@@ -224,7 +286,7 @@ class RolloutSource:
             rows.append({
                 "example": Example((*p.ids, *c.tokens), trained, f"rollout {i}"), "reward": float(total[i]),
                 "length": len(c.tokens), "truncated": c.finish_reason == "length",
-                "sampled": [logp for logp, _ in c.logprobs],
+                "sampled": [logp for logp, _ in c.logprobs], "images": pictures[i],
             })  # fmt: skip
         stats = {f"reward/{name}_sum": float(v.sum()) for name, v in parts.items()}
         # The sampled tokens' mean -log-prob: a Monte-Carlo estimate of the policy's entropy (temperature 1).
@@ -236,15 +298,22 @@ class RolloutSource:
         prompt computed once and its completions after it (`collate_groups`), or without the pipeline's
         masks (which cannot share a prefix) the group's sequences packed whole; else one sequence per row."""
         n, out, at = self.rl.group_size, [], 0
-        examples = [row["example"] for row in rows]
+        examples, pictures = [row["example"] for row in rows], [row["images"] for row in rows]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         for count in prompts_per_micro:
             groups = [list(range(at + g * n, at + (g + 1) * n)) for g in range(count)]
+            trunks = None
             if self.packing == "shared":
-                batch = collate_groups([self._group(rows, group) for group in groups], pad, self.multiple)
+                shared = [self._group(rows, group) for group in groups]
+                batch = collate_groups(shared, pad, self.multiple)
+                layout = [group[:1] for group in groups]  # a group's images once, in its prompt
+                trunks = [(p, _inputs(pictures[g[0]])) for (p, _), g in zip(shared, groups, strict=True)]
             else:
                 layout = groups if self.packing == "packed" else [[i] for group in groups for i in group]
                 batch = collate(examples, layout, pad, self.multiple)
+            batch.images = row_images([[a for i in row if (a := pictures[i]) is not None] for row in layout])
+            if batch.images is not None:
+                self._place_images(batch, trunks)
             # the sampler's log-probs, sequence after sequence: the batch's targets in row-major order
             sampled = [logp for i in range(at, at + count * n) for logp in rows[i]["sampled"]]
             at += count * n
@@ -254,6 +323,41 @@ class RolloutSource:
             with self.autocast(), loss_context(self.dims):
                 out.append(self.objective.score_rollout(self.engine.model, batch, self._forward))
         return out
+
+    def _place_images(
+        self, batch: Batch, prompts: list[tuple[tuple[int, ...], ImageInputs | None]] | None
+    ) -> None:
+        """Where the micro-batch's images go, as the engine placed them when it sampled (infer/media.py):
+        the image tokens of the prompts only (a completion's token that happens to be the image token is a
+        token), and, for a model whose images lay out rotary positions of their own (Qwen2-VL's M-RoPE),
+        every token's. Rows that share their prompt (`prompts`: each row's, with its images) take the
+        trunk's positions as the model lays out its prompt and each completion's after it, shifted as a text
+        token after the prompt is; other rows' are the model's own, its completions' image tokens read as
+        text."""
+        assert batch.images is not None
+        model, ids = self.engine.inner, batch.input_ids
+        token = model.config.image_token_id
+        completion = torch.zeros_like(ids, dtype=torch.bool)
+        completion[:, 1:] = batch.targets[:, :-1] != IGNORE
+        batch.images.slots = (ids == token) & ~completion
+        if prompts is None:
+            text = ids.masked_fill(completion & (ids == token), 0 if token else 1)
+            rotary = model.rotary_positions(text, batch.position_ids, batch.images)
+            batch.images.positions = rotary if rotary.dim() == 3 else None
+            return
+        out = None
+        for r, (prompt, images) in enumerate(prompts):
+            if images is None:
+                continue
+            trunk = len(prompt) - 1
+            rotary = model.rotary_positions(torch.tensor(prompt)[None], torch.arange(trunk + 1)[None], images)
+            if rotary.dim() == 2:
+                return
+            if out is None:
+                out = batch.position_ids.expand(3, -1, -1).clone()
+            out[:, r, :trunk] = rotary[:, 0, :trunk]
+            out[:, r, trunk:] += int(rotary.max()) - trunk
+        batch.images.positions = out
 
     @staticmethod
     def _group(rows: list[dict], group: list[int]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
@@ -323,3 +427,10 @@ class RolloutSource:
             "time/scoring_s": scoring_max,
         }
         return counts, out
+
+
+def _inputs(arrays: ImageArrays | None) -> ImageInputs | None:
+    """A prompt's images as a model's forward (or the engine) takes them."""
+    if arrays is None:
+        return None
+    return ImageInputs(torch.from_numpy(arrays.pixels), torch.from_numpy(arrays.grids))

@@ -191,7 +191,7 @@ def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
 def check_vision(cfg: Config, dims: ParallelDims, shape: Any) -> None:
     """A vision-language model trains data, tensor and pipeline parallel so far (its tower whole on every
     tensor-parallel rank of the first stage, its decoder split): context and expert parallel would have to
-    cut the images with the sequence, and the rollout engine does not place images yet."""
+    cut the images with the sequence."""
     if not shape.takes_images:
         return
     for key, degree in (("cp", dims.cp), ("ep", dims.ep)):
@@ -201,11 +201,6 @@ def check_vision(cfg: Config, dims: ParallelDims, shape: Any) -> None:
                 f"and pipeline parallel only so far (parallel.dp_shard / dp_replicate, parallel.tp, "
                 f"parallel.pp); set parallel.{key}: 1"
             )
-    if traits_of(cfg).rollouts:
-        raise ConfigError(
-            f"method.stage={cfg.method.stage} samples with the inference engine, which does not take "
-            f"images yet: train {shape.family} with sft, dpo, kto or rm"
-        )
     if shape.deepstack_layers and dims.tp > 1 and cfg.parallel.sequence_parallel:
         raise ConfigError(
             f"parallel.tp={dims.tp} with sequence_parallel: {shape.family} adds image features to the "

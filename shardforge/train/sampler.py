@@ -22,6 +22,7 @@ from shardforge.infer.engine import EngineConfig
 from shardforge.infer.packed import packed_while
 from shardforge.infer.pp import generate_in_place
 from shardforge.infer.sampling import GenerationDefaults, SamplingParams
+from shardforge.models.common.images import ImageInputs
 from shardforge.parallel.engine import Engine
 from shardforge.planner.memory import ROLLOUT_BLOCK  # the planner counts the cache in these blocks
 
@@ -41,7 +42,9 @@ class TrainingSampler:
         """The model folder's generation defaults (its end-of-sequence ids), read on first use."""
         return GenerationDefaults.from_folder(self.folder, self.tokenizer.eos_token_id)
 
-    def sample(self, prompts: list[list[int]], positions: list[int]) -> list[list[Any]]:
+    def sample(
+        self, prompts: list[list[int]], positions: list[int], images: list[ImageInputs | None]
+    ) -> list[list[Any]]:
         rl, n = self.rl, self.rl.group_size
         model = self.engine.inner
         need = sum(n * math.ceil((len(ids) + rl.max_new_tokens) / ROLLOUT_BLOCK) for ids in prompts)
@@ -68,6 +71,6 @@ class TrainingSampler:
             # No tokenizer: the engine streams no text token by token; the rollout decodes each once.
             # The weights change every step: laid out for the CPU's GEMM library for this rollout only.
             with self.autocast(), packed_while(model):
-                return generate_in_place(self.engine, model, config, self.defaults, prompts, params)
+                return generate_in_place(self.engine, model, config, self.defaults, prompts, params, images)
         finally:
             model.train(was_training)
