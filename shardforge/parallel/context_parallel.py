@@ -21,6 +21,7 @@ Two modes:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed.distributed_c10d import ProcessGroup
 from shardforge.errors import ConfigError
 from shardforge.models.common.attention import AttentionContext, real_tokens, sdpa
 from shardforge.models.moe import moe_layers
+from shardforge.parallel.images import local_images, placed
 
 
 def local_indices(seq_len: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -243,22 +245,27 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-def split_batch(batch, cp: int, rank: int):
-    """This cp rank's part of a micro-batch (duck-typed: `input_ids`, `fields()`, `from_fields`): every
-    per-token tensor cut to the rank's two chunks of each row; `doc_ids` stays whole (the attention masks
-    read the whole row); per-row values stay as they are."""
+def split_batch(batch, cp: int, rank: int, model=None):
+    """This cp rank's part of a micro-batch (duck-typed: `input_ids`, `fields()`, `from_fields`, `images`):
+    every per-token tensor cut to the rank's two chunks of each row; `doc_ids` stays whole (the attention
+    masks read the whole row); per-row values stay as they are. A vision-language `model`'s images are
+    placed from the whole rows first (parallel/images.py), then cut to the rank's tokens."""
     seq = batch.targets.shape[1]
     index = local_indices(seq, cp, rank, batch.targets.device)
+    images = None
+    if batch.images is not None:
+        images = local_images(placed(model, batch).images, index)
+        batch = replace(batch, images=None)
 
     def cut(key: str, value):
-        whole = key == "doc_ids" or key.startswith("image_")  # images: refused under cp (planner/layout.py)
-        if whole or value is None or value.dim() < 2 or value.shape[1] != seq:
+        if key == "doc_ids" or value is None or value.dim() < 2 or value.shape[1] != seq:
             return value
         return value.index_select(1, index)
 
     fields = {key: cut(key, value) for key, value in batch.fields().items()}
     ids = None if batch.input_ids is None else batch.input_ids.index_select(1, index)
-    return type(batch).from_fields(ids, fields)
+    out = type(batch).from_fields(ids, fields)
+    return out if images is None else replace(out, images=images)
 
 
 def apply_context_parallel(model, dims, mesh, mode: str) -> None:
@@ -272,12 +279,12 @@ def apply_context_parallel(model, dims, mesh, mode: str) -> None:
         layer.stats_group = group
 
 
-def batch_splitter(dims, mesh):
+def batch_splitter(dims, mesh, model):
     """What an engine applies to each micro-batch before its forward: this rank's part under context
-    parallel, None without it."""
+    parallel, None without it (`model`: where a vision-language one places its images)."""
     if dims.cp == 1:
         return None
-    return partial(split_batch, cp=dims.cp, rank=mesh.get_local_rank("cp"))
+    return partial(split_batch, cp=dims.cp, rank=mesh.get_local_rank("cp"), model=model)
 
 
 def check_context_parallel(cfg, dims, parallel, max_length: int, whole_sequences: bool, stage: str) -> None:

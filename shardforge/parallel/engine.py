@@ -194,7 +194,7 @@ class PlainEngine:
         self.model, self.inner, self.objective = model, inner, objective
         self.dims, self.mesh, self.autocast, self.device = dims, mesh, autocast, device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.split = batch_splitter(dims, mesh)  # this rank's part of each row under context parallel
+        self.split = batch_splitter(dims, mesh, inner)  # this rank's part of each row under context parallel
 
     def _sums(self, batch: Any) -> dict[str, torch.Tensor]:
         if self.split is not None:

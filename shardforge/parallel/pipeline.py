@@ -20,7 +20,6 @@ import datetime
 import functools
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -35,6 +34,7 @@ from shardforge.parallel.context_parallel import batch_splitter
 from shardforge.parallel.data_parallel import kept_unsharded
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import Autocast, Differentiate, clip_grad_norm, dp_sum, gathered_state
+from shardforge.parallel.images import placed
 from shardforge.parallel.pipeline_plan import TORCH_SCHEDULES, PipelinePlan
 from shardforge.parallel.tensor_parallel import loss_context, strip_vocab_padding
 
@@ -91,7 +91,7 @@ class PipelineEngine:
     ) -> None:
         self.plan, self.model, self.inner, self.objective = plan, model, model, objective
         self.dims, self.mesh, self.device = dims, mesh, device
-        self.split = batch_splitter(dims, mesh)  # this rank's part of each row under context parallel
+        self.split = batch_splitter(dims, mesh, self.model)  # this rank's part of each row under cp
         self.group = mesh["pp"].get_group()
         self.stream_dtype = stream_dtype
         self.sp_split = dims.tp if sequence_parallel else 1  # sequence parallel splits the stream's tokens
@@ -164,7 +164,7 @@ class PipelineEngine:
     ) -> dict[str, torch.Tensor]:
         """Forward and backward of `batch` in the schedule (torch's stages reduce FSDP gradients at the end
         of every schedule run, whatever `sync` says)."""
-        batch = self._with_rotary(self.split(batch) if self.split is not None else batch)
+        batch = placed(self.model, self.split(batch) if self.split is not None else batch)
         rows, width = batch.input_ids.shape
         fresh = (rows, width) not in self._schedules
         schedule = self._schedule(rows, width)
@@ -181,16 +181,6 @@ class PipelineEngine:
             param.grad = grad if param.grad is None else param.grad + grad
         return self._everywhere()
 
-    def _with_rotary(self, batch: Any) -> Any:
-        """A batch with images gets its rotary positions made from its token ids here, once (a family's
-        own, e.g. Qwen2-VL's M-RoPE): the stages after the first see only the stream, and each stage's
-        chunk of rows takes its rows' positions with its images."""
-        images = batch.images
-        if images is None or images.positions is not None:
-            return batch
-        rotary = self.model.rotary_positions(batch.input_ids, batch.position_ids, images)
-        return replace(batch, images=replace(images, positions=rotary))
-
     def _take_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         taken = []
         for param in self.model.parameters():
@@ -203,7 +193,7 @@ class PipelineEngine:
     def eval_sums(self, batch: Any) -> dict[str, torch.Tensor]:
         """Forward only: the whole batch goes through the stages in model order (no schedule, no chunks),
         the last computing the objective's sums."""
-        batch = self._with_rotary(self.split(batch) if self.split is not None else batch)
+        batch = placed(self.model, self.split(batch) if self.split is not None else batch)
         self._prepare(batch)
         fields = batch.fields()
         with loss_context(self.dims):

@@ -189,18 +189,21 @@ def check_generic(cfg: Config, dims: ParallelDims, shape: Any) -> None:
 
 
 def check_vision(cfg: Config, dims: ParallelDims, shape: Any) -> None:
-    """A vision-language model trains data, tensor and pipeline parallel so far (its tower whole on every
-    tensor-parallel rank of the first stage, its decoder split): context and expert parallel would have to
-    cut the images with the sequence."""
+    """A vision-language model trains data, tensor, pipeline and context parallel (its tower whole on every
+    tensor- and context-parallel rank of the first stage, its decoder split); expert parallel has no family
+    to split yet, and a pipeline with context parallel would have to cut each chunk's images again."""
     if not shape.takes_images:
         return
-    for key, degree in (("cp", dims.cp), ("ep", dims.ep)):
-        if degree > 1:
-            raise ConfigError(
-                f"parallel.{key}={degree}: a vision-language model ({shape.family}) trains with data, tensor "
-                f"and pipeline parallel only so far (parallel.dp_shard / dp_replicate, parallel.tp, "
-                f"parallel.pp); set parallel.{key}: 1"
-            )
+    if dims.ep > 1:
+        raise ConfigError(
+            f"parallel.ep={dims.ep}: a vision-language model ({shape.family}) has no experts to split; "
+            f"set parallel.ep: 1"
+        )
+    if dims.cp > 1 and dims.pp > 1:
+        raise ConfigError(
+            f"parallel.cp={dims.cp} with parallel.pp={dims.pp}: a vision-language model ({shape.family}) "
+            f"trains with context parallel or a pipeline, not both yet; set one of them to 1"
+        )
     if shape.deepstack_layers and dims.tp > 1 and cfg.parallel.sequence_parallel:
         raise ConfigError(
             f"parallel.tp={dims.tp} with sequence_parallel: {shape.family} adds image features to the "

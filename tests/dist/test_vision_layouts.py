@@ -36,10 +36,11 @@ LAYOUTS = {
     "tp2": {"tp": 2, "dp_shard": 1, "sequence_parallel": False},  # the tower whole on both, the decoder split
     "tp2-sp": {"tp": 2, "dp_shard": 1, "sequence_parallel": True},
     "pp2": {"pp": 2, "dp_shard": 1, "pp_microbatches": 2},  # the tower on the first stage, a row a chunk
+    "cp2": {"cp": 2, "dp_shard": 1},  # the tower on each rank's rows whole, each placing its own tokens
     # Qwen3-VL: its deepstack layers (0 and 1 of 3) on the first stage; the whole stream (no SP)
     "pp2-deepstack": {"pp": 2, "dp_shard": 1, "pp_microbatches": 2, "pp_layers": "2,1"},
 }
-WHOLE = {"tp2", "tp2-sp", "pp2", "pp2-deepstack"}
+WHOLE = {"tp2", "tp2-sp", "pp2", "pp2-deepstack", "cp2"}
 PLAIN = ("ddp", "zero2", "zero3", "tp2", "tp2-sp", "pp2")  # no data parallel: each rank runs all 4 rows
 METHODS = {  # method sections
     "frozen-tower": {},
@@ -104,6 +105,11 @@ def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders
     cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3", "tp2-sp", "pp2")]
     cases += [("llava_next", "all-parts", layout) for layout in ("zero3", "tp2-sp", "pp2")]
     cases += [("qwen3_vl", "all-parts", layout) for layout in ("zero3", "tp2", "pp2-deepstack")]
+    # context parallel: each rank places its part of the rows' image tokens (Qwen3-VL's deepstack too)
+    cases += [
+        (f, "all-parts", "cp2") for f in ("qwen2_vl", "qwen2_vl/mixed", "llava", "llava_next", "qwen3_vl")
+    ]
+    cases += [("qwen2_vl", "lora-tower", "cp2")]
     # GRPO with image prompts: the rollout engine over the gathered ZeRO-3 units, or both TP ranks
     cases += [("qwen2_vl/mixed", "grpo", layout) for layout in ("zero3", "tp2")] + [
         ("llava", "grpo", "zero3")

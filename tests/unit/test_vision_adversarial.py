@@ -139,12 +139,12 @@ ROWS = [[4], [0, 5], [6], [1, 2]]
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
 def test_pipeline_chunks_with_text_rows_equal_the_whole_batch(tmp_path, qwen_dir, llava_dir, family):
     """What the pipeline does to a micro-batch of 4 rows (rows without images, packed rows, a row of two
-    images of different sizes): positions made once (`PipelineEngine._with_rotary`), its fields cut into
+    images of different sizes): positions made once (`parallel.images.placed`), its fields cut into
     chunks of 2 and of 1 row; each chunk holds exactly the images collate gives its rows alone (none for
     text-only chunks) and the model's output on it equals the whole batch's on those rows."""
     from shardforge.data.batching import Batch, collate
     from shardforge.models import load_model
-    from shardforge.parallel.pipeline import PipelineEngine
+    from shardforge.parallel.images import placed
 
     folder = _folder(family, qwen_dir, llava_dir)
     store = _store(tmp_path, folder)
@@ -152,7 +152,7 @@ def test_pipeline_chunks_with_text_rows_equal_the_whole_batch(tmp_path, qwen_dir
     model = load_model(folder).eval()
     with torch.no_grad():
         whole = model(batch.input_ids, batch.position_ids, batch.doc_ids, images=batch.images)
-    staged = PipelineEngine._with_rotary(SimpleNamespace(model=model), batch)
+    staged = placed(model, batch)
     assert staged.images.positions is not None
     fields = staged.fields()
     for size in (2, 1):
@@ -176,12 +176,12 @@ def test_later_stage_of_a_text_chunk_needs_no_token_ids(tmp_path, qwen_dir):
     positions (made before the stages), and a chunk of text rows needs none."""
     from shardforge.data.batching import Batch, collate
     from shardforge.models import load_model
-    from shardforge.parallel.pipeline import PipelineEngine
+    from shardforge.parallel.images import placed
 
     store = _store(tmp_path, qwen_dir)
     batch = collate(store, ROWS, pad_id=0)
     model = load_model(qwen_dir).eval()
-    staged = PipelineEngine._with_rotary(SimpleNamespace(model=model), batch)
+    staged = placed(model, batch)
     fields = staged.fields()
     stream = torch.zeros(2, batch.input_ids.shape[1], model.config.hidden_size)
     for start in (0, 2):

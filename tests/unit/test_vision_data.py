@@ -346,7 +346,7 @@ def test_every_chat_objective_trains_with_images(tmp_path, model_dir, stage, nam
     assert all(np.isfinite(losses)) and losses[0] != losses[-1]
 
 
-def test_context_and_expert_parallel_are_refused(tmp_path, model_dir, qwen3_vl_dir):
+def test_context_parallel_with_a_pipeline_is_refused(tmp_path, model_dir, qwen3_vl_dir):
     from shardforge.config import load_config
     from shardforge.errors import ConfigError
     from shardforge.models.build import check_model_source
@@ -357,8 +357,14 @@ def test_context_and_expert_parallel_are_refused(tmp_path, model_dir, qwen3_vl_d
         mode="json"
     )
     shape = check_model_source(load_config(None, base=base).model)
-    with pytest.raises(ConfigError, match=r"parallel\.cp=2: a vision-language model"):
-        check_layout(load_config(None, base={**base, "parallel": {"cp": 2}}), 2, shape)
+    check_layout(
+        load_config(None, base={**base, "method": {"stage": "sft"}, "parallel": {"cp": 2}}), 2, shape
+    )
+    with pytest.raises(ConfigError, match=r"parallel\.cp=2 with parallel\.pp=2: a vision-language model"):
+        cp_pp = {"cp": 2, "pp": 2, "dp_shard": 1, "zero_stage": 3}
+        check_layout(
+            load_config(None, base={**base, "method": {"stage": "sft"}, "parallel": cp_pp}), 4, shape
+        )
     check_layout(load_config(None, base={**base, "parallel": {"pp": 2, "dp_shard": 1}}), 2, shape)
     check_layout(load_config(None, base={**base, "method": {"stage": "grpo"}}), 1, shape)  # takes images
     # Qwen3-VL's deepstack features join the stream after its first layers: the whole stream, not SP's shard

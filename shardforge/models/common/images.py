@@ -26,12 +26,19 @@ class ImageInputs:
     positions: torch.Tensor | None = None
     slots: torch.Tensor | None = None  # [b, s] where the embeddings go (a prompt's image tokens, not new)
     rows: torch.Tensor | None = None
+    keep: torch.Tensor | None = None  # [image tokens] those this part places (context parallel's share)
 
     def to(self, device: torch.device | str) -> ImageInputs:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         pixels, grids = self.pixel_values.to(device), self.grid_thw.to(device)
         return ImageInputs(
-            pixels, grids, move(self.embeddings), move(self.positions), move(self.slots), move(self.rows)
+            pixels,
+            grids,
+            move(self.embeddings),
+            move(self.positions),
+            move(self.slots),
+            move(self.rows),
+            move(self.keep),
         )
 
     def as_rows(self) -> dict[str, torch.Tensor]:

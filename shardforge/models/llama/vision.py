@@ -59,10 +59,12 @@ class VisionLanguageDecoder(Decoder):
         return view
 
     def encode_images(self, images: ImageInputs | None) -> ImageInputs | None:
-        """The images' embeddings from the tower, where this part has it and the engine has not made them."""
+        """The images' embeddings from the tower, where this part has it and the engine has not made them
+        (of the tokens it places: `keep`, under context parallel)."""
         if images is None or images.embeddings is not None or self.embed_tokens is None:
             return images
-        return replace(images, embeddings=self.image_embeddings(images, self.embed_tokens.weight.dtype))
+        embeddings = self.image_embeddings(images, self.embed_tokens.weight.dtype)
+        return replace(images, embeddings=embeddings if images.keep is None else embeddings[images.keep])
 
     def embed(self, x: torch.Tensor, images: ImageInputs | None) -> torch.Tensor:
         """The tokens' embeddings with the images' in place of their image tokens, whole, then the stream
