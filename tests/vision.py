@@ -219,6 +219,36 @@ def tiny_llava_next(folder: Path, std: float = 0.3) -> Path:
     return _save_random(LlavaNextForConditionalGeneration, cfg, std, folder, tokenizer, processor)
 
 
+GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def tiny_gemma3(folder: Path, std: float = 0.3) -> Path:
+    """A random Gemma-3-shaped model: a SigLIP tower of 56-pixel images in 14-pixel patches, pooled 2 x 2
+    into 4 image tokens a picture (bidirectional among themselves), a Gemma 3 decoder of two layers (one
+    sliding, one global), saved with the bundled tokenizer plus Gemma 3's image tokens and its (PIL)
+    image processor."""
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "examples" / "data" / "tokenizer")
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA3_TOKENS})
+    boi, eoi, image = tokenizer.convert_tokens_to_ids(GEMMA3_TOKENS)
+    cfg = Gemma3Config(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                     "head_dim": 16, "sliding_window": 8, "max_position_embeddings": 512,
+                     "layer_types": ["sliding_attention", "full_attention"],
+                     "bos_token_id": tokenizer.bos_token_id,
+                     "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                       "num_attention_heads": 2, "image_size": 56, "patch_size": 14,
+                       "vision_use_head": False},  # as Gemma 3 checkpoints: no pooling head
+        mm_tokens_per_image=4, boi_token_index=boi, eoi_token_index=eoi, image_token_index=image,
+    )  # fmt: skip
+    processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    return _save_random(Gemma3ForConditionalGeneration, cfg, std, folder, tokenizer, processor)
+
+
 def _save_random(model_cls, cfg, std: float, folder: Path, tokenizer, processor) -> Path:
     """transformers' model of `cfg` with weights N(0, std) (large enough that logits are peaked, so greedy
     tokens have no near-ties), saved with its tokenizer and image processor."""

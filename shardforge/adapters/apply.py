@@ -114,7 +114,7 @@ def add_lora(
     in_tower = {
         name: module
         for name, module in model.named_modules()
-        if tower and adaptable(module) and model.config.part_of(name) == "tower"
+        if tower and adaptable(module) and model.config.part_of(model.canonical_name(name)) == "tower"
         and (named is None or name in named)
     }  # fmt: skip
     wrapped = []

@@ -21,7 +21,9 @@ def merge_adapter(model: nn.Module, folder: Path) -> None:
     config, tensors = read_adapter(folder, model.config.family)
     # a vision-language model's tower modules it adapts, named whole (their names are not targets')
     tower = frozenset(
-        k.rpartition(".")[0] for k in tensors if model.config.part_of(k.rpartition(".")[0]) == "tower"
+        k.rpartition(".")[0]
+        for k in tensors
+        if model.config.part_of(model.canonical_name(k.rpartition(".")[0])) == "tower"
     )
     # the adapted modules' names from its tensors (another tool's target_modules may be a regex)
     adapted = adapted_leaves(k for k in tensors if k.rpartition(".")[0] not in tower)

@@ -24,7 +24,7 @@ from shardforge.data.formats import Reading
 from shardforge.data.images import ImageEncoder, ImageReader, image_processor
 from shardforge.data.loader import RowSet, build_datasets
 from shardforge.data.stream import StreamSource, stream_shards
-from shardforge.errors import ConfigError
+from shardforge.errors import ConfigError, DataError, ModelError
 from shardforge.log import get_logger
 from shardforge.models.build import check_model_source, model_source
 from shardforge.models.generic.model import packs_per_document
@@ -132,22 +132,23 @@ def _cached_rows(
 def record_encoder(cfg: Config, objective: Any, tokenizer: Any, data: DataSection) -> Encoder:
     """The objective's encoder, taking images where the model is a vision-language one (its image
     processor from the model folder) and refusing them, by record, where it is not."""
-    encoder = objective.encoder(tokenizer, data)
-    return ImageEncoder(encoder, record_image_reader(cfg, tokenizer, data), model_name(cfg))
+    return ImageEncoder(objective.encoder(tokenizer, data), *record_images(cfg, tokenizer, data))
 
 
-def record_image_reader(cfg: Config, tokenizer: Any, data: DataSection) -> ImageReader | None:
-    """How the model reads a record's images (its image processor, data's pixel limits); None for a text
-    model."""
-    prompt = check_model_source(cfg.model, weights=False).image_prompt(tokenizer)
-    if prompt is None:
-        return None
-    processor = image_processor(str(cfg.model.path))
-    return ImageReader(processor, prompt, data.image_max_pixels, data.image_min_pixels)
-
-
-def model_name(cfg: Config) -> str:
-    return str(cfg.model.path or cfg.model.preset)
+def record_images(cfg: Config, tokenizer: Any, data: DataSection) -> tuple[ImageReader | None, str]:
+    """How the model reads a record's images (its image processor, data's pixel limits), or None and why
+    it cannot (a text model; a vision-language one without its image processor or image tokens, which
+    only data with images needs)."""
+    name = str(cfg.model.path or cfg.model.preset)
+    shape = check_model_source(cfg.model, weights=False)
+    if not shape.takes_images:
+        return None, f"the model ({name}) is a text model; train a vision-language one (docs/vision.md)"
+    try:
+        prompt = shape.image_prompt(tokenizer)
+        processor = image_processor(str(cfg.model.path))
+    except (ModelError, DataError) as exc:
+        return None, f"the model ({name}) cannot read them: {exc}"
+    return ImageReader(processor, prompt, data.image_max_pixels, data.image_min_pixels), ""
 
 
 def encoding_identity(tokenizer: Any, objective: Any, how: Reading, cfg: Config) -> dict:

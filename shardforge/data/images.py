@@ -118,11 +118,11 @@ class ImageEncoder:
     tokens untrained, and its patches attached; a record without passes through."""
 
     inner: Encoder
-    reader: ImageReader | None  # None: a text model
-    text_model: str = ""  # the model, named where it takes no images
+    reader: ImageReader | None  # None: the model reads no images
+    refusal: str = "the model reads no images"  # why, said where a record has some
 
     def encode_one(self, record: Record) -> list[Sequence_]:
-        expanded, arrays = with_images(record, self.reader, self.text_model)
+        expanded, arrays = with_images(record, self.reader, self.refusal)
         if arrays is None:
             return _encode(self.inner, [record])[0]
         out: list[Sequence_] = []
@@ -139,17 +139,17 @@ class ImageEncoder:
         return self.encode_one(record)
 
 
-def with_images(record: Record, reader: ImageReader | None, model: str) -> tuple[Record, ImageArrays | None]:
+def with_images(
+    record: Record, reader: ImageReader | None, refusal: str
+) -> tuple[Record, ImageArrays | None]:
     """The record with each `<image>` mark (in message order, then the rejected reply's) written as its
     image's prompt text, and its images as the model's processor makes them; a record without images as it
-    is (None). `reader` None: a text model (`model`), which a record with images is refused for."""
+    is (None). `reader` None: the model reads no images (`refusal` says why), and a record with some is
+    refused."""
     if not record.images:
         return record, None
     if reader is None:
-        raise DataError(
-            f"{record.source}: the record has images but the model ({model}) is a text model; "
-            f"train a vision-language one (docs/vision.md) or drop the images"
-        )
+        raise DataError(f"{record.source}: the record has images, but {refusal}; or drop the images")
     pixels, grids = reader.process(record.images, record.source)
     patches = sum(reader.prompt.patches(tuple(g)) for g in grids.tolist())
     arrays = ImageArrays(pixels, grids, reader.prompt.token_id, reader.tokens(grids), patches)

@@ -169,7 +169,7 @@ class Engine:
             return None
         if not self.model.vision:
             raise RequestError(f"{self.model.config.family} is a text model: it takes no images")
-        if not isinstance(self.executor.runner, LocalRunner):
+        if not isinstance(self.executor.runner, (LocalRunner, RecomputeRunner)):
             raise RequestError("images are not placed by this layout's runner yet (one process or --tp only)")
         media = RequestImages.encode(self.model, prompt, images)
         if len(media.slots) != len(media.embeddings):

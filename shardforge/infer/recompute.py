@@ -9,10 +9,13 @@ paged path costs one over its new tokens."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
 from shardforge.infer.executor import StepInput, whole_vocabulary
+from shardforge.models.common.images import ImageInputs
 from shardforge.models.common.protocol import CausalModel
 
 
@@ -23,6 +26,17 @@ class RecomputeRunner:
         self.model, self.block_size = model, block_size
         self.device = next(model.parameters()).device
         self.tokens = np.zeros(num_blocks * block_size, dtype=np.int64)  # each slot's token id
+        self.images: dict[int, torch.Tensor] = {}  # a prompt's image token's slot -> its image embedding
+
+    def _write(self, slots: np.ndarray, ids: np.ndarray, placed: torch.Tensor | None, rows: Any) -> None:
+        """Tokens into their slots, with the image embeddings of those among them a prompt's images hold
+        (`placed` [len(slots)] marks them; `rows` yields their embeddings in order)."""
+        self.tokens[slots] = ids
+        for slot in slots.tolist():
+            self.images.pop(slot, None)
+        if placed is not None:
+            for slot in slots[placed.cpu().numpy()].tolist():
+                self.images[slot] = next(rows)
 
     @torch.no_grad()
     def run(self, step: StepInput) -> torch.Tensor:
@@ -31,17 +45,26 @@ class RecomputeRunner:
         sampled: list[list[int]] = []  # its sampled positions
         order: list[int] = []  # the step's row index of each sampled position, in that order
         wanted = set(step.last)
+        images = step.images
+        embeddings = iter(images.embeddings) if images is not None else iter(())
+        slots: list[np.ndarray] = []  # each sampling sequence's slots
         for chunk in step.chunks:
             for src, dst in zip(chunk.copy_from, chunk.blocks, strict=False):
-                self.tokens[dst * bs : (dst + 1) * bs] = self.tokens[src * bs : (src + 1) * bs]
+                copied = np.arange(src * bs, (src + 1) * bs)
+                held = [self.images.get(slot) for slot in copied.tolist()]
+                self._write(copied - src * bs + dst * bs, self.tokens[copied], None, None)
+                self.images.update({dst * bs + k: e for k, e in enumerate(held) if e is not None})
             end = chunk.start + chunk.length
             table = np.asarray(chunk.blocks)
             positions = np.arange(chunk.start, end)
-            self.tokens[table[positions // bs] * bs + positions % bs] = step.ids[lo : lo + chunk.length]
+            placed = None if images is None else images.slots[0, lo : lo + chunk.length]
+            at = table[positions // bs] * bs + positions % bs
+            self._write(at, step.ids[lo : lo + chunk.length], placed, embeddings)
             mine = [r for r in range(lo, lo + chunk.length) if r in wanted]
             if mine:
                 whole = np.arange(end)
-                rows.append(self.tokens[table[whole // bs] * bs + whole % bs])
+                slots.append(table[whole // bs] * bs + whole % bs)
+                rows.append(self.tokens[slots[-1]])
                 sampled.append([chunk.start + r - lo for r in mine])
                 order.extend(mine)
             lo += chunk.length
@@ -55,8 +78,27 @@ class RecomputeRunner:
             ids[i, : len(row)] = torch.from_numpy(row)
             mask[i, positions] = True
         position_ids = torch.arange(longest, device=self.device)[None].expand(len(rows), -1)
-        logits = self.model(ids.to(self.device), position_ids, output_mask=mask.to(self.device))
+        pictures = self._images(slots, longest)
+        logits = self.model(
+            ids.to(self.device), position_ids, output_mask=mask.to(self.device), images=pictures
+        )
         logits = whole_vocabulary(logits, vocab).float()  # the sampled positions, row by row
         # back to the step's order (`last`): the mask's positions come row-major, i.e. in `order`
         at = {row: i for i, row in enumerate(order)}
         return logits[torch.tensor([at[r] for r in step.last], device=self.device)]
+
+    def _images(self, slots: list[np.ndarray], width: int) -> ImageInputs | None:
+        """The sequences' prompt images, as the model's forward takes them encoded: their embeddings, row
+        after row, and where they go [rows, width]."""
+        if not self.images:
+            return None
+        placed = torch.zeros(len(slots), width, dtype=torch.bool)
+        found = []
+        for r, row in enumerate(slots):
+            for k, slot in enumerate(row.tolist()):
+                if slot in self.images:
+                    placed[r, k] = True
+                    found.append(self.images[slot])
+        if not found:
+            return None
+        return ImageInputs.encoded(torch.stack(found), None, placed.to(self.device))

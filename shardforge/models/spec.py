@@ -34,6 +34,7 @@ class ParamCounts:
     final_norm: int
     head: int  # 0 when tied to the embedding (one tensor, counted once)
     vision: int = 0  # a vision-language model's tower and projector
+    tower: int = 0  # of which the tower's (where a family counts it apart)
 
     @property
     def total(self) -> int:
@@ -158,7 +159,7 @@ class ModelSpec:
     name: str
     model_type: str  # config.json model_type
     architecture: str  # config.json architectures[0]
-    model_cls: type[nn.Module]
+    model_cls: Callable[..., nn.Module]  # (config, mlp=...) -> the model
     config_from_hf: Callable[[Any], Any]  # transformers config -> our config
     hf_config_from: Callable[[Any], Any]  # our config -> transformers config
     key_to_hf: Callable[[str], str]

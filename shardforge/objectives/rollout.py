@@ -39,7 +39,7 @@ from shardforge.data.batching import (
     row_images,
     split_global_batch,
 )
-from shardforge.data.build import model_name, record_image_reader
+from shardforge.data.build import record_images
 from shardforge.data.examples import Example, ImageArrays
 from shardforge.data.formats import Reading, Record
 from shardforge.data.images import ImageReader, check_image_tokens, with_images
@@ -74,7 +74,7 @@ def load_prompts(
     room: int,
     how: Reading,
     reader: ImageReader | None = None,
-    model: str = "a text model",
+    refusal: str = "the model reads no images",
 ) -> tuple[list[Prompt], int]:
     """The training prompts rendered with the chat template's generation prompt, and how many were left out
     because they leave fewer than max_new_tokens of data.max_length (`room` tokens is the most a prompt
@@ -82,7 +82,7 @@ def load_prompts(
     and again, with only the step's prompts in memory, by each rollout that takes it."""
     template = resolve_template(tokenizer, data.template, data.enable_thinking)
     records = [r for spec in data.train for r in read_dataset(spec, how)]
-    read = [with_images(r, reader, model) for r in records]
+    read = [with_images(r, reader, refusal) for r in records]
     if any(arrays is not None for _, arrays in read):
         log.info(f"prompt images read: {sum(len(r.images or ()) for r in records)}")
     texts = [render(tokenizer, template, list(r.messages or ()), True, r.tools) for r, _ in read]
@@ -138,8 +138,8 @@ def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
     its rewards."""
     cfg = ctx.config
     room = cfg.data.max_length - cfg.method.rl.max_new_tokens
-    reader = record_image_reader(cfg, ctx.tokenizer, cfg.data)
-    prompts, too_long = load_prompts(cfg.data, ctx.tokenizer, room, ctx.reading, reader, model_name(cfg))
+    reader, refusal = record_images(cfg, ctx.tokenizer, cfg.data)
+    prompts, too_long = load_prompts(cfg.data, ctx.tokenizer, room, ctx.reading, reader, refusal)
     if any(p.record.images for p in prompts):
         check_image_rollouts(objective, ctx.dims)
     if cfg.data.eval:

@@ -199,6 +199,12 @@ def check_vision(cfg: Config, dims: ParallelDims, shape: Any) -> None:
             f"parallel.ep={dims.ep}: a vision-language model ({shape.family}) has no experts to split; "
             f"set parallel.ep: 1"
         )
+    if dims.tp > 1 and shape.family.startswith("hf:"):
+        raise ConfigError(
+            f"parallel.tp={dims.tp}: {shape.family} runs on the generic backend (transformers' whole model), "
+            f"whose tensor-parallel plan splits no vision tower; train it with data parallel "
+            f"(parallel.dp_shard / dp_replicate, ZeRO 1-3)"
+        )
     if dims.cp > 1 and dims.pp > 1:
         raise ConfigError(
             f"parallel.cp={dims.cp} with parallel.pp={dims.pp}: a vision-language model ({shape.family}) "

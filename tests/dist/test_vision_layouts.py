@@ -21,6 +21,7 @@ from tests.dist._training import assert_same, parity_train, train_runs
 from tests.vision import (
     lf_image_dataset,
     mixed_image_dataset,
+    tiny_gemma3,
     tiny_llava,
     tiny_llava_next,
     tiny_qwen2_vl,
@@ -76,6 +77,7 @@ def folders(tmp_path_factory):
         "llava": (tiny_llava(root / "llava"), data),
         "llava_next": (tiny_llava_next(root / "llava_next"), data),
         "qwen3_vl": (tiny_qwen3_vl(root / "qwen3_vl"), data),
+        "gemma3": (tiny_gemma3(root / "gemma3"), data),
     }
 
 
@@ -105,6 +107,8 @@ def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders
     cases += [("llava", "all-parts", layout) for layout in ("ddp", "zero3", "tp2-sp", "pp2")]
     cases += [("llava_next", "all-parts", layout) for layout in ("zero3", "tp2-sp", "pp2")]
     cases += [("qwen3_vl", "all-parts", layout) for layout in ("zero3", "tp2", "pp2-deepstack")]
+    # Gemma 3 on the generic backend (transformers' model): data parallel
+    cases += [("gemma3", v, layout) for v in ("frozen-tower", "all-parts") for layout in ("ddp", "zero3")]
     # context parallel: each rank places its part of the rows' image tokens (Qwen3-VL's deepstack too)
     cases += [
         (f, "all-parts", "cp2") for f in ("qwen2_vl", "qwen2_vl/mixed", "llava", "llava_next", "qwen3_vl")

@@ -19,6 +19,7 @@ from shardforge.models.common.images import ImageInputs
 from tests.vision import (
     lf_image_dataset,
     random_image,
+    tiny_gemma3,
     tiny_llava,
     tiny_llava_next,
     tiny_qwen2_vl,
@@ -375,9 +376,8 @@ def test_context_parallel_with_a_pipeline_is_refused(tmp_path, model_dir, qwen3_
     check_layout(load_config(None, base={**base, "parallel": {**tp, "sequence_parallel": False}}), 2, qwen3)
 
 
-@pytest.mark.parametrize(
-    "family, tower", [("qwen2_vl", False), ("qwen2_vl", True), ("llava", False), ("llava", True)]
-)
+@pytest.mark.parametrize("tower", [False, True], ids=["decoder", "tower-too"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "gemma3"])
 def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_dir, llava_dir, family, tower):
     """LoRA on the decoder of a VLM, and in its tower too (LF's freeze_vision_tower false): the run's PEFT
     folder loads onto transformers' model with no missing or unexpected key (peft names modules as
@@ -393,9 +393,9 @@ def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_d
     from shardforge.config import load_config
     from shardforge.models import load_model
     from shardforge.train.trainer import train
-    from tests.unit.test_vision_language import SAMPLES, encode, reference_model
+    from tests.unit.test_vision_language import SAMPLES, encode, reference_inputs, reference_model
 
-    folder = model_dir if family == "qwen2_vl" else llava_dir
+    folder = {"qwen2_vl": model_dir, "llava": llava_dir}.get(family) or tiny_gemma3(tmp_path / "gemma3")
     info = lf_image_dataset(tmp_path / "data")
     base = _config(tmp_path, folder, [{"name": "mllm_demo", "dataset_info": str(info)}]).model_dump(
         mode="json"
@@ -413,8 +413,7 @@ def test_a_lora_run_hands_back_an_adapter_peft_reloads_exactly(tmp_path, model_d
     ours = load_model(folder)
     apply_finetuning(ours, config.method, 0, adapter=str(adapter))
     ids, images, kwargs = encode(folder, SAMPLES[2])
-    if family == "llava":
-        kwargs.pop("mm_token_type_ids", None)
+    kwargs = reference_inputs(reference, ids, kwargs)
     with torch.no_grad():
         expected = reference(input_ids=ids, **kwargs).logits
         with reference.disable_adapter():

@@ -10,7 +10,7 @@ import torch
 
 from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.sampling import GenerationDefaults, SamplingParams
-from tests.unit.test_vision_language import FAMILIES, SAMPLES, encode, reference_model
+from tests.unit.test_vision_language import FAMILIES, SAMPLES, encode, reference_inputs, reference_model
 
 NEW = 12
 
@@ -23,8 +23,7 @@ def folder(request, tmp_path_factory):
 def _expected(folder, ids, kwargs):
     """transformers' greedy tokens and each one's log-probability."""
     reference = reference_model(folder)
-    if reference.config.model_type.startswith("llava"):
-        kwargs = {k: v for k, v in kwargs.items() if k != "mm_token_type_ids"}
+    kwargs = reference_inputs(reference, ids, kwargs)
     with torch.no_grad():
         out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
                                  min_new_tokens=NEW, do_sample=False, output_logits=True,

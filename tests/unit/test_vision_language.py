@@ -4,6 +4,7 @@ positions equal get_rope_index's, and the checkpoint loads and exports as transf
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import numpy as np
@@ -11,11 +12,12 @@ import pytest
 import torch
 
 from shardforge.models.common.images import ImageInputs
-from tests.vision import random_image, tiny_llava, tiny_llava_next, tiny_qwen2_vl, tiny_qwen3_vl
+from tests.vision import random_image, tiny_gemma3, tiny_llava, tiny_llava_next, tiny_qwen2_vl, tiny_qwen3_vl
 
 # (height, width) of each sample's images: none, one, two of different sizes (and orientations)
 SAMPLES = [(), ((56, 84),), ((112, 56), (60, 90))]
 FAMILIES = {
+    "gemma3": tiny_gemma3,  # on the generic backend: transformers' whole model
     "qwen2_vl": tiny_qwen2_vl,
     "qwen2_5_vl": partial(tiny_qwen2_vl, kind="qwen2_5_vl"),
     "qwen3_vl": tiny_qwen3_vl,
@@ -36,6 +38,19 @@ def reference_model(folder):
     architecture = AutoConfig.from_pretrained(folder).architectures[0]
     cls = getattr(transformers, architecture)
     return cls.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def reference_inputs(reference, ids, kwargs):
+    """`kwargs` as the reference family's forward takes them: Qwen-VL's `mm_token_type_ids`, Gemma 3's
+    `token_type_ids` (its image tokens attend to each other both ways, as in its training and prefill),
+    LLaVA's neither."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "mm_token_type_ids"}
+    marks = ids == reference.config.image_token_id
+    if reference.config.model_type.startswith("qwen"):
+        kwargs["mm_token_type_ids"] = marks.int()
+    if reference.config.model_type == "gemma3":
+        kwargs["token_type_ids"] = marks.long()
+    return kwargs
 
 
 def encode(folder, sizes, seed=0):
@@ -84,8 +99,7 @@ def test_logits_equal_transformers(folder, sizes):
 
     ids, images, kwargs = encode(folder, sizes)
     reference = reference_model(folder)
-    if reference.config.model_type.startswith("llava"):
-        kwargs.pop("mm_token_type_ids", None)
+    kwargs = reference_inputs(reference, ids, kwargs)
     ours = load_model(folder).eval()
     with torch.no_grad():
         expected = reference(input_ids=ids, **kwargs).logits
@@ -114,10 +128,29 @@ def test_qwen2_vl_export_is_a_folder_transformers_loads(tmp_path, tie):
 
 
 @pytest.mark.parametrize(
-    "make", [tiny_llava, tiny_llava_next, tiny_qwen3_vl], ids=["llava", "llava_next", "qwen3_vl"]
+    "make",
+    [tiny_llava, tiny_llava_next, tiny_qwen3_vl, tiny_gemma3],
+    ids=["llava", "llava_next", "qwen3_vl", "gemma3"],
 )
-def test_llava_and_qwen3_vl_exports_are_folders_transformers_loads(tmp_path, make):
+def test_llava_qwen3_vl_and_gemma3_exports_are_folders_transformers_loads(tmp_path, make):
     _exports_exactly(tmp_path, make(tmp_path / "in"))
+
+
+def test_gemma3_image_tokens_attend_to_each_other_both_ways_as_in_transformers(tmp_path):
+    """Gemma 3 (the generic backend) marks its image tokens for transformers' masks: an image's tokens
+    attend to each other both ways, as transformers' training and prefill with token_type_ids do; without
+    the marks its logits would be another (causal) model's."""
+    from shardforge.models import load_model
+
+    folder = tiny_gemma3(tmp_path)
+    ids, images, kwargs = encode(folder, SAMPLES[2])
+    reference = reference_model(folder)
+    with torch.no_grad():
+        ours = load_model(folder).eval()(ids, images=images)
+        both_ways = reference(input_ids=ids, **reference_inputs(reference, ids, kwargs)).logits
+        causal = reference(input_ids=ids, pixel_values=kwargs["pixel_values"]).logits
+    torch.testing.assert_close(ours, both_ways, atol=1e-5, rtol=0)
+    assert (ours - causal).abs().max() > 1e-2
 
 
 def test_llava_next_image_tokens_are_transformers_processor_s(tmp_path):
@@ -163,15 +196,15 @@ def _exports_exactly(tmp_path, source):
     back, info = cls.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
     ids, images, kwargs = encode(source, SAMPLES[2])
-    if back.config.model_type.startswith("llava"):
-        kwargs.pop("mm_token_type_ids", None)
+    kwargs = reference_inputs(back, ids, kwargs)
     with torch.no_grad():
         expected = back.eval()(input_ids=ids, **kwargs).logits
         torch.testing.assert_close(ours(ids, images=images), expected, atol=1e-4, rtol=0)
     assert back.config.image_token_id == ours.config.image_token_id
     assert (out / "preprocessor_config.json").is_file()
+    source_config = json.loads((source / "config.json").read_text())
     np.testing.assert_array_equal(
-        np.asarray(back.config.architectures), np.asarray(ours.config.hf_config["architectures"])
+        np.asarray(back.config.architectures), np.asarray(source_config["architectures"])
     )
 
 
@@ -190,7 +223,8 @@ def test_text_rows_run_the_trained_tower_on_a_blank_image_counted_zero_times(fol
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     got.sum().backward()
     tower = model.vision_parameters()
-    used = [p for n, p in model.named_parameters() if model.config.part_of(n) in ("tower", "projector")]
+    parts = {n: model.config.part_of(model.canonical_name(n)) for n, _ in model.named_parameters()}
+    used = [p for n, p in model.named_parameters() if parts[n] in ("tower", "projector")]
     assert used and all(p.grad is not None and not p.grad.any() for p in used)  # LLaVA's unused: frozen
     for p in tower:
         p.requires_grad_(False)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
 
 from shardforge.errors import ModelError
 from shardforge.models.common.config import DecoderConfig
+from shardforge.models.common.images import ImagePrompt
 
 PREFIX = "hf:"  # a generic model's family name: "hf:<model_type>" (spec_for resolves it to the generic spec)
 
@@ -22,6 +23,7 @@ class GenericConfig(DecoderConfig):
     """`hf` builds the model (transformers' modules); the rest is read from it for planning and logs."""
 
     hf: Any = None  # transformers' PretrainedConfig of the family
+    image_token_id: int = -1  # a vision-language family's (Gemma3VisionConfig)
 
     @property
     def model_type(self) -> str:
@@ -35,6 +37,51 @@ class GenericConfig(DecoderConfig):
         return replace(self, num_labels=num_labels, tie_embeddings=False, hf=hf)
 
 
+@dataclass
+class Gemma3VisionConfig(GenericConfig):
+    """Gemma 3 with images (transformers' Gemma3ForConditionalGeneration): its SigLIP tower and projector
+    pool each image into `mm_tokens_per_image` tokens, which attend to each other both ways."""
+
+    takes_images: ClassVar[bool] = True
+
+    @property
+    def tokens_per_image(self) -> int:
+        return int(self.hf.mm_tokens_per_image)
+
+    def planned_patches(self, max_pixels: int) -> int:
+        """Every image is resized to the tower's size: its patches whatever the image's."""
+        vision = self.hf.vision_config
+        return (vision.image_size // vision.patch_size) ** 2
+
+    def part_of(self, name: str) -> str:
+        """The tower's pooling head (where the checkpoint has one) never reaches the features: unused."""
+        if name.startswith("vision_tower.head."):
+            return "unused"
+        if name.startswith("vision_tower."):
+            return "tower"
+        return "projector" if name.startswith("multi_modal_projector.") else "language"
+
+    def image_prompt(self, tokenizer: Any) -> ImagePrompt:
+        """Gemma 3's processor's `full_image_sequence`: "\n\n<start_of_image>", its image tokens,
+        "<end_of_image>\n\n"."""
+        ids = (self.hf.boi_token_index, self.image_token_id, self.hf.eoi_token_index)
+        tokens = tokenizer.convert_ids_to_tokens(list(ids))
+        if any(t is None for t in tokens) or max(ids) >= len(tokenizer):
+            raise ModelError(
+                f"the tokenizer lacks Gemma 3's image tokens {list(ids)} (config.json's boi_token_index, "
+                f"image_token_index, eoi_token_index): use the model's own tokenizer"
+            )
+        boi, image, eoi = tokens
+        patch = int(self.hf.vision_config.patch_size)
+        return ImagePrompt(
+            self.image_token_id, image, f"\n\n{boi}", f"{eoi}\n\n", fixed=self.tokens_per_image, patch=patch
+        )
+
+
+# Vision-language families the generic backend runs with their images (by model_type)
+VISION: dict[str, type[GenericConfig]] = {"gemma3": Gemma3VisionConfig}
+
+
 def model_type_of(family: str) -> str:
     """transformers' model_type of a family name, native (`qwen3_moe`) or generic (`hf:gemma2`)."""
     return family.removeprefix(PREFIX)
@@ -46,11 +93,12 @@ def config_from_hf(hf: PretrainedConfig) -> GenericConfig:
     no such shape (a state-space or recurrent model: no attention heads; per-layer shapes; a composite
     config) is refused by its model_type."""
     try:
-        heads = hf.num_attention_heads
-        kv = getattr(hf, "num_key_value_heads", None) or heads
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        heads = text.num_attention_heads
+        kv = getattr(text, "num_key_value_heads", None) or heads
         ffn = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
-        return GenericConfig(
+        vision = VISION.get(hf.model_type)
+        return (GenericConfig if vision is None else vision)(
             vocab_size=text.vocab_size,
             hidden_size=text.hidden_size,
             intermediate_size=max(ffn) if isinstance(ffn, (list, tuple)) else ffn,  # per layer: Gemma 3n
@@ -64,6 +112,7 @@ def config_from_hf(hf: PretrainedConfig) -> GenericConfig:
             family=PREFIX + hf.model_type,
             num_labels=hf.num_labels if _classifies(hf) else 0,
             hf=hf,
+            image_token_id=getattr(hf, "image_token_id", None) or -1,
         )
     except (AttributeError, TypeError, ValueError, KeyError, RuntimeError) as e:  # RuntimeError: per-layer
         raise ModelError(

@@ -18,6 +18,7 @@ from shardforge.models.generic.config import PREFIX, GenericConfig, config_from_
 from shardforge.models.generic.model import HFCausalLM
 from shardforge.models.generic.plan import tensor_parallel_plan
 from shardforge.models.generic.verified import MEASURED
+from shardforge.models.generic.vision import generic_model
 from shardforge.models.spec import CostModel, ModelSpec, ParamCounts, register_generic
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,23 @@ def provides(model_type: str | None) -> bool:
 
 
 def costs(cfg: GenericConfig) -> CostModel:
-    """The Llama formulas over this shape, with the parameter counts of the model itself."""
-    return dataclasses.replace(llama_costs(cfg), params=_counts(cfg))
+    """The Llama formulas over this shape, with the parameter counts of the model itself; a
+    vision-language family's tower and projector as native families count theirs
+    (models/llama/vision.py): two FLOPs per weight for every patch through the tower and per image token
+    through the projector, and what each tower layer keeps for backward per patch."""
+    counts = _counts(cfg)
+    out = dataclasses.replace(llama_costs(cfg), params=counts)
+    if not cfg.takes_images:
+        return out
+    vision = cfg.hf.vision_config
+    patches_per_token = cfg.planned_patches(0) / cfg.tokens_per_image
+    projector = counts.vision - counts.tower
+    kept = vision.num_hidden_layers * (12 * vision.hidden_size + 3 * vision.intermediate_size)
+    return dataclasses.replace(
+        out,
+        patch_flops=2.0 * counts.tower + 2.0 * projector / patches_per_token,
+        patch_activations=kept + 3 * vision.hidden_size + 2 * cfg.hidden_size / patches_per_token,
+    )
 
 
 def _counts(cfg: GenericConfig) -> ParamCounts:
@@ -57,7 +73,7 @@ def _counts(cfg: GenericConfig) -> ParamCounts:
     if cached is not None:
         return cached
     with torch.device("meta"):
-        model = HFCausalLM(cfg)
+        model = generic_model(cfg)
     blocks = model.blocks()
     attention, mlp, norms = [], [], []
     in_blocks = set()
@@ -76,8 +92,13 @@ def _counts(cfg: GenericConfig) -> ParamCounts:
         norms.append(n)
     embed = model.embed_tokens.weight
     head = model.lm_head.weight
+    parts = {name: cfg.part_of(model.canonical_name(name)) for name, _ in model.named_parameters()}
+    tower = sum(p.numel() for name, p in model.named_parameters() if parts[name] == "tower")
+    vision = tower + sum(p.numel() for name, p in model.named_parameters() if parts[name] == "projector")
     rest = sum(
-        p.numel() for p in model.parameters() if id(p) not in in_blocks and p is not embed and p is not head
+        p.numel()
+        for name, p in model.named_parameters()
+        if id(p) not in in_blocks and p is not embed and p is not head and parts[name] == "language"
     )
     counts = ParamCounts(
         embedding=embed.numel(),
@@ -86,6 +107,8 @@ def _counts(cfg: GenericConfig) -> ParamCounts:
         norms=tuple(norms),
         final_norm=rest,
         head=0 if head is embed else head.numel(),
+        vision=vision,
+        tower=tower,
     )
     _COUNTS[key] = counts
     return counts
@@ -100,7 +123,7 @@ def load_folder(folder: Path, cfg: GenericConfig, dtype: torch.dtype, device: An
             "recomputes",
             cfg.model_type,
         )
-    return HFCausalLM(cfg, pretrained=folder).to(dtype=dtype, device=device)
+    return generic_model(cfg, pretrained=folder).to(dtype=dtype, device=device)
 
 
 def save_folder(model: HFCausalLM, folder: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> None:
@@ -114,7 +137,7 @@ GENERIC = ModelSpec(
     name="hf",
     model_type=PREFIX.rstrip(":"),
     architecture="AutoModelForCausalLM",
-    model_cls=HFCausalLM,
+    model_cls=generic_model,
     config_from_hf=config_from_hf,
     hf_config_from=hf_config_from,
     key_to_hf=key_to_hf,
