@@ -4,7 +4,7 @@ them (a leaf: models, data and inference all pass it along)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -137,3 +137,12 @@ class ImagePrompt:
 
     def text(self, grid: tuple[int, int, int]) -> str:
         return self.before + self.token * self.tokens(grid) + self.after
+
+
+def prompt_tokens(tokenizer: Any, ids: tuple[int, ...], what: str) -> list[str]:
+    """The tokenizer's tokens of a family's image-prompt ids (`what` names them, as config.json does), or
+    an error where the tokenizer lacks them (another model's tokenizer)."""
+    tokens = tokenizer.convert_ids_to_tokens(list(ids))
+    if any(t is None for t in tokens) or max(ids) >= len(tokenizer):
+        raise ModelError(f"the tokenizer has no tokens {list(ids)} ({what}): use the model's own tokenizer")
+    return tokens

@@ -13,7 +13,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICA
 
 from shardforge.errors import ModelError
 from shardforge.models.common.config import DecoderConfig
-from shardforge.models.common.images import ImagePrompt
+from shardforge.models.common.images import ImagePrompt, prompt_tokens
 
 PREFIX = "hf:"  # a generic model's family name: "hf:<model_type>" (spec_for resolves it to the generic spec)
 
@@ -65,13 +65,8 @@ class Gemma3VisionConfig(GenericConfig):
         """Gemma 3's processor's `full_image_sequence`: "\n\n<start_of_image>", its image tokens,
         "<end_of_image>\n\n"."""
         ids = (self.hf.boi_token_index, self.image_token_id, self.hf.eoi_token_index)
-        tokens = tokenizer.convert_ids_to_tokens(list(ids))
-        if any(t is None for t in tokens) or max(ids) >= len(tokenizer):
-            raise ModelError(
-                f"the tokenizer lacks Gemma 3's image tokens {list(ids)} (config.json's boi_token_index, "
-                f"image_token_index, eoi_token_index): use the model's own tokenizer"
-            )
-        boi, image, eoi = tokens
+        what = "config.json's boi_token_index, image_token_index, eoi_token_index"
+        boi, image, eoi = prompt_tokens(tokenizer, ids, what)
         patch = int(self.hf.vision_config.patch_size)
         return ImagePrompt(
             self.image_token_id, image, f"\n\n{boi}", f"{eoi}\n\n", fixed=self.tokens_per_image, patch=patch

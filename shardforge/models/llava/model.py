@@ -12,9 +12,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shardforge.errors import ModelError
 from shardforge.models.common.config import DecoderConfig
-from shardforge.models.common.images import ImageInputs, ImagePrompt
+from shardforge.models.common.images import ImageInputs, ImagePrompt, prompt_tokens
 from shardforge.models.llama.vision import VisionLanguageDecoder
 
 TOWER, PROJECTOR = "vision_tower.", "multi_modal_projector."
@@ -65,12 +64,7 @@ class LlavaConfig(DecoderConfig):
         return "tower"
 
     def image_prompt(self, tokenizer: Any) -> ImagePrompt:
-        (token,) = tokenizer.convert_ids_to_tokens([self.image_token_id])
-        if token is None or self.image_token_id >= len(tokenizer):
-            raise ModelError(
-                f"the tokenizer has no image token {self.image_token_id} (config.json's image_token_index): "
-                f"use the model's own tokenizer"
-            )
+        (token,) = prompt_tokens(tokenizer, (self.image_token_id,), "config.json's image_token_index")
         patch = int(self.vision["patch_size"])
         return ImagePrompt(self.image_token_id, token, fixed=self.tokens_per_image, patch=patch)
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from shardforge.errors import ModelError
 from shardforge.models.common.config import DecoderConfig
-from shardforge.models.common.images import ImageInputs, ImagePrompt
+from shardforge.models.common.images import ImageInputs, ImagePrompt, prompt_tokens
 from shardforge.models.llama.vision import VisionLanguageDecoder
 from shardforge.models.qwen2_vl.rope import mrope_cos_sin, rope_index
 
@@ -72,13 +72,9 @@ class VisionLanguageConfig(DecoderConfig):
     def image_prompt(self, tokenizer: Any) -> ImagePrompt:
         """What an image becomes in a prompt, in this tokenizer's tokens."""
         ids = (self.image_token_id, self.vision_start_token_id, self.vision_end_token_id)
-        names = tokenizer.convert_ids_to_tokens(list(ids))
-        if any(n is None for n in names) or max(ids) >= len(tokenizer):
-            raise ModelError(
-                f"the tokenizer has no tokens {list(ids)} (the image, vision start and end tokens of "
-                f"config.json): use the model's own tokenizer"
-            )
-        token, before, after = names
+        token, before, after = prompt_tokens(
+            tokenizer, ids, "config.json's image, vision start and end tokens"
+        )
         return ImagePrompt(self.image_token_id, token, before, after, self.merge, min_side=28, max_aspect=200)
 
 
