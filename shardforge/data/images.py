@@ -124,11 +124,15 @@ class ImageEncoder:
     def encode_one(self, record: Record) -> list[Sequence_]:
         expanded, arrays = with_images(record, self.reader, self.refusal)
         if arrays is None:
-            return _encode(self.inner, [record])[0]
+            encoded = _encode(self.inner, [record])[0]
+            if self.reader is not None:
+                for ids, *_ in encoded:
+                    check_image_tokens(ids, self.reader.prompt.token_id, 0, record.source)
+            return encoded
         out: list[Sequence_] = []
         for ids, trained, *_ in _encode(self.inner, [expanded])[0]:
             ids = np.asarray(ids, dtype=np.int64)
-            check_image_tokens(ids, arrays, record.source)
+            check_image_tokens(ids, arrays.token, arrays.tokens, record.source)
             out.append((ids, np.asarray(trained, dtype=bool) & (ids != arrays.token), arrays))
         return out
 
@@ -159,14 +163,21 @@ def with_images(
     return replace(record, messages=messages, rejected=rejected), arrays
 
 
-def check_image_tokens(ids: np.ndarray, arrays: ImageArrays, source: str) -> None:
-    """A sequence must hold every image token of its record's images (none in a reply)."""
-    held = int((np.asarray(ids) == arrays.token).sum())
-    if held != arrays.tokens:
+def check_image_tokens(ids: Any, token: int, tokens: int, source: str) -> None:
+    """A sequence must hold every image token of its record's images (`tokens` of them; none in a reply),
+    and a record without images none: its text spelling the image token would be taken for an image's."""
+    held = int((np.asarray(ids) == token).sum())
+    if held == tokens:
+        return
+    if not tokens:
         raise DataError(
-            f"{source}: a sequence of this record holds {held} of its images' {arrays.tokens} image "
-            f"tokens; images go in the prompt (a reply of a pair or a KTO completion takes none)"
+            f"{source}: its text holds the model's image token {held} time(s) but the record has no images; "
+            f"give each image as an <image> mark with an images list, or drop the token from the text"
         )
+    raise DataError(
+        f"{source}: a sequence of this record holds {held} of its images' {tokens} image tokens; images go "
+        f"in the prompt (a reply of a pair or a KTO completion takes none)"
+    )
 
 
 def _encode(encoder: Encoder, records: list[Record]) -> list[list[Sequence_]]:

@@ -66,6 +66,7 @@ class Prompt:
     messages: list[dict[str, str]]
     answer: str | None
     record: Record  # where its images are read from again, each rollout that takes it (none kept)
+    image_tokens: int = 0  # how many its images made when the prompts were read
 
 
 def load_prompts(
@@ -82,21 +83,25 @@ def load_prompts(
     and again, with only the step's prompts in memory, by each rollout that takes it."""
     template = resolve_template(tokenizer, data.template, data.enable_thinking)
     records = [r for spec in data.train for r in read_dataset(spec, how)]
-    read = [with_images(r, reader, refusal) for r in records]
-    if any(arrays is not None for _, arrays in read):
+    expanded, counts = [], []  # each record's marks as its image tokens, and how many (its pixels dropped)
+    for record in records:
+        written, arrays = with_images(record, reader, refusal)
+        expanded.append(written)
+        counts.append(0 if arrays is None else arrays.tokens)
+    if any(counts):
         log.info(f"prompt images read: {sum(len(r.images or ()) for r in records)}")
-    texts = [render(tokenizer, template, list(r.messages or ()), True, r.tools) for r, _ in read]
+    texts = [render(tokenizer, template, list(r.messages or ()), True, r.tools) for r in expanded]
     prompts, too_long = [], 0
-    for record, (_, arrays), text, (ids, _) in zip(
-        records, read, texts, tokenize(tokenizer, texts), strict=True
-    ):
+    for record, count, text, (ids, _) in zip(records, counts, texts, tokenize(tokenizer, texts), strict=True):
         if len(ids) > room:
             too_long += 1
             continue
-        if arrays is not None:
-            check_image_tokens(ids, arrays, record.source)
+        if reader is not None:
+            check_image_tokens(ids, reader.prompt.token_id, count, record.source)
+        if count:
             text = render(tokenizer, template, list(record.messages or ()), True, record.tools)
-        prompts.append(Prompt(ids.tolist(), text, list(record.messages or ()), record.answer, record))
+        prompt = Prompt(ids.tolist(), text, list(record.messages or ()), record.answer, record, count)
+        prompts.append(prompt)
     if not prompts:
         raise DataError(
             f"none of the {len(records)} prompts fits in {room} tokens (data.max_length minus "
@@ -149,11 +154,20 @@ def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
         + (f"; {too_long} left out (longer than {room} tokens)" if too_long else "")
     )
     rewards = build_rewards(cfg.method.rl.rewards, cfg.method.rl.max_new_tokens, ctx.engine.device)
+    packing = rollout_packing(objective.traits.packed_groups, ctx.engine.model, ctx.dims, cfg.method.moe)
+    if (
+        packing == "shared"
+        and reader is not None
+        and any(p.ids[-1] == reader.prompt.token_id for p in prompts)
+    ):
+        # a completion would start with a copy of the prompt's last token, here an image's: not shared
+        log.info("a prompt ends in an image's token: each completion is packed with its whole prompt")
+        packing = "packed"
     return RolloutSource(
         prompts=prompts, rl=cfg.method.rl, rewards=rewards, tokenizer=ctx.tokenizer, sampler=ctx.sampler,
         objective=objective, engine=ctx.engine, dims=ctx.dims, mesh=ctx.mesh, autocast=ctx.autocast,
         seed=cfg.train.seed, split=ctx.split.astuple(), multiple=ctx.multiple, reader=reader,
-        packing=rollout_packing(objective.traits.packed_groups, ctx.engine.model, ctx.dims, cfg.method.moe),
+        packing=packing,
     )  # fmt: skip
 
 
@@ -261,7 +275,13 @@ class RolloutSource:
         read: dict[int, ImageArrays | None] = {}
         for p in prompts:
             if id(p) not in read:
-                read[id(p)] = with_images(p.record, self.reader, "")[1]
+                arrays = read[id(p)] = with_images(p.record, self.reader, "")[1]
+                made = 0 if arrays is None else arrays.tokens
+                if made != p.image_tokens:
+                    raise DataError(
+                        f"{p.record.source}: its images make {made} image tokens now and made "
+                        f"{p.image_tokens} when the prompts were read: an image changed during the run"
+                    )
         return [read[id(p)] for p in prompts]
 
     def _score(

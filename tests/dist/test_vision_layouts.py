@@ -47,6 +47,7 @@ METHODS = {  # method sections
     "frozen-tower": {},
     "all-parts": {"vision": {"freeze_tower": False, "freeze_projector": False}},
     "lora-tower": {"finetuning": "lora", "lora": {"rank": 4}, "vision": {"freeze_tower": False}},
+    "packed": {"vision": {"freeze_tower": False, "freeze_projector": False}},  # data.packing: true
     "grpo": {  # the prompts' images sampled with by the rollout engine, every part training
         "stage": "grpo",
         "vision": {"freeze_tower": False, "freeze_projector": False},
@@ -113,7 +114,10 @@ def test_vision_language_models_on_two_ranks_equal_one_process(tmp_path, folders
     cases += [
         (f, "all-parts", "cp2") for f in ("qwen2_vl", "qwen2_vl/mixed", "llava", "llava_next", "qwen3_vl")
     ]
-    cases += [("qwen2_vl", "lora-tower", "cp2")]
+    cases += [
+        ("qwen2_vl", "lora-tower", "cp2"),
+        ("qwen2_vl/mixed", "packed", "cp2"),
+    ]  # packed: M-RoPE restarts
     # GRPO with image prompts: the rollout engine over the gathered ZeRO-3 units, or both TP ranks
     cases += [("qwen2_vl/mixed", "grpo", layout) for layout in ("zero3", "tp2")] + [
         ("llava", "grpo", "zero3")

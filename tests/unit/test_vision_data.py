@@ -125,8 +125,17 @@ def test_openai_image_parts_and_data_urls(tmp_path, model_dir):
             },
             "is a remote URL",
         ),
+        (  # no images, but the image token spelled out: it would be taken for an image's
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi <|image_pad|>"},
+                    {"role": "assistant", "content": "Yo"},
+                ]
+            },
+            "holds the model's image token 1 time(s) but the record has no images",
+        ),
     ],
-    ids=["missing", "count", "corrupt", "video", "remote"],
+    ids=["missing", "count", "corrupt", "video", "remote", "spelled-token"],
 )
 def test_bad_images_are_errors_naming_the_record(tmp_path, model_dir, record, message):
     random_image(56, 56).save(tmp_path / "pic.png")
