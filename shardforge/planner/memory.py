@@ -340,19 +340,25 @@ class Memory:
         }
 
 
-def tower_bytes_per_row(cfg: Config, shape: object, costs: CostModel, dtype_bytes: int) -> float:
-    """What a vision-language model's tower keeps for backward per row, where it gets gradients (trained,
-    or adapters in it): the planner's row holds one image of data.image_max_pixels (the data are not read
-    yet; more images per row scale it). A frozen tower keeps nothing."""
+def patches_per_row(cfg: Config, shape: object, from_data: float | None) -> float:
+    """The tower's patches in a row: the data's mean where they have been read (`from_data`), else one
+    image of data.image_max_pixels."""
+    return shape.planned_patches(cfg.data.image_max_pixels) if from_data is None else from_data
+
+
+def tower_bytes_per_row(cfg: Config, costs: CostModel, dtype_bytes: int, patches: float) -> float:
+    """What a vision-language model's tower keeps for backward per row of `patches`, where it gets
+    gradients (trained, or adapters in it). A frozen tower keeps nothing."""
     if cfg.method.vision.freeze_tower:
         return 0.0
-    return shape.planned_patches(cfg.data.image_max_pixels) * costs.patch_activations * dtype_bytes
+    return patches * costs.patch_activations * dtype_bytes
 
 
 class MemoryModel:
     """Memory of any layout for one model, method and batch shape."""
 
-    def __init__(self, cfg: Config, shape: object, costs: CostModel) -> None:
+    def __init__(self, cfg: Config, shape: object, costs: CostModel, patches: float | None = None) -> None:
+        """`patches`: the tower's patches per row the data hold (None: not read yet)."""
         self.cfg, self.shape, self.costs = cfg, shape, costs
         params = inventory(shape, cfg)
         self.counter = StateCounter(params, shape.tie_embeddings)
@@ -361,7 +367,8 @@ class MemoryModel:
         self.act_dtype_bytes = activation_itemsize(cfg)
         self.group = sequences_per_group(cfg)  # rows per micro-batch group
         self.critic = critic_memory(cfg)
-        self.row_tower = tower_bytes_per_row(cfg, shape, costs, self.act_dtype_bytes)
+        row = patches_per_row(cfg, shape, patches)
+        self.row_tower = tower_bytes_per_row(cfg, costs, self.act_dtype_bytes, row)
 
     def activations(
         self, layout: Layout, stages: tuple[tuple[int, ...], ...] | None, scored: float = 1.0

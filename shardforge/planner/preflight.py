@@ -46,6 +46,17 @@ def preflight(
     return cfg, dims, grad_accum, plan, estimate
 
 
+def with_data(resolved: Resolved, world: int, shape: Any, patches: float, measure: bool) -> Resolved:
+    """A vision-language run's estimate again once its data are read, with the tower patches per row they
+    hold (`patches`; the layout was checked with one image of data.image_max_pixels a row): its memory
+    must still fit, else the run stops here, before training, saying what would."""
+    if resolved.estimate is None:
+        return resolved
+    cfg = resolved.config
+    planner = Planner(cfg, shape, cluster_for(cfg.hardware, world, required=False), measure, patches)
+    return replace(resolved, estimate=check_memory(resolved.estimate.layout, planner))
+
+
 def _memory_figure(cfg: Config, world: int, shape: Any, cluster: Any, measure: bool) -> str:
     """What a layout that breaks a rule would need per device, where it can be estimated (its degrees and
     batch split hold; a pipeline split by cost)."""

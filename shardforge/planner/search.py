@@ -101,15 +101,19 @@ def divisors(n: int) -> list[int]:
 class Planner:
     """Memory, time and rules of one model, method and batch shape on one cluster."""
 
-    def __init__(self, cfg: Config, shape: Any, cluster: Cluster, measure: bool = True) -> None:
+    def __init__(
+        self, cfg: Config, shape: Any, cluster: Cluster, measure: bool = True, patches: float | None = None
+    ) -> None:
+        """`patches`: a vision-language run's tower patches per row, from its data once read (before, one
+        image of data.image_max_pixels a row)."""
         if cluster.device.name == "cpu":
             cluster = replace(cluster, device=cpu_device(cfg, shape, cluster, measure))
         self.cfg, self.shape, self.cluster = cfg, shape, cluster
         self.costs = spec_for(shape.family).costs(shape)
-        self.memory = MemoryModel(cfg, shape, self.costs)
+        self.memory = MemoryModel(cfg, shape, self.costs, patches)
         sizes = [(math.prod(p.shape), p.trained) for p in self.memory.counter.whole_model]
         trained = sum(n for n, t in sizes if t) / sum(n for n, _ in sizes)  # as build_run counts it
-        self.timing = TimeModel(cfg, shape, self.costs, cluster, trained)
+        self.timing = TimeModel(cfg, shape, self.costs, cluster, trained, patches)
         self._stages: dict[int, str] = {}  # pipeline stages -> the balanced split, "3,4,4,3"
 
     # ---- one layout ---------------------------------------------------------------------------------------

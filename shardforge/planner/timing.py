@@ -21,7 +21,7 @@ from shardforge.parallel.dims import MESH_ORDER
 from shardforge.parallel.pipeline_plan import bubble_fraction
 from shardforge.planner.hardware import Cluster
 from shardforge.planner.layout import Layout
-from shardforge.planner.memory import StateBytes, activation_itemsize
+from shardforge.planner.memory import StateBytes, activation_itemsize, patches_per_row
 
 DDP_BUCKET = 25 << 20  # DDP's default bucket_cap_mb
 
@@ -78,10 +78,18 @@ class TimeModel:
     """Step time of any layout for one model, method and batch shape on one cluster."""
 
     def __init__(
-        self, cfg: Config, shape: object, costs: CostModel, cluster: Cluster, trained: float
+        self,
+        cfg: Config,
+        shape: object,
+        costs: CostModel,
+        cluster: Cluster,
+        trained: float,
+        patches: float | None = None,
     ) -> None:
-        """`trained`: the share of the parameters that train (their weight gradients are computed)."""
+        """`trained`: the share of the parameters that train (their weight gradients are computed);
+        `patches`: the tower's patches per row the data hold (None: not read yet)."""
         self.cfg, self.shape, self.costs, self.cluster = cfg, shape, costs, cluster
+        self.row_patches = patches_per_row(cfg, shape, patches)
         self.dtype = cfg.train.precision
         self.act = activation_itemsize(cfg)
         self.trained = trained
@@ -96,11 +104,10 @@ class TimeModel:
         self.adapter_bytes = sum(adapted) * self.act
 
     def tower_flops(self, batch: int) -> float:
-        """A vision-language model's tower and projector over `batch` rows of one image each at
-        data.image_max_pixels (the data are not read yet), forward and backward as the method trains it."""
+        """A vision-language model's tower and projector over `batch` rows (`patches_per_row`), forward and
+        backward as the method trains it."""
         vision, method = self.cfg.method.vision, self.cfg.method
-        patches = batch * self.shape.planned_patches(self.cfg.data.image_max_pixels)
-        return patches * self.costs.patch_flops * vision.tower_passes(method.finetuning)
+        return batch * self.row_patches * self.costs.patch_flops * vision.tower_passes(method.finetuning)
 
     def _adapter_widths(self) -> list[int]:
         """Output features of each linear of a layer that carries a LoRA adapter."""

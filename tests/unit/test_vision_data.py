@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -544,6 +545,48 @@ def test_the_planner_counts_a_training_tower_s_activations_and_time(tmp_path, mo
     assert flops == flops_frozen * (2 if finetuning == "lora" else 3)
     assert step.model_flops - step_frozen.model_flops == pytest.approx(flops - flops_frozen)
     assert step.parts["compute"] > step_frozen.parts["compute"]
+    # once the data are read, their patches per row replace the planned image's (here 2.5 of them)
+    data = 2.5 * patches
+    memory, timing = MemoryModel(cfg, shape, costs, data), TimeModel(cfg, shape, costs, h100s(2), 1.0, data)
+    assert memory.activations(layout, None) - kept_frozen[0] == pytest.approx(2 * 2.5 * per_row)
+    assert timing.tower_flops(2) == pytest.approx(2.5 * flops)
+
+
+def test_a_run_plans_again_with_its_data_s_images_and_stops_if_they_do_not_fit(tmp_path, model_dir):
+    """The layout is checked before the data are read (one image of data.image_max_pixels a row); once
+    they are, the estimate is made again with their mean tower patches per row (logged), and where the
+    data's images would not fit the device's memory the run stops there, before training, saying so."""
+    from shardforge.config import load_config
+    from shardforge.errors import ConfigError
+    from shardforge.models.build import check_model_source
+    from shardforge.planner.preflight import resolve_layout, with_data
+    from shardforge.train.trainer import train
+
+    info = lf_image_dataset(tmp_path / "data", count=4)
+    base = _config(tmp_path, model_dir, [{"name": "mllm_demo", "dataset_info": str(info)}]).model_dump(
+        mode="json"
+    )
+    base["method"] = {"vision": {"freeze_tower": False}}
+    base["train"]["steps"] = 1
+    config = load_config(None, base=base)
+    store = _rows(config).examples
+    mean = store.patches.sum() / len(store)  # one record a row (no packing)
+    said: list[logging.LogRecord] = []
+    heard = logging.Handler(logging.INFO)
+    heard.emit = said.append  # type: ignore[method-assign]
+    logging.getLogger("shardforge").addHandler(heard)
+    try:
+        train(config)
+    finally:
+        logging.getLogger("shardforge").removeHandler(heard)
+    assert any(f"the data hold {mean:.0f} tower patches per row" in r.getMessage() for r in said)
+    shape = check_model_source(config.model)
+    need = resolve_layout(config, 1, shape, measure=False).estimate.memory.device_bytes
+    small = load_config(None, base={**base, "hardware": {"memory_gib": 1.5 * need / 2**30}})
+    resolved = resolve_layout(small, 1, shape, measure=False)  # fits as planned
+    assert with_data(resolved, 1, shape, float(mean), False).estimate.fits
+    with pytest.raises(ConfigError, match="the layout will not run"):
+        with_data(resolved, 1, shape, 1e6, False)  # a million patches a row
 
 
 IMAGE_VALUES = st.sampled_from(["pic.png", "missing.png", "data:image/png;base64,AAAA", "data:text/x;base64,",
