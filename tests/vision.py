@@ -143,8 +143,16 @@ def lf_image_dataset(folder: Path, count: int = 4) -> Path:
             ]
         records.append({"messages": messages, "images": images})
     (folder / "mllm_demo.json").write_text(json.dumps(records, indent=1))
+    return sharegpt_info(folder, "mllm_demo.json")
+
+
+def sharegpt_info(folder: Path, file_name: str) -> Path:
+    """A dataset_info.json in `folder` whose entry "mllm_demo" reads `file_name` as LF's multimodal
+    sharegpt form (`messages` and an `images` column)."""
+    import json
+
     entry = {
-        "file_name": "mllm_demo.json", "formatting": "sharegpt",
+        "file_name": file_name, "formatting": "sharegpt",
         "columns": {"messages": "messages", "images": "images"},
         "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
                  "assistant_tag": "assistant"},
