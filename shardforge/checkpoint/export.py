@@ -25,6 +25,7 @@ from shardforge.errors import CheckpointError
 from shardforge.models import load_model, save_model
 from shardforge.models.build import build_model, load_tokenizer
 from shardforge.models.head import attach_critic
+from shardforge.models.io import copy_processor_files
 from shardforge.models.spec import spec_for
 from shardforge.objectives import score_labels
 from shardforge.objectives.rl import critic_folder, load_critic
@@ -140,4 +141,5 @@ def export_adapter(adapter: Path, to: Path, merge: bool, base: Path | None = Non
     saved = json.loads((base / "config.json").read_text())
     dtype = getattr(torch, str(saved.get("dtype") or saved.get("torch_dtype") or "float32"), torch.float32)
     save_model(model, to, tokenizer=tokenizer, dtype=dtype)
+    copy_processor_files(base, to)  # a vision-language base's image processor, where the adapter has none
     return f"merged onto {base}: model (HF format, adapters merged)"

@@ -28,6 +28,7 @@ from shardforge.errors import ConfigError, DataError, ModelError
 from shardforge.log import get_logger
 from shardforge.models.build import check_model_source, model_source
 from shardforge.models.generic.model import packs_per_document
+from shardforge.models.io import PROCESSOR_FILES
 
 log = get_logger(__name__)
 
@@ -161,12 +162,15 @@ def encoding_identity(tokenizer: Any, objective: Any, how: Reading, cfg: Config)
         for cls in type(objective).__mro__
         if cls.__module__.startswith("shardforge")
     ]
+    model = Path(cfg.model.path) if cfg.model.path else None  # its image processor and image tokens
+    processor = [model / n for n in (*PROCESSOR_FILES, "config.json") if model and (model / n).is_file()]
     return {
         "tokenizer": (
             file_fingerprint(tokenizer_files),
             len(tokenizer),
             getattr(tokenizer, "chat_template", None),
         ),
+        "images": file_fingerprint(processor),
         "objective": (objective.name, objective.group_size, how.reader, cfg.method.model_dump()),
         "code": code_fingerprint(code),
     }

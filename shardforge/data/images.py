@@ -194,4 +194,10 @@ def image_processor(folder: str | Path) -> Any:
         raise DataError(
             f"{folder}: a vision-language model needs its image processor (preprocessor_config.json)"
         )
-    return AutoImageProcessor.from_pretrained(folder)
+    processor = AutoImageProcessor.from_pretrained(folder)
+    if getattr(processor, "do_pan_and_scan", False):
+        raise DataError(
+            f"{folder}: its image processor cuts images into pan-and-scan crops (do_pan_and_scan: true in "
+            f"preprocessor_config.json), which shardforge does not read yet; set it false"
+        )
+    return processor

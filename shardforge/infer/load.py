@@ -15,8 +15,11 @@ from torch import nn
 from shardforge.adapters.merge import merge_adapter, merge_lora_modules
 from shardforge.data.images import ImageReader, image_processor
 from shardforge.dtypes import TORCH_DTYPES
-from shardforge.errors import ModelError
+from shardforge.errors import DataError, ModelError
 from shardforge.infer.sampling import GenerationDefaults
+from shardforge.log import get_logger
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -153,9 +156,16 @@ def _finish(model: nn.Module, tokenizer_folder: Path, folder: Path, name: str) -
 
 
 def image_reader(model: nn.Module, tokenizer: Any, folder: Path) -> ImageReader | None:
-    """A vision-language model's image processor (from its folder) and prompt; None for a text model."""
-    prompt = model.config.image_prompt(tokenizer)
-    return None if prompt is None else ImageReader(image_processor(folder), prompt)
+    """A vision-language model's image processor (from its folder) and prompt; None for a text model, or
+    for one that cannot read images (no image processor, a tokenizer without its image tokens): it serves
+    text, and requests with images are refused."""
+    if not model.config.takes_images:
+        return None
+    try:
+        return ImageReader(image_processor(folder), model.config.image_prompt(tokenizer))
+    except (DataError, ModelError) as exc:
+        log.warning(f"{exc}: requests with images are refused; text is served")
+        return None
 
 
 def _frozen(model: nn.Module) -> nn.Module:

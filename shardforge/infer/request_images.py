@@ -52,7 +52,10 @@ def request_images(
     if not urls:
         return [{"role": m.role, "content": m.text()} for m in messages], None
     if reader is None:
-        raise _bad(f"{model} reads text only: image_url parts are for a vision-language model")
+        raise _bad(
+            f"{model} reads no images (a text model, or a vision-language one without its image processor "
+            f"or image tokens: the server's log says which); send text only"
+        )
     refs = [image_source(url, root) for url in urls]
     try:
         pixels, grids = reader.process(refs, "messages")

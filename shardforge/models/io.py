@@ -259,11 +259,12 @@ PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_p
 
 
 def copy_processor_files(source: Path, folder: Path) -> None:
-    """The processor's files of the tokenizer's folder, copied into an exported folder beside it."""
+    """The processor's files of `source` (the tokenizer's folder, or a base model's), copied into an
+    exported folder beside it where it has none of its own."""
     if source.resolve() == folder.resolve():
         return
     for name in PROCESSOR_FILES:
-        if (source / name).is_file():
+        if (source / name).is_file() and not (folder / name).is_file():
             shutil.copyfile(source / name, folder / name)
 
 

@@ -155,6 +155,8 @@ def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
     )
     rewards = build_rewards(cfg.method.rl.rewards, cfg.method.rl.max_new_tokens, ctx.engine.device)
     packing = rollout_packing(objective.traits.packed_groups, ctx.engine.model, ctx.dims, cfg.method.moe)
+    if any(p.image_tokens for p in prompts) and not ctx.engine.inner.config.packs_images:
+        packing = "rows"  # the family packs no rows with images: one sequence a row
     if (
         packing == "shared"
         and reader is not None

@@ -12,11 +12,14 @@ import torch.distributed as dist
 
 from shardforge.config import Config
 from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.log import get_logger
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.pipeline_plan import PipelinePlan
 from shardforge.planner.hardware import cluster_for
 from shardforge.planner.layout import check_layout, layout_of
 from shardforge.planner.search import Planner, check_memory, choose
+
+log = get_logger(__name__)
 
 
 def preflight(
@@ -46,10 +49,32 @@ def preflight(
     return cfg, dims, grad_accum, plan, estimate
 
 
+def resolve_with_data(resolved: Resolved, world: int, shape: Any, rows: Any, measure: bool) -> Resolved:
+    """A vision-language run's layout checked again once its data are read (`rows`; None where the
+    objective samples its own): a family that packs no rows with images refuses packed data that hold
+    some, before the first step, and the estimate is made again with the tower patches per row the data
+    hold (their mean; the layout was checked with one image of data.image_max_pixels a row)."""
+    cfg = resolved.config
+    if not shape.takes_images or rows is None:
+        return resolved
+    if cfg.data.packing and not shape.packs_images and rows.examples.has_images:
+        raise ConfigError(
+            f"data.packing: true with images: {shape.family} does not pack rows that hold images "
+            f"(transformers' image masks over packed documents are not verified on the generic backend); "
+            f"set data.packing: false"
+        )
+    patches = float(rows.examples.patches.sum()) / max(1, len(rows.rows))
+    log.info(
+        f"planner: the data hold {patches:.0f} tower patches per row (planned before they were read: "
+        f"{shape.planned_patches(cfg.data.image_max_pixels)}, one image of data.image_max_pixels); "
+        f"estimated again with theirs"
+    )
+    return with_data(resolved, world, shape, patches, measure)
+
+
 def with_data(resolved: Resolved, world: int, shape: Any, patches: float, measure: bool) -> Resolved:
-    """A vision-language run's estimate again once its data are read, with the tower patches per row they
-    hold (`patches`; the layout was checked with one image of data.image_max_pixels a row): its memory
-    must still fit, else the run stops here, before training, saying what would."""
+    """The estimate again with the data's tower patches per row: its memory must still fit, else the run
+    stops here, before training, saying what would."""
     if resolved.estimate is None:
         return resolved
     cfg = resolved.config

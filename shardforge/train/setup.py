@@ -33,7 +33,7 @@ from shardforge.parallel.distributed import (
 from shardforge.parallel.engine import Engine
 from shardforge.parallel.parallelize import parallelize
 from shardforge.parallel.pipeline_plan import PipelinePlan
-from shardforge.planner.preflight import resolve_layout, with_data
+from shardforge.planner.preflight import resolve_layout, resolve_with_data
 from shardforge.train.moe import MoEBalancer
 from shardforge.train.optim import build_optimizer, build_scheduler, count_steps
 from shardforge.train.policy import build_policy
@@ -95,14 +95,7 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
     objective = objective or build_objective(cfg.method)
     how, precision = reading_of(objective, cfg.data.default_system), Precision(cfg.train.precision, device)
     train_rows, eval_rows = build_data(cfg, tokenizer, objective, how)
-    if shape.takes_images and train_rows is not None:  # the layout was checked before the data were read
-        patches = float(train_rows.examples.patches.sum()) / max(1, len(train_rows.rows))
-        resolved = with_data(resolved, world_size_from_env(), shape, patches, rank_from_env() == 0)
-        log.info(
-            f"planner: the data hold {patches:.0f} tower patches per row (planned before they were read: "
-            f"{shape.planned_patches(cfg.data.image_max_pixels)}, one image of data.image_max_pixels); "
-            f"estimated again with theirs"
-        )
+    resolved = resolve_with_data(resolved, world_size_from_env(), shape, train_rows, rank_from_env() == 0)
     policy = build_policy(cfg, tokenizer, objective.traits.score_head, dims=dims, mesh=ws.mesh, plan=plan,
                           device=device)  # fmt: skip
     model = policy.model

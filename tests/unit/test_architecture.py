@@ -108,7 +108,8 @@ COMPOSITION_ROOT_IMPORTS = {
     "build_checkpoints", "CheckpointManager", "Config", "BatchSource", "BatchSplit", "build_data",
     "packing_for", "RowSet", "model_source", "CostModel", "costs_for", "Objective", "SourceContext",
     "build_objective", "reading_of", "ParallelDims", "local_rank_from_env", "pick_device", "rank_from_env",
-    "world_size_from_env", "Engine", "parallelize", "PipelinePlan", "resolve_layout", "MoEBalancer",
+    "world_size_from_env", "Engine", "parallelize", "PipelinePlan", "resolve_layout", "resolve_with_data",
+    "MoEBalancer",
     "build_optimizer", "build_scheduler", "count_steps", "build_policy", "Precision", "bind_objective",
     "TrainingSampler", "build_peak", "build_workspace", "start_processes", "get_logger",
 }  # fmt: skip

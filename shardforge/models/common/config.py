@@ -62,6 +62,7 @@ class DecoderConfig:
         return self.num_kv_heads / tp if tp <= self.num_kv_heads else 1.0
 
     takes_images: ClassVar[bool] = False  # a vision-language family's (images in its forward and data)
+    packs_images: ClassVar[bool] = True  # packed rows (several documents) may hold images
 
     def planned_patches(self, max_pixels: int) -> int:
         """The tower's patches of one image of `max_pixels` (the planner's image per row); 0: a text

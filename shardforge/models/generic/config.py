@@ -43,6 +43,7 @@ class Gemma3VisionConfig(GenericConfig):
     pool each image into `mm_tokens_per_image` tokens, which attend to each other both ways."""
 
     takes_images: ClassVar[bool] = True
+    packs_images: ClassVar[bool] = False  # transformers' image masks over packed documents: not verified
 
     @property
     def tokens_per_image(self) -> int:

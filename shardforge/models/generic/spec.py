@@ -93,7 +93,7 @@ def _counts(cfg: GenericConfig) -> ParamCounts:
     embed = model.embed_tokens.weight
     head = model.lm_head.weight
     parts = {name: cfg.part_of(model.canonical_name(name)) for name, _ in model.named_parameters()}
-    tower = sum(p.numel() for name, p in model.named_parameters() if parts[name] == "tower")
+    tower = sum(p.numel() for name, p in model.named_parameters() if parts[name] in ("tower", "unused"))
     vision = tower + sum(p.numel() for name, p in model.named_parameters() if parts[name] == "projector")
     rest = sum(
         p.numel()

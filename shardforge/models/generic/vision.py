@@ -79,11 +79,13 @@ class HFVisionLM(HFCausalLM):
                 f"{self.config.model_type}: packed rows with images are not verified on the generic backend "
                 f"(transformers' image masks over packed documents): set data.packing: false"
             )
-        embedded = self.embed_tokens(x)
+        token = self.config.image_token_id
+        # transformers embeds an image token outside the text vocabulary as token 0 (replaced after)
+        embedded = self.embed_tokens(x.masked_fill(x == token, 0) if token >= self.config.vocab_size else x)
         features = images.embeddings
         if features is None:
             features = self.image_embeddings(images, embedded.dtype)
-        slots = x == self.config.image_token_id if images.slots is None else images.slots
+        slots = x == token if images.slots is None else images.slots
         if int(slots.sum()) != features.shape[0]:
             raise ModelError(
                 f"the batch has {int(slots.sum())} image tokens but its images make {features.shape[0]} "
