@@ -356,7 +356,7 @@ class RolloutSource:
         trunk's positions as the model lays out its prompt and each completion's after it, shifted as a text
         token after the prompt is; other rows' are the model's own, its completions' image tokens read as
         text."""
-        assert batch.images is not None
+        assert batch.images is not None and batch.input_ids is not None
         model, ids = self.engine.inner, batch.input_ids
         token = model.config.image_token_id
         completion = torch.zeros_like(ids, dtype=torch.bool)

@@ -66,6 +66,11 @@ class CausalModel(nn.Module, metaclass=ABCMeta):
         """The body: token ids (or a stage's incoming stream) -> the stream after the blocks; `images`
         (models/common/images.py) where the model is a vision-language one (`vision`)."""
 
+    def rotary_positions(self, x: torch.Tensor, position_ids: torch.Tensor, images: Any) -> torch.Tensor:
+        """The positions RoPE turns each token by: its position, unless a family's images lay out positions
+        of their own (Qwen2-VL's M-RoPE [3, b, s])."""
+        return position_ids
+
     @abstractmethod
     def blocks(self) -> list[nn.Module]:
         """The decoder blocks, in order: FSDP2's units, activation checkpointing's and compile's blocks."""

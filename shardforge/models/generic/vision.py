@@ -45,9 +45,6 @@ class HFVisionLM(HFCausalLM):
         side = vision.image_size // vision.patch_size
         return ImageInputs(torch.zeros(1, 3 * vision.image_size**2), torch.tensor([[1, side, side]]))
 
-    def rotary_positions(self, x: torch.Tensor, position_ids: torch.Tensor, images: Any) -> torch.Tensor:
-        return position_ids  # the images take the tokens' own positions
-
     def vision_parameters(self) -> list[torch.nn.Parameter]:
         base = self.hf.base_model
         return [*base.vision_tower.parameters(), *base.multi_modal_projector.parameters()]

@@ -245,13 +245,6 @@ class Decoder(StagedModel):
         view.register_buffer("inv_freq", self.inv_freq, persistent=False)
         return view
 
-    def rotary_positions(
-        self, x: torch.Tensor, position_ids: torch.Tensor, images: ImageInputs | None
-    ) -> torch.Tensor:
-        """The positions RoPE turns each token by: its position (a family with positions of its own for
-        images, Qwen2-VL's M-RoPE, says otherwise)."""
-        return position_ids
-
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.inv_freq, dtype)
 
