@@ -184,116 +184,6 @@ def test_the_first_step_loss_and_gradients_with_mixed_rows_equal_transformers(
         torch.testing.assert_close(mine, other, rtol=1e-4, atol=1e-5, msg=name)
 
 
-# ---- the engine (recompute runner) ----------------------------------------------------------------------
-
-
-def _generate_reference(reference, ids, kwargs, new=NEW, **extra):
-    """transformers' greedy tokens and each one's log-probability (of the raw logits)."""
-    kwargs = reference_inputs(reference, ids, kwargs) if kwargs else {}
-    with torch.no_grad():
-        out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, output_logits=True,
-                                 return_dict_in_generate=True, **kwargs, **extra)  # fmt: skip
-    tokens = out.sequences[0, ids.shape[1] :].tolist()
-    logprobs = [
-        torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens, strict=True)
-    ]
-    return tokens, logprobs
-
-
-def _engine(folder, ours, **config):
-    from transformers import AutoTokenizer
-
-    from shardforge.infer.engine import Engine, EngineConfig
-    from shardforge.infer.sampling import GenerationDefaults
-
-    return Engine(ours, AutoTokenizer.from_pretrained(folder), EngineConfig(**config), GenerationDefaults())
-
-
-def _prompts(folder):
-    """Prompts with images and without, two alike in tokens but not images, one alike in tokens and
-    images (a prefix-cache hit), and a text-only one spelling the same tokens (image tokens as text)."""
-    a = _prompt(folder, ["Describe", None, "in a few words, please."], 0)
-    b = _prompt(folder, ["Describe", None, "in a few words, please."], 7)  # same tokens, other image
-    c = _prompt(folder, [None, "and", None, "which is brighter?"], 3)
-    d = _prompt(folder, ["Just some text, no pictures here at all, only words."], 0)
-    literal = (a[0], None, {})  # a's tokens, no images: its image tokens are tokens
-    return [a, b, c, d, a, literal, c]
-
-
-@pytest.mark.parametrize(
-    "config",
-    [
-        {"block_size": 4, "num_blocks": 256, "max_step_tokens": 512},
-        {"block_size": 4, "num_blocks": 256, "max_step_tokens": 9},  # prompts in chunks
-        {"block_size": 4, "num_blocks": 24, "max_step_tokens": 64},  # blocks reused: preemptions
-        {"block_size": 2, "num_blocks": 40, "max_step_tokens": 16, "max_running": 3},
-        {"block_size": 4, "num_blocks": 24, "max_step_tokens": 64, "prefix_cache": False},
-        {"block_size": 8, "num_blocks": 12, "max_step_tokens": 5, "max_running": 2},
-    ],
-    ids=["roomy", "chunked", "preempting", "tiny-blocks", "no-prefix-cache", "big-blocks-few"],
-)
-def test_many_concurrent_requests_with_and_without_images_equal_transformers(folder, reference, ours, config):
-    from shardforge.infer.sampling import SamplingParams
-
-    prompts = _prompts(folder)
-    engine = _engine(folder, ours, **config)
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
-    done = engine.generate([p[0][0].tolist() for p in prompts], params, images=[p[1] for p in prompts])
-    for k, ((ids, _, kwargs), completions) in enumerate(zip(prompts, done, strict=True)):
-        tokens, logprobs = _generate_reference(reference, ids, kwargs)
-        assert completions[0].tokens == tokens, k
-        assert [lp for lp, _ in completions[0].logprobs] == pytest.approx(logprobs, abs=1e-4), k
-    if config["num_blocks"] == 24:
-        assert engine.stats().preemptions > 0
-    if config["max_step_tokens"] == 9:  # admitted after the first ones' blocks are cached
-        assert engine.stats().prefix_hits > 0  # the repeated prompts (same tokens, same images)
-    # the runner never keeps an embedding for a slot that no live sequence or cached block holds an image in
-    runner = engine.executor.runner
-    assert all(runner.tokens[slot] == ours.config.image_token_id for slot in runner.images)
-
-
-def test_n_greedy_completions_of_an_image_prompt_each_equal_transformers(folder, reference, ours):
-    """n = 3 completions of one image prompt (the children share its cached blocks) beside another image
-    request: each is transformers' greedy completion."""
-    from shardforge.infer.sampling import SamplingParams
-
-    prompts = _prompts(folder)[:3]
-    engine = _engine(folder, ours, block_size=4, num_blocks=64, max_step_tokens=32)
-    params = [SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0, n=3),
-              SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0, n=2),
-              SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)]  # fmt: skip
-    done = engine.generate([p[0][0].tolist() for p in prompts], params, images=[p[1] for p in prompts])
-    for (ids, _, kwargs), completions, p in zip(prompts, done, params, strict=True):
-        tokens, logprobs = _generate_reference(reference, ids, kwargs)
-        assert len(completions) == p.n
-        for completion in completions:
-            assert completion.tokens == tokens
-            assert [lp for lp, _ in completion.logprobs] == pytest.approx(logprobs, abs=1e-4)
-
-
-@pytest.mark.parametrize("bias", [100.0, 12.0])
-def test_a_completion_that_samples_the_image_token_equals_transformers(folder, reference, ours, bias):
-    """A completion's image token (pushed by logit_bias) is a token, as transformers' decode embeds it (no
-    image, no both-ways mask): greedy tokens and raw log-probs equal transformers' generate with the same
-    bias (its sequence_bias); a request preempted with such tokens in its output recomputes them the same."""
-    from shardforge.infer.sampling import SamplingParams
-
-    image = ours.config.image_token_id
-    prompts = _prompts(folder)[:4]
-    engine = _engine(folder, ours, block_size=4, num_blocks=26, max_step_tokens=64)
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0,
-                            logit_bias=((image, bias),))  # fmt: skip
-    done = engine.generate([p[0][0].tolist() for p in prompts], params, images=[p[1] for p in prompts])
-    sampled = 0
-    for (ids, _, kwargs), completions in zip(prompts, done, strict=True):
-        tokens, logprobs = _generate_reference(reference, ids, kwargs, sequence_bias={(image,): bias})
-        sampled += tokens.count(image)
-        assert completions[0].tokens == tokens
-        assert [lp for lp, _ in completions[0].logprobs] == pytest.approx(logprobs, abs=1e-4)
-    assert sampled > 0
-
-
 # ---- data on folders that cannot read images ------------------------------------------------------------
 
 
@@ -542,46 +432,15 @@ def test_rl_with_image_prompts_on_gemma3_scores_as_the_engine_sampled(tmp_path, 
     """GRPO / PPO on Gemma 3 image prompts (the tower trained): the rollout engine's log-probs equal
     transformers' on the prompt, images and completion (image tokens marked both ways), and the training
     forward's equal the engine's."""
-    from shardforge.train.sampler import TrainingSampler
     from shardforge.train.trainer import train
-    from tests.unit.test_vision_rollouts import rl_config
+    from tests.unit.test_vision_rollouts import compare_first_rollout, rl_config, spied_rollouts
 
-    captured = []
-    sample = TrainingSampler.sample
-
-    def spy(self, ids, positions, images):
-        out = sample(self, ids, positions, images)
-        captured.append((ids, images, out))
-        return out
-
-    monkeypatch.setattr(TrainingSampler, "sample", spy)
+    captured = spied_rollouts(monkeypatch)
     info = mixed_image_dataset(tmp_path / "prompts")
     history = train(rl_config(tmp_path, folder, info, stage=stage, steps=2)).history
     assert history[0]["logprob_delta"] < 1e-5
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
-    reference = reference_model(folder)
-    token = reference.config.image_token_id
-    compared = 0
-    for ids, images, groups in captured[:1]:
-        for prompt, pictures, completions in zip(ids, images, groups, strict=True):
-            for c in completions:
-                full = torch.tensor([prompt + c.tokens])
-                kwargs = {}
-                if pictures is not None:
-                    kwargs = {
-                        "pixel_values": pictures.pixel_values.view(len(pictures.grid_thw), 3, 56, 56),
-                        "token_type_ids": (torch.tensor([prompt + [0] * len(c.tokens)]) == token).long(),
-                    }
-                if token in c.tokens and pictures is not None:
-                    continue  # transformers would take it for an image's
-                with torch.no_grad():
-                    logits = reference(input_ids=full, **kwargs).logits
-                theirs = torch.log_softmax(logits[0, len(prompt) - 1 : -1].float(), -1)
-                theirs = theirs.gather(-1, torch.tensor(c.tokens)[:, None])[:, 0]
-                torch.testing.assert_close(
-                    torch.tensor([lp for lp, _ in c.logprobs]), theirs, atol=1e-4, rtol=0
-                )
-                compared += 1
+    compared, _ = compare_first_rollout(captured, reference_model(folder), "gemma3")
     assert compared >= 4
 
 
@@ -799,28 +658,6 @@ def test_shardforge_plan_on_a_gemma3_image_config_ranks_layouts(tmp_path, folder
     assert out["ranked"], json.dumps(out)[:3000]
     for entry in out["ranked"]:
         assert all(entry["layout"][k] == 1 for k in ("tp", "pp", "cp")), entry["layout"]
-
-
-# ---- inference on folders that cannot read images -------------------------------------------------------
-
-
-@pytest.mark.parametrize("what", ["tokens", "processor"])
-def test_text_generation_on_a_folder_that_cannot_read_images(tmp_path, folder, what):
-    """A Gemma 3 folder without its image processor (e.g. what `export --merge` writes) or without the image
-    tokens in its tokenizer: it still generates from text (as it still trains on text), transformers'
-    greedy tokens; only a request with images is refused, by name."""
-    from shardforge.infer.engine import Engine, EngineConfig
-    from shardforge.infer.load import load_for_inference
-    from shardforge.infer.sampling import SamplingParams
-
-    source = _without(folder, tmp_path, what)
-    loaded = load_for_inference(str(source))
-    assert loaded.images is None
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(block_size=4), loaded.defaults)
-    ids = torch.tensor([loaded.tokenizer("Tell me something.", add_special_tokens=False)["input_ids"]])
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=0)
-    done = engine.generate([ids[0].tolist()], params)
-    assert done[0][0].tokens == _generate_reference(reference_model(folder), ids, {})[0]
 
 
 def test_the_dataset_cache_never_hands_one_image_processor_s_pixels_to_another(tmp_path, folder):

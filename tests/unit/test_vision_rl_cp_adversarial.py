@@ -178,12 +178,12 @@ def _spy_rollouts(monkeypatch):
 
 
 def _transformers_logps(reference, family, prompt, completion, pictures):
-    from tests.unit.test_vision_rollouts import _theirs
+    from tests.unit.test_vision_rollouts import theirs_inputs
 
     full = torch.tensor([prompt + completion])
     token = reference.config.image_token_id
     with torch.no_grad():
-        logits = reference(input_ids=full, **_theirs(family, full, pictures, token)).logits
+        logits = reference(input_ids=full, **theirs_inputs(family, full, pictures, token)).logits
     logps = torch.log_softmax(logits[0, len(prompt) - 1 : -1].float(), -1)
     return logps.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 

@@ -43,15 +43,57 @@ def prompts(tmp_path_factory):
     return mixed_image_dataset(tmp_path_factory.mktemp("prompts"))
 
 
-def _theirs(model_type: str, ids: torch.Tensor, images, image_token: int) -> dict:
+def theirs_inputs(model_type: str, ids: torch.Tensor, images, image_token: int) -> dict:
     """transformers' forward inputs for a prompt's images as our rollout hands them to the engine."""
     if images is None:
         return {}
+    count = len(images.grid_thw)
     if model_type == "llava":  # whole resized images, one per row, (1, h, w) in 14-pixel patches
         _, h, w = images.grid_thw[0].tolist()
-        return {"pixel_values": images.pixel_values.view(len(images.grid_thw), 3, h * 14, w * 14)}
+        return {"pixel_values": images.pixel_values.view(count, 3, h * 14, w * 14)}
+    if model_type == "gemma3":  # square images, one per row; its image tokens attend both ways
+        side = int((images.pixel_values.shape[1] // 3) ** 0.5)
+        pixels = images.pixel_values.view(count, 3, side, side)
+        return {"pixel_values": pixels, "token_type_ids": (ids == image_token).long()}
     mm = (ids == image_token).int()
     return {"pixel_values": images.pixel_values, "image_grid_thw": images.grid_thw, "mm_token_type_ids": mm}
+
+
+def spied_rollouts(monkeypatch) -> list:
+    """Every rollout the run samples, as (prompts' ids, their images, their completions)."""
+    captured = []
+    sample = TrainingSampler.sample
+
+    def spy(self, ids, positions, images):
+        out = sample(self, ids, positions, images)
+        captured.append((ids, images, out))
+        return out
+
+    monkeypatch.setattr(TrainingSampler, "sample", spy)
+    return captured
+
+
+def compare_first_rollout(captured: list, reference, model_type: str) -> tuple[int, int]:
+    """The first rollout's (the starting weights') engine log-probs against transformers' on each prompt,
+    its images and completion; returns how many completions were compared, and how many with images. A
+    completion holding the image token is left out where its prompt has images (transformers would take it
+    for an image's)."""
+    token = reference.config.image_token_id
+    compared = with_images = 0
+    ids, images, groups = captured[0]
+    for prompt, pictures, completions in zip(ids, images, groups, strict=True):
+        for c in completions:
+            if token in c.tokens and pictures is not None:
+                continue
+            full = torch.tensor([prompt + c.tokens])
+            with torch.no_grad():
+                logits = reference(input_ids=full, **theirs_inputs(model_type, full, pictures, token)).logits
+            theirs = torch.log_softmax(logits[0, len(prompt) - 1 : -1].float(), -1)
+            theirs = theirs.gather(-1, torch.tensor(c.tokens)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor([lp for lp, _ in c.logprobs]), theirs, atol=1e-4, rtol=0)
+            compared += 1
+            with_images += pictures is not None
+    return compared, with_images
 
 
 @pytest.mark.parametrize(
@@ -63,38 +105,14 @@ def test_rollouts_with_images_are_sampled_and_scored_as_transformers_scores_them
     from shardforge.train.trainer import train
 
     folder = FAMILIES[family](tmp_path / family)
-    captured = []
-    sample = TrainingSampler.sample
-
-    def spy(self, ids, positions, images):
-        out = sample(self, ids, positions, images)
-        captured.append((ids, images, out))
-        return out
-
-    monkeypatch.setattr(TrainingSampler, "sample", spy)
+    captured = spied_rollouts(monkeypatch)
     history = train(rl_config(tmp_path, folder, prompts, steps=2)).history
     # the training forward (shared prompts, the engine's placement of the images) equals the engine's
     assert history[0]["logprob_delta"] < 1e-5
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
-    reference = reference_model(folder)
-    token = reference.config.image_token_id
-    compared = with_images = 0
-    for ids, images, groups in captured[:1]:  # the first rollout: the run's starting weights
-        assert len(ids) == 2 and any(im is not None for im in images)
-        for prompt, pictures, completions in zip(ids, images, groups, strict=True):
-            for c in completions:
-                if token in c.tokens:  # transformers would take it for an image's
-                    continue
-                full = torch.tensor([prompt + c.tokens])
-                with torch.no_grad():
-                    logits = reference(input_ids=full, **_theirs(family, full, pictures, token)).logits
-                theirs = torch.log_softmax(logits[0, len(prompt) - 1 : -1].float(), -1)
-                theirs = theirs.gather(-1, torch.tensor(c.tokens)[:, None])[:, 0]
-                torch.testing.assert_close(
-                    torch.tensor([lp for lp, _ in c.logprobs]), theirs, atol=1e-4, rtol=0
-                )
-                compared += 1
-                with_images += pictures is not None
+    ids, images, _ = captured[0]
+    assert len(ids) == 2 and any(im is not None for im in images)
+    compared, with_images = compare_first_rollout(captured, reference_model(folder), family)
     assert compared >= 4 and with_images >= 2
 
 
