@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from shardforge.config.optimizers import OptimizerSection
 from shardforge.config.paths import FileRef
 from shardforge.config.stages import STAGES, Choices, known_stage
 
@@ -451,6 +452,7 @@ class TrainSection(Section):
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(default=1e-8, gt=0)
+    optimizer: OptimizerSection = OptimizerSection()
     clip: float | None = Field(default=1.0, gt=0)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 0
