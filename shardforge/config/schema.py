@@ -128,6 +128,8 @@ class LoraSection(Section):
     targets: Literal["all"] | list[str] = "all"
     dora: bool = False
     rslora: bool = False
+    # LoRA+ (Hayou et al. 2024): B's learning rate is train.lr times this ratio (LLaMA-Factory's loraplus_lr_ratio)
+    plus_lr_ratio: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _known_targets(self) -> LoraSection:
