@@ -128,7 +128,7 @@ class LoraSection(Section):
     targets: Literal["all"] | list[str] = "all"
     dora: bool = False
     rslora: bool = False
-    # LoRA+ (Hayou et al. 2024): B's learning rate is train.lr times this ratio (LLaMA-Factory's loraplus_lr_ratio)
+    # LoRA+ (Hayou et al. 2024): B trains at train.lr times this ratio (LLaMA-Factory's loraplus_lr_ratio)
     plus_lr_ratio: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
@@ -290,11 +290,20 @@ class VisionSection(Section):
         return 1 if self.freeze_tower else 2 if finetuning == "lora" else 3
 
 
+class SFTSection(Section):
+    """Supervised fine-tuning's token loss: cross-entropy, or DFT (Wu et al. 2025, "On the Generalization of
+    SFT"; LLaMA-Factory's use_dft_loss): each target token's cross-entropy weighted by its probability,
+    detached, which rescales SFT's gradient the way a policy gradient with that reward would."""
+
+    loss: Literal["cross_entropy", "dft"] = "cross_entropy"
+
+
 class MethodSection(Section):
     stage: StageName = "sft"
     finetuning: Literal["full", "freeze", "lora"] = "full"
     lora: LoraSection = LoraSection()
     freeze: FreezeSection = FreezeSection()
+    sft: SFTSection = SFTSection()
     vision: VisionSection = VisionSection()
     pref: PrefSection = PrefSection()
     kto: KTOSection = KTOSection()
@@ -456,6 +465,8 @@ class TrainSection(Section):
     eps: float = Field(default=1e-8, gt=0)
     optimizer: OptimizerSection = OptimizerSection()
     clip: float | None = Field(default=1.0, gt=0)
+    # NEFTune: uniform noise of alpha / sqrt(L d) on the token embeddings while training (train/neftune.py)
+    neftune_alpha: float | None = Field(default=None, gt=0)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     seed: int = 0
     log_every: int = Field(default=10, ge=1)
@@ -619,6 +630,18 @@ class Config(Section):
             raise ValueError(
                 f"{held}: a stream cannot hold out a share of its records; give evaluation files in "
                 "data.eval instead"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _neftune(self) -> Config:
+        degrees = (("tp", self.parallel.tp), ("cp", self.parallel.cp), ("pp", self.parallel.pp))
+        split = {k: v for k, v in degrees if v > 1}
+        if self.train.neftune_alpha is not None and split:
+            layout = ", ".join(f"parallel.{k}={v}" for k, v in split.items())
+            raise ValueError(
+                f"train.neftune_alpha with {layout}: NEFTune draws each row's noise from the whole row's "
+                f"tokens on the rank that embeds it; use data parallel (any zero_stage) instead"
             )
         return self
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardforge.config.schema import DataSection
+import torch
+
+from shardforge.config.schema import DataSection, MethodSection
+from shardforge.data.batching import Batch
 from shardforge.data.examples import Encoder, Sequence_
 from shardforge.data.formats import Record
 from shardforge.data.templates import ChatTemplate, encode_chats, resolve_template
@@ -36,3 +39,17 @@ class SFTObjective(CausalLM):
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
         template = resolve_template(tokenizer, data.template, data.enable_thinking)
         return ChatEncoder(tokenizer, template, data.train_on_prompt)
+
+    def __init__(self, method: MethodSection | None = None) -> None:
+        super().__init__(method)
+        # DFT weighs each token by its probability, so the loss is no plain sum of log-probs: the head
+        # returns them for the loss to weigh instead of making the weight's gradient in forward
+        self.dft = self.method.sft.loss == "dft"
+        self.summed = not self.dft
+
+    def loss(self, output: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        """Cross-entropy, or DFT's: -sum p log p over the target tokens, p detached (divided, like
+        cross-entropy, by the global batch's target count: LLaMA-Factory's num_items_in_batch)."""
+        if not self.dft:
+            return {"loss": -output.sum()}
+        return {"loss": -(output * output.detach().exp()).sum()}

@@ -24,6 +24,7 @@ from shardforge.planner.compare import planned_vs_measured
 from shardforge.train.evaluation import evaluate
 from shardforge.train.guard import NonFiniteGuard
 from shardforge.train.metrics import progress_bar
+from shardforge.train.neftune import NEFTune
 from shardforge.train.profiling import StepProfiler
 from shardforge.train.report import TrainResult, describe_run, metrics_for
 from shardforge.train.runtime import console_for
@@ -75,6 +76,7 @@ class Trainer:
             log.info(run.plan.describe())
         log.info(describe_run(run))
         StepProfiler.attach(self)  # when train.profile asks for it
+        self.neftune = NEFTune.attach(self)  # when train.neftune_alpha asks for it
 
     def _phase(self, what: str, tag: str | None = None) -> None:
         """Mark progress for the watchdog (named in a hang report) and, tagged, for the "phase" hooks."""

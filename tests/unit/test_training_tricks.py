@@ -1,0 +1,173 @@
+"""LLaMA-Factory's training tricks against their reference implementations: the DFT loss (LF's own
+`dft_loss_func`, read from its source) and NEFTune (transformers' `neftune_post_forward_hook`), each over 3
+optimizer steps of our trainer against transformers' model trained on the same batches."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.integrations.neftune import neftune_post_forward_hook
+
+from shardforge.config import load_config
+from shardforge.data.batching import IGNORE
+from shardforge.errors import ConfigError
+from shardforge.train.trainer import Trainer
+from tests.conftest import alpaca_records, tiny_chat_model, tiny_config, write_jsonl
+
+LR, STEPS = 1e-3, 3
+
+
+def lf_function(name: str, *helpers: str) -> Any:
+    """A function of LF 0.9.5's train/trainer_utils.py, from its own source (its module imports LF's whole
+    training stack, whose pins conflict with ours): the anchor's code, not our reading of it."""
+    from tests.lf.reference_env import reference
+
+    path = reference().src / "src" / "llamafactory" / "train" / "trainer_utils.py"
+    tree = ast.parse(path.read_text())
+    wanted = {name, *helpers}
+    body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]
+    namespace: dict[str, Any] = {"torch": torch, "Optional": Optional}
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def train_ours(tmp_path: Path, **sections: Any) -> tuple[Trainer, list]:
+    """3 steps of 4 rows on a tiny Llama folder; the micro-batches the loop trained on, in order."""
+    model = tiny_chat_model(tmp_path / "base", context=128)
+    data = write_jsonl(tmp_path / "train.jsonl", alpaca_records(12))
+    train = {"steps": STEPS, "micro_batch": 2, "grad_accum": 2, "lr": LR, "warmup": 0, "schedule": "constant",
+             "clip": None, "betas": [0.9, 0.999]}  # fmt: skip
+    cfg = tiny_config(tmp_path, data, **sections)
+    cfg["model"] = {"path": str(model)}
+    cfg["train"].update(train | sections.get("train", {}))
+    cfg["data"]["packing"] = False
+    trainer = Trainer(load_config(None, base=cfg))
+    seen: list = []
+    setup = trainer.setup
+
+    def capture() -> None:
+        setup()
+        draw = trainer.loader.next
+        trainer.loader.next = lambda: seen.append(draw()) or seen[-1]
+
+    trainer.setup = capture
+    trainer.train()
+    return trainer, seen
+
+
+def train_theirs(folder: Path, batches: list, loss_fn: Any, noises: list | None = None) -> torch.nn.Module:
+    """transformers' model on the same micro-batches: the loss of each (LF's labels: our targets shifted
+    back by one) over the global batch's target count, AdamW as ours is set."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    if noises is not None:  # transformers' hook, its uniform draw replaced by the noise ours drew
+        embed = model.get_input_embeddings()
+        embed.neftune_noise_alpha = 5.0
+        drawn = iter(noises)
+
+        def hook(module: Any, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+            noise = next(drawn)
+            bound = 5.0 / math.sqrt(output.size(1) * output.size(2))
+            assert noise.abs().max() <= bound and noise.abs().max() > 0.9 * bound
+            original = torch.Tensor.uniform_
+            torch.Tensor.uniform_ = lambda t, low, high: t.copy_(noise)  # type: ignore[method-assign]
+            try:
+                return neftune_post_forward_hook(module, inputs, output)
+            finally:
+                torch.Tensor.uniform_ = original  # type: ignore[method-assign]
+
+        embed.register_forward_hook(hook)
+    for step in batches:
+        count = sum(int((mb.targets != IGNORE).sum()) for mb in step.micro)
+        for mb in step.micro:
+            labels = torch.cat([torch.full_like(mb.targets[:, :1], -100), mb.targets[:, :-1]], dim=1)
+            labels = labels.masked_fill(labels == IGNORE, -100)
+            logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
+            loss_fn({"logits": logits}, labels, torch.tensor(count)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+def assert_same_weights(trainer: Trainer, theirs: torch.nn.Module) -> None:
+    ours = AutoModelForCausalLM.from_pretrained(trainer.run_dir / "final", dtype=torch.float32)
+    reference = dict(theirs.named_parameters())
+    for name, param in ours.named_parameters():
+        torch.testing.assert_close(param, reference[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert not torch.equal(reference["model.embed_tokens.weight"], trainer_start(trainer))
+
+
+def trainer_start(trainer: Trainer) -> torch.Tensor:
+    base = AutoModelForCausalLM.from_pretrained(trainer.run_dir.parent / "base", dtype=torch.float32)
+    return base.get_input_embeddings().weight
+
+
+def ce_sum(outputs: dict, labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    logits = outputs["logits"][:, :-1].flatten(0, 1)
+    return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), reduction="sum") / count
+
+
+@pytest.mark.slow
+def test_dft_loss_equals_llamafactory_s_over_three_steps(tmp_path):
+    trainer, batches = train_ours(tmp_path, method={"sft": {"loss": "dft"}})
+    assert len(batches) == STEPS and all(len(b.micro) == 2 for b in batches)
+    theirs = train_theirs(tmp_path / "base", batches, lf_function("dft_loss_func", "_dft_cross_entropy"))
+    assert_same_weights(trainer, theirs)
+
+
+def test_dft_loss_is_ce_weighted_by_the_detached_probability():
+    from shardforge.config.schema import MethodSection
+    from shardforge.objectives.sft import SFTObjective
+
+    logps = torch.tensor([-0.1, -2.0, -0.7], requires_grad=True)
+    dft = SFTObjective(MethodSection(sft={"loss": "dft"}))
+    loss = dft.loss(logps, None)["loss"]  # type: ignore[arg-type]
+    torch.testing.assert_close(loss, -(logps * logps.exp()).sum())
+    loss.backward()
+    torch.testing.assert_close(logps.grad, -logps.detach().exp())  # p is a constant of the gradient
+    assert dft.summed is False and SFTObjective().summed is True
+
+
+@pytest.mark.slow
+def test_neftune_equals_transformers_hook_over_three_steps(tmp_path, monkeypatch):
+    from shardforge.train import neftune
+
+    drawn: list[torch.Tensor] = []
+    original = neftune.NEFTune.__init__
+
+    def keep(self: Any, *args: Any) -> None:
+        original(self, *args)
+        self.drawn = drawn
+
+    monkeypatch.setattr(neftune.NEFTune, "__init__", keep)
+    trainer, batches = train_ours(tmp_path, train={"neftune_alpha": 5.0})
+    assert len(drawn) == 2 * STEPS  # a draw per training forward (the evaluation draws none)
+    theirs = train_theirs(tmp_path / "base", batches, ce_sum, noises=drawn)
+    assert_same_weights(trainer, theirs)
+
+
+def test_neftune_noise_is_keyed_by_step_and_row_not_by_layout():
+    from shardforge.train.neftune import NEFTune
+
+    noise = NEFTune(alpha=5.0, seed=3)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    both = noise.noise(ids, 16)
+    torch.testing.assert_close(noise.noise(ids[1:], 16)[0], both[1])  # a row alone draws the same
+    assert both.abs().max() <= 5.0 / math.sqrt(4 * 16)
+    noise.step += 1
+    assert not torch.equal(noise.noise(ids, 16), both)  # a new step, new noise
+
+
+def test_neftune_refuses_layouts_that_split_a_row(tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", alpaca_records(4))
+    for key in ("tp", "cp", "pp"):
+        cfg = tiny_config(tmp_path, data, train={"neftune_alpha": 5.0}, parallel={key: 2})
+        with pytest.raises(ConfigError, match=f"train.neftune_alpha with parallel.{key}=2"):
+            load_config(None, base=cfg)
