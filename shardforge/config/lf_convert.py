@@ -104,6 +104,9 @@ LF_DEFAULTS: dict[str, Any] = {
     "overwrite_output_dir": False,
     "ddp_timeout": 1800,
     "disable_gradient_checkpointing": False,
+    "use_dft_loss": False,
+    "neftune_noise_alpha": None,
+    "loraplus_lr_ratio": None,
 }
 
 # LF keys that need nothing in shardforge (the behaviour is built in, or belongs to HF Trainer's bookkeeping)
@@ -127,10 +130,10 @@ NOTHING_TO_DO = {
 # LF keys whose value at LF's "off" needs nothing, and otherwise has no counterpart (unsupported)
 WANTS = {
     "use_galore": "GaLore", "use_apollo": "APOLLO", "use_badam": "BAdam", "use_adam_mini": "Adam-mini",
-    "use_muon": "Muon", "loraplus_lr_ratio": "LoRA+", "pissa_init": "PiSSA initialisation",
+    "use_muon": "Muon", "pissa_init": "PiSSA initialisation",
     "use_llama_pro": "LLaMA Pro block expansion", "mixture_of_depths": "mixture-of-depths",
-    "use_dft_loss": "the DFT loss", "use_asft_loss": "the ASFT loss", "use_eaft_loss": "the EAFT loss",
-    "neftune_noise_alpha": "NEFTune noise", "pure_bf16": "pure bf16 (no fp32 master weights)",
+    "use_asft_loss": "the ASFT loss", "use_eaft_loss": "the EAFT loss",
+    "pure_bf16": "pure bf16 (no fp32 master weights)",
     "fp8": "fp8 training", "do_predict": "prediction with generation (shardforge generate)",
     "predict_with_generate": "prediction with generation (shardforge generate)",
     "streaming": "LF's streaming (use data.streaming)",
@@ -515,6 +518,25 @@ def _checkpointing(value: Any, lf: dict, out: Converted) -> None:
     _put(out.config, "parallel.activation_checkpoint", "none" if off else "full")
 
 
+def _dft(value: Any, lf: dict, out: Converted) -> None:
+    if not _cast("use_dft_loss", bool, value):
+        return
+    if lf["stage"] == "sft":
+        _put(out.config, "method.sft.loss", "dft")
+    else:  # LF's SFT trainer alone reads it
+        out.notes.append(f"use_dft_loss: LLaMA-Factory's stage {lf['stage']} ignores it, as shardforge does")
+
+
+def _loraplus(value: Any, lf: dict, out: Converted) -> None:
+    if value is None:
+        return
+    if lf["finetuning_type"] != "lora":  # LF's own check
+        raise ConfigError("loraplus_lr_ratio: only valid for LoRA training (finetuning_type: lora)")
+    _put(out.config, "method.lora.plus_lr_ratio", _cast("loraplus_lr_ratio", float, value))
+    if "loraplus_lr_embedding" in lf:
+        out.notes.append("loraplus_lr_embedding: shardforge adapts no embedding, so it changes nothing")
+
+
 def _optional(key: str, dotted: str, kind: type) -> Rule:
     """A key whose LF default (None, 0, an empty list) means: leave ours unset."""
     return lambda v, lf, out: _put(out.config, dotted, _cast(key, kind, v)) if v else None
@@ -592,13 +614,16 @@ RULES: dict[str, Rule] = {
         out.config, "parallel.timeout_minutes", max(1.0, _cast("ddp_timeout", int, v) / 60)
     ),
     "disable_gradient_checkpointing": _checkpointing,
+    "use_dft_loss": _dft,
+    "neftune_noise_alpha": _optional("neftune_noise_alpha", "train.neftune_alpha", float),
+    "loraplus_lr_ratio": _loraplus,
 }
 # keys read by another key's rule (quantization_bit's, dataset's, ...) or by _deepspeed
 READ_WITH = frozenset({
     "quantization_method", "quantization_type", "dataset_dir", "max_samples", "neat_packing", "save_steps",
     "save_total_limit", "max_steps", "lr_scheduler_kwargs", "warmup_ratio", "adam_beta1", "adam_beta2",
     "adam_epsilon", "fp16", "eval_steps", "resume_from_checkpoint", "reward_model_type", "deepspeed",
-    "interleave_probs",
+    "interleave_probs", "loraplus_lr_embedding",
 })  # fmt: skip
 
 

@@ -1,11 +1,13 @@
-"""NEFTune (Jain et al. 2023; transformers' and LLaMA-Factory's `neftune_noise_alpha`): uniform noise added
-to the token embeddings while training, of magnitude alpha / sqrt(L d) for rows L tokens wide of width d, as
-transformers' `neftune_post_forward_hook` draws it (L: the row's width in the batch, padding included).
+"""NEFTune (Jain et al. 2023; transformers' and LLaMA-Factory's `neftune_noise_alpha`): uniform noise in
+[-a, a], a = alpha / sqrt(L d), added to the token embeddings while training, for a row of L tokens of width
+d. L is the row's own length, padding excluded, as the paper's code has it (padding gets no noise);
+transformers' hook takes the batch's padded width instead, which is the same for a row batched alone.
 
-The noise of a row is drawn from a generator seeded by the run's seed, the optimizer step and the row's token
-ids, not from the process's random state: every layout that gives a row the same width (packed rows always
-have one) adds the same noise to it, however the global batch is split over ranks and micro-steps, and a
-resumed run draws what the uninterrupted one drew."""
+The noise of a row is drawn from a generator seeded by the run's seed, the optimizer step and the row's
+tokens, not from the process's random state: a row gets the same noise however the global batch is split
+over ranks and micro-steps and however wide its micro-batch is padded, and a resumed run draws what the
+uninterrupted one drew. The row's length is where its trailing run of padding ids begins (a row whose own
+text ends in the padding id counts those tokens as padding, the same in every layout)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from torch import nn
 class NEFTune:
     """The forward hook on a model's input embedding, and the optimizer step whose noise it draws."""
 
-    def __init__(self, alpha: float, seed: int) -> None:
-        self.alpha, self.seed, self.step = alpha, seed, 0
+    def __init__(self, alpha: float, seed: int, pad_id: int) -> None:
+        self.alpha, self.seed, self.pad_id, self.step = alpha, seed, pad_id, 0
         self.drawn: list[torch.Tensor] | None = None  # the noise of each forward, when a test asks
 
     @classmethod
@@ -30,7 +32,7 @@ class NEFTune:
         train = trainer.config.train
         if train.neftune_alpha is None:
             return None
-        noise = cls(train.neftune_alpha, train.seed)
+        noise = cls(train.neftune_alpha, train.seed, trainer.run.tokenizer.pad_token_id)
         noise.step = trainer.start_step + 1
         trainer.engine.inner.embed_tokens.register_forward_hook(noise.hook)
         trainer.add_hook("step_end", noise.on_step_end)
@@ -40,14 +42,20 @@ class NEFTune:
         self.step = step + 1
 
     def noise(self, ids: torch.Tensor, width: int) -> torch.Tensor:
-        """[rows, L, d] fp32 noise for the rows `ids` [rows, L]."""
-        bound = self.alpha / math.sqrt(ids.shape[1] * width)
-        rows = []
-        for row in ids.cpu():
-            key = zlib.crc32(row.numpy().tobytes(), zlib.crc32(f"{self.seed}:{self.step}".encode()))
-            generator = torch.Generator().manual_seed(key)
-            rows.append(torch.rand(ids.shape[1], width, generator=generator) * (2 * bound) - bound)
-        return torch.stack(rows)
+        """[rows, W, d] fp32 noise for the rows `ids` [rows, W] (zero on each row's padding)."""
+        noise = torch.zeros(*ids.shape, width)
+        for row, tokens in zip(noise, ids.cpu(), strict=True):
+            real = (tokens != self.pad_id).nonzero()
+            length = int(real[-1]) + 1 if len(real) else 0
+            if not length:
+                continue
+            key = zlib.crc32(
+                tokens[:length].numpy().tobytes(), zlib.crc32(f"{self.seed}:{self.step}".encode())
+            )
+            bound = self.alpha / math.sqrt(length * width)
+            drawn = torch.rand(length, width, generator=torch.Generator().manual_seed(key))
+            row[:length] = drawn * (2 * bound) - bound
+        return noise
 
     def hook(self, module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         if not module.training:

@@ -39,6 +39,14 @@ def _cfg(
     return cfg
 
 
+def tricks(cfg: dict) -> dict:
+    """LLaMA-Factory's per-token tricks: NEFTune's noise (keyed by row, so the same under any split of packed
+    rows) and the DFT loss."""
+    cfg["train"]["neftune_alpha"] = 5.0
+    cfg["method"] = {"sft": {"loss": "dft"}}
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("dp") / "train.jsonl", alpaca_records(120, seed=7))
@@ -53,12 +61,13 @@ def reference(tmp_path_factory, data):
         _cfg(tmp, "mb2x4", data, mb=2, accum=4),
         _cfg(tmp, "tied", data, mb=4, accum=2, preset="tiny-qwen2"),
         _cfg(tmp, "short", data, mb=4, accum=2, steps=3),
+        tricks(_cfg(tmp, "tricks", data, mb=4, accum=2, steps=3)),
     ]
     for precision in ("bf16", "fp16"):  # low-precision layouts are compared with one process in the same one
         configs.append(_cfg(tmp, precision, data, mb=4, accum=2))
         configs[-1]["train"]["precision"] = precision
     runs = train_runs(configs)
-    return dict(zip(["mb4x2", "mb2x4", "tied", "short", "bf16", "fp16"], runs, strict=True))
+    return dict(zip(["mb4x2", "mb2x4", "tied", "short", "tricks", "bf16", "fp16"], runs, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +86,18 @@ def two_ranks(tmp_path_factory, data):
     for precision in ("bf16", "fp16"):
         configs.append(_cfg(tmp, precision, data, mb=2, accum=2, zero_stage=3))
         configs[-1]["train"]["precision"] = precision
-    names = [*layouts, "tied", "offload_opt", "offload_params", "fp16hook", "powersgd", "bf16", "fp16"]
+    configs.append(tricks(_cfg(tmp, "tricks", data, mb=2, accum=2, steps=3, zero_stage=3)))
+    names = [
+        *layouts,
+        "tied",
+        "offload_opt",
+        "offload_params",
+        "fp16hook",
+        "powersgd",
+        "bf16",
+        "fp16",
+        "tricks",
+    ]
     per_rank = run_ranks(train_runs, 2, configs)
     return {name: [rank[i] for rank in per_rank] for i, name in enumerate(names)}
 
@@ -93,6 +113,11 @@ def test_zero_stages_match_single_process(two_ranks, reference, stage):
     run = two_ranks[f"zero{stage}"][0]
     assert_same(run, reference["mb4x2"])
     assert_same(run, reference["mb2x4"])
+
+
+def test_neftune_and_dft_under_zero3_match_single_process(two_ranks, reference):
+    assert_same(two_ranks["tricks"][0], reference["tricks"])
+    assert reference["tricks"]["losses"] != reference["short"]["losses"]
 
 
 def test_tied_embeddings_under_zero3(two_ranks, reference):

@@ -69,6 +69,10 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "fp16": {"fp16": True},
     "no_checkpointing": {"disable_gradient_checkpointing": True},
     "report": {"report_to": ["wandb", "tensorboard"], "run_name": "exp"},
+    "dft": {"use_dft_loss": True},
+    "dft_ignored_by_dpo": {"stage": "dpo", "use_dft_loss": True},
+    "neftune": {"neftune_noise_alpha": 5},
+    "loraplus": {"loraplus_lr_ratio": 16.0},
     # refused: keys LF honours that shardforge cannot
     "galore": {"use_galore": True},
     "int8": {"quantization_bit": 8},
@@ -144,6 +148,9 @@ def expected(lf: dict[str, Any]) -> dict[str, Any]:
     out |= {"data.eval_count": int(size)} if size >= 1 else {"data.eval_fraction": size}
     if lf["quantization_bit"] == 4:
         out["model.quantize"] = "nf4"
+    out["method.sft.loss"] = "dft" if lf["use_dft_loss"] and stage == "sft" else "cross_entropy"
+    out["train.neftune_alpha"] = lf["neftune_noise_alpha"]
+    out["method.lora.plus_lr_ratio"] = lf["loraplus_lr_ratio"]
     return out
 
 

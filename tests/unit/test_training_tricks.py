@@ -147,8 +147,10 @@ def test_neftune_equals_transformers_hook_over_three_steps(tmp_path, monkeypatch
         self.drawn = drawn
 
     monkeypatch.setattr(neftune.NEFTune, "__init__", keep)
-    trainer, batches = train_ours(tmp_path, train={"neftune_alpha": 5.0})
-    assert len(drawn) == 2 * STEPS  # a draw per training forward (the evaluation draws none)
+    # one row a micro-batch: transformers' width (the batch's, padding included) is the row's length, ours
+    train = {"neftune_alpha": 5.0, "micro_batch": 1, "grad_accum": 4}
+    trainer, batches = train_ours(tmp_path, train=train)
+    assert len(drawn) == 4 * STEPS  # a draw per training forward (the evaluation draws none)
     theirs = train_theirs(tmp_path / "base", batches, ce_sum, noises=drawn)
     assert_same_weights(trainer, theirs)
 
@@ -156,11 +158,13 @@ def test_neftune_equals_transformers_hook_over_three_steps(tmp_path, monkeypatch
 def test_neftune_noise_is_keyed_by_step_and_row_not_by_layout():
     from shardforge.train.neftune import NEFTune
 
-    noise = NEFTune(alpha=5.0, seed=3)
-    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    noise = NEFTune(alpha=5.0, seed=3, pad_id=0)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
     both = noise.noise(ids, 16)
-    torch.testing.assert_close(noise.noise(ids[1:], 16)[0], both[1])  # a row alone draws the same
-    assert both.abs().max() <= 5.0 / math.sqrt(4 * 16)
+    torch.testing.assert_close(noise.noise(ids[1:, :3], 16)[0], both[1, :3])  # alone, unpadded: the same
+    assert both[0].abs().max() <= 5.0 / math.sqrt(4 * 16) and both[0].abs().max() > 0.9 * 5.0 / 8
+    assert both[1].abs().max() > 5.0 / math.sqrt(4 * 16)  # 3 tokens long: the bound is the row's own
+    assert not both[1, 3].any()  # padding gets none
     noise.step += 1
     assert not torch.equal(noise.noise(ids, 16), both)  # a new step, new noise
 
