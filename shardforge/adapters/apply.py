@@ -77,13 +77,26 @@ def freeze_parts(model: CausalModel, method: MethodSection) -> None:
 
 
 def freeze(model: CausalModel, section: FreezeSection) -> None:
-    total = model.config.num_layers
-    n = section.trainable_layers
-    trainable = set(range(total - n, total) if n >= 0 else range(-n))
+    trainable = trainable_layers(model.config.num_layers, section)
     for name, param in model.named_parameters():
         parts = model.canonical_name(name).split(".")  # the generic backend's names, as ours are spelled
         in_layer = parts[0] == "layers" and int(parts[1]) in trainable
         param.requires_grad_(in_layer or parts[0] in section.extra_modules)
+
+
+def trainable_layers(total: int, section: FreezeSection) -> set[int]:
+    """The last N layers (negative N: the first N); with llama_pro, as LLaMA-Factory picks a LLaMA Pro
+    model's added blocks: the last of each run of total / N layers."""
+    n = section.trainable_layers
+    if not section.llama_pro:
+        return set(range(total - n, total) if n >= 0 else range(-n))
+    if total % n:
+        raise ConfigError(
+            f"method.freeze.llama_pro: the model's {total} layers are not a multiple of "
+            f"trainable_layers={n}; give the number of blocks `shardforge expand` added to this model"
+        )
+    stride = total // n
+    return set(range(stride - 1, total, stride))
 
 
 def add_lora(

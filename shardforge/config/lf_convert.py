@@ -107,6 +107,7 @@ LF_DEFAULTS: dict[str, Any] = {
     "use_dft_loss": False,
     "neftune_noise_alpha": None,
     "loraplus_lr_ratio": None,
+    "use_llama_pro": False,
 }
 
 # LF keys that need nothing in shardforge (the behaviour is built in, or belongs to HF Trainer's bookkeeping)
@@ -131,7 +132,7 @@ NOTHING_TO_DO = {
 WANTS = {
     "use_galore": "GaLore", "use_apollo": "APOLLO", "use_badam": "BAdam", "use_adam_mini": "Adam-mini",
     "use_muon": "Muon", "pissa_init": "PiSSA initialisation",
-    "use_llama_pro": "LLaMA Pro block expansion", "mixture_of_depths": "mixture-of-depths",
+"mixture_of_depths": "mixture-of-depths",
     "use_asft_loss": "the ASFT loss", "use_eaft_loss": "the EAFT loss",
     "pure_bf16": "pure bf16 (no fp32 master weights)",
     "fp8": "fp8 training", "do_predict": "prediction with generation (shardforge generate)",
@@ -537,6 +538,21 @@ def _loraplus(value: Any, lf: dict, out: Converted) -> None:
         out.notes.append("loraplus_lr_embedding: shardforge adapts no embedding, so it changes nothing")
 
 
+def _llama_pro(value: Any, lf: dict, out: Converted) -> None:
+    if not _cast("use_llama_pro", bool, value):
+        return
+    if lf["finetuning_type"] == "full":  # LF's own check
+        raise ConfigError("use_llama_pro: only valid for freeze or LoRA training (finetuning_type)")
+    if lf["finetuning_type"] != "freeze":
+        out.unsupported.append("use_llama_pro with finetuning_type lora (LoRA on LLaMA Pro's blocks)")
+        return
+    _put(out.config, "method.freeze.llama_pro", True)
+    out.notes.append(
+        "use_llama_pro: the model must be expanded first (`shardforge expand MODEL --blocks N --to DIR`, "
+        "LF's scripts/llama_pro.py); freeze_trainable_layers is the number of blocks added"
+    )
+
+
 def _optional(key: str, dotted: str, kind: type) -> Rule:
     """A key whose LF default (None, 0, an empty list) means: leave ours unset."""
     return lambda v, lf, out: _put(out.config, dotted, _cast(key, kind, v)) if v else None
@@ -617,6 +633,7 @@ RULES: dict[str, Rule] = {
     "use_dft_loss": _dft,
     "neftune_noise_alpha": _optional("neftune_noise_alpha", "train.neftune_alpha", float),
     "loraplus_lr_ratio": _loraplus,
+    "use_llama_pro": _llama_pro,
 }
 # keys read by another key's rule (quantization_bit's, dataset's, ...) or by _deepspeed
 READ_WITH = frozenset({

@@ -157,11 +157,19 @@ class FreezeSection(Section):
 
     trainable_layers: int = 2
     extra_modules: list[Literal["embed_tokens", "norm", "lm_head"]] = []
+    # LLaMA Pro (LLaMA-Factory's use_llama_pro): a model expanded by `shardforge expand` trains its new
+    # blocks, the last of every (layers / trainable_layers): trainable_layers is the number of blocks added
+    llama_pro: bool = False
 
     @model_validator(mode="after")
     def _some_layers(self) -> FreezeSection:
         if self.trainable_layers == 0 and not self.extra_modules:
             raise ValueError("method.freeze: trainable_layers=0 and no extra_modules leaves nothing to train")
+        if self.llama_pro and self.trainable_layers <= 0:
+            raise ValueError(
+                f"method.freeze.llama_pro: trainable_layers={self.trainable_layers}; give the number of "
+                f"blocks `shardforge expand` added (a positive number)"
+            )
         return self
 
 

@@ -268,6 +268,22 @@ def copy_processor_files(source: Path, folder: Path) -> None:
             shutil.copyfile(source / name, folder / name)
 
 
+def write_weights(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+    """An HF folder's weights: one safetensors file, or shards of at most `max_shard_bytes` and an index."""
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
 def save_model(
     model: nn.Module,
     path: str | Path,
@@ -284,22 +300,12 @@ def save_model(
     tensors = hf_state_dict(model, state_dict, expert_layout)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    shards = _shards(tensors, max_shard_bytes)
     for stale in [folder / SINGLE_FILE, folder / INDEX_FILE, *folder.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
     if spec.save_folder is not None:
         spec.save_folder(model, folder, tensors, max_shard_bytes)
-    elif len(shards) == 1:
-        save_file(shards[0], str(folder / SINGLE_FILE), metadata={"format": "pt"})
     else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(folder / name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+        write_weights(tensors, folder, max_shard_bytes)
     hf_config = spec.hf_config_from(model.config)
     hf_config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     if tokenizer is not None:

@@ -73,6 +73,7 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "dft_ignored_by_dpo": {"stage": "dpo", "use_dft_loss": True},
     "neftune": {"neftune_noise_alpha": 5},
     "loraplus": {"loraplus_lr_ratio": 16.0},
+    "llama_pro": {"finetuning_type": "freeze", "use_llama_pro": True, "freeze_trainable_layers": 8},
     # refused: keys LF honours that shardforge cannot
     "galore": {"use_galore": True},
     "int8": {"quantization_bit": 8},
@@ -151,6 +152,7 @@ def expected(lf: dict[str, Any]) -> dict[str, Any]:
     out["method.sft.loss"] = "dft" if lf["use_dft_loss"] and stage == "sft" else "cross_entropy"
     out["train.neftune_alpha"] = lf["neftune_noise_alpha"]
     out["method.lora.plus_lr_ratio"] = lf["loraplus_lr_ratio"]
+    out["method.freeze.llama_pro"] = lf["use_llama_pro"] and lf["finetuning_type"] == "freeze"
     return out
 
 
