@@ -138,7 +138,10 @@ def add_lora(
         chosen = named is not None and name in in_tower
         if leaf not in targets and not (everything and leaf not in left_out) and not chosen:
             continue
-        lora = LoRALinear(module, section.rank, section.alpha, section.dropout, section.dora, section.rslora)
+        pissa = section.pissa_iter if section.init == "pissa" else None
+        lora = LoRALinear(
+            module, section.rank, section.alpha, section.dropout, section.dora, section.rslora, pissa
+        )
         lora.reset_adapter(name, seed)
         setattr(model.get_submodule(parent_name), leaf, lora)
         wrapped.append(name)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardforge.adapters.apply import apply_finetuning
-from shardforge.adapters.lora import LoRALinear, is_adapter_key
+from shardforge.adapters.lora import LoRALinear, is_adapter_key, pissa_converted
 from shardforge.adapters.merge import merge_adapter
 from shardforge.adapters.peft_format import merged_state, save_adapter
 from shardforge.checkpoint.store import find_latest, resolve_checkpoint
@@ -52,10 +52,15 @@ def write_model_folder(
         save_model(model.critic, to / "critic", tokenizer=tokenizer, state_dict=critic)
     beside = " and its critic (critic/)" if critic else ""
     merge = merge or getattr(model.config, "num_labels", 0) > 0  # a score head trains whole: not an adapter
+    lora = config.method.lora
+    if config.method.finetuning == "lora" and lora.init == "pissa":  # as the plain LoRA it amounts to
+        state = pissa_converted(state)
+        factor = 2**0.5 if lora.rslora else 2.0  # peft's: the same scale at twice the rank
+        lora = lora.model_copy(update={"rank": 2 * lora.rank, "alpha": factor * lora.alpha})
     if config.method.finetuning == "lora" and not merge:
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
         conv = any(isinstance(m, LoRALinear) and m.fan_in_fan_out for m in model.modules())  # GPT-2's Conv1D
-        lora, base = config.method.lora, config.model.path
+        base = config.model.path
         others = plain_modules(model.config.family, state)
         save_adapter(to, model.config.family, adapters, lora, base, tokenizer, conv, others)
         return "LoRA adapter (PEFT format)" + beside

@@ -108,6 +108,8 @@ LF_DEFAULTS: dict[str, Any] = {
     "neftune_noise_alpha": None,
     "loraplus_lr_ratio": None,
     "use_llama_pro": False,
+    "pissa_init": False,
+    "pissa_iter": 16,
 }
 
 # LF keys that need nothing in shardforge (the behaviour is built in, or belongs to HF Trainer's bookkeeping)
@@ -553,6 +555,23 @@ def _llama_pro(value: Any, lf: dict, out: Converted) -> None:
     )
 
 
+def _pissa(value: Any, lf: dict, out: Converted) -> None:
+    if not _cast("pissa_init", bool, value):
+        return
+    if lf["stage"] in ("ppo", "kto") or (lf["stage"] == "dpo" and lf["pref_loss"] not in ("orpo", "simpo")):
+        raise ConfigError(
+            f"pissa_init: LLaMA-Factory refuses PiSSA for stage {lf['stage']} (a reference model)"
+        )
+    if lf["finetuning_type"] != "lora":  # LF's own check
+        raise ConfigError("pissa_init: only valid for LoRA training (finetuning_type: lora)")
+    _put(out.config, "method.lora.init", "pissa")
+    _put(out.config, "method.lora.pissa_iter", _cast("pissa_iter", int, lf["pissa_iter"]))
+    out.notes.append(
+        "pissa_init: the adapter is written as the plain LoRA it amounts to (rank 2r, over the original "
+        "base), as LF's pissa_convert: true writes it, whatever pissa_convert says"
+    )
+
+
 def _optional(key: str, dotted: str, kind: type) -> Rule:
     """A key whose LF default (None, 0, an empty list) means: leave ours unset."""
     return lambda v, lf, out: _put(out.config, dotted, _cast(key, kind, v)) if v else None
@@ -634,13 +653,14 @@ RULES: dict[str, Rule] = {
     "neftune_noise_alpha": _optional("neftune_noise_alpha", "train.neftune_alpha", float),
     "loraplus_lr_ratio": _loraplus,
     "use_llama_pro": _llama_pro,
+    "pissa_init": _pissa,
 }
 # keys read by another key's rule (quantization_bit's, dataset's, ...) or by _deepspeed
 READ_WITH = frozenset({
     "quantization_method", "quantization_type", "dataset_dir", "max_samples", "neat_packing", "save_steps",
     "save_total_limit", "max_steps", "lr_scheduler_kwargs", "warmup_ratio", "adam_beta1", "adam_beta2",
     "adam_epsilon", "fp16", "eval_steps", "resume_from_checkpoint", "reward_model_type", "deepspeed",
-    "interleave_probs", "loraplus_lr_embedding",
+    "interleave_probs", "loraplus_lr_embedding", "pissa_iter", "pissa_convert",
 })  # fmt: skip
 
 

@@ -130,6 +130,16 @@ class LoraSection(Section):
     rslora: bool = False
     # LoRA+ (Hayou et al. 2024): B trains at train.lr times this ratio (LLaMA-Factory's loraplus_lr_ratio)
     plus_lr_ratio: float | None = Field(default=None, gt=0)
+    # PiSSA (Meng et al. 2024; LLaMA-Factory's pissa_init): A and B start from W's principal singular
+    # directions (adapters/lora.py says how the base stays as it was)
+    init: Literal["default", "pissa"] = "default"
+    pissa_iter: int = Field(default=16, ge=-1)  # fast SVD's iterations (peft's pissa_niter_N); -1: full SVD
+
+    @model_validator(mode="after")
+    def _pissa(self) -> LoraSection:
+        if self.init == "pissa" and self.dora:
+            raise ValueError("method.lora.init=pissa with dora: PiSSA starts plain LoRA; set dora: false")
+        return self
 
     @model_validator(mode="after")
     def _known_targets(self) -> LoraSection:
@@ -144,6 +154,11 @@ class LoraSection(Section):
                 f"some of {', '.join(LINEAR_TARGETS + EXPERT_TARGETS)}"
             )
         experts = [t for t in self.targets if t in EXPERT_TARGETS]
+        if experts and self.init == "pissa":
+            raise ValueError(
+                f"method.lora.targets {', '.join(experts)}: PiSSA initialises linears' adapters; the fused "
+                f"experts take the default init (init: default), or leave them out of the targets"
+            )
         if experts and (self.dora or self.dropout):
             raise ValueError(
                 f"method.lora.targets {', '.join(experts)}: the fused experts take neither dora nor dropout "
@@ -603,6 +618,17 @@ class Config(Section):
                 f"method.lora.targets {', '.join(experts)} with {layout}: adapters on the fused experts "
                 f"are not split across ranks here; use data or pipeline parallel, or adapt the linears only"
             )
+        if self.method.lora.init == "pissa" and self.method.finetuning == "lora":
+            refused = {"model.quantize=nf4": self.model.quantize == "nf4",
+                       f"model.adapter={self.model.adapter!r}": self.model.adapter is not None,
+                       f"parallel.tp={self.parallel.tp}": self.parallel.tp > 1}  # fmt: skip
+            for what, bad in refused.items():
+                if bad:
+                    raise ValueError(
+                        f"method.lora.init=pissa with {what}: PiSSA starts new adapters from a "
+                        f"full-precision base's singular vectors, held whole on each rank (init: default "
+                        f"works with it)"
+                    )
         if self.model.adapter is not None and self.method.finetuning != "lora":
             raise ValueError(
                 f"model.adapter={self.model.adapter!r} starts from a LoRA adapter: set "

@@ -74,6 +74,9 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "neftune": {"neftune_noise_alpha": 5},
     "loraplus": {"loraplus_lr_ratio": 16.0},
     "llama_pro": {"finetuning_type": "freeze", "use_llama_pro": True, "freeze_trainable_layers": 8},
+    "pissa": {"pissa_init": True, "pissa_iter": -1, "pissa_convert": True},
+    "pissa_fast": {"pissa_init": True},
+    "pissa_dpo": {"stage": "dpo", "pissa_init": True},
     # refused: keys LF honours that shardforge cannot
     "galore": {"use_galore": True},
     "int8": {"quantization_bit": 8},
@@ -93,6 +96,7 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
 REFUSED = {
     "ipo_smoothing", "galore", "int8", "hqq", "fp4", "kto_pair", "oft", "alpaca_template", "polynomial",
     "adafactor", "epoch_saving", "hub_data", "ppo_without_reward", "ppo_lora_reward", "tool_format",
+    "pissa_dpo",
 }  # fmt: skip
 EXAMPLE_FOLDERS = ("train_lora", "train_full", "train_qlora", "extras")
 
@@ -153,6 +157,8 @@ def expected(lf: dict[str, Any]) -> dict[str, Any]:
     out["train.neftune_alpha"] = lf["neftune_noise_alpha"]
     out["method.lora.plus_lr_ratio"] = lf["loraplus_lr_ratio"]
     out["method.freeze.llama_pro"] = lf["use_llama_pro"] and lf["finetuning_type"] == "freeze"
+    out["method.lora.init"] = "pissa" if lf["pissa_init"] else "default"
+    out["method.lora.pissa_iter"] = lf["pissa_iter"] if lf["pissa_init"] else 16
     return out
 
 

@@ -4,10 +4,9 @@ optimizer steps of our trainer against transformers' model trained on the same b
 
 from __future__ import annotations
 
-import ast
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -15,58 +14,15 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.neftune import neftune_post_forward_hook
 
 from shardforge.config import load_config
-from shardforge.data.batching import IGNORE
 from shardforge.errors import ConfigError
 from shardforge.train.trainer import Trainer
-from tests.conftest import alpaca_records, tiny_chat_model, tiny_config, write_jsonl
-
-LR, STEPS = 1e-3, 3
-
-
-def lf_function(name: str, *helpers: str) -> Any:
-    """A function of LF 0.9.5's train/trainer_utils.py, from its own source (its module imports LF's whole
-    training stack, whose pins conflict with ours): the anchor's code, not our reading of it."""
-    from tests.lf.reference_env import reference
-
-    path = reference().src / "src" / "llamafactory" / "train" / "trainer_utils.py"
-    tree = ast.parse(path.read_text())
-    wanted = {name, *helpers}
-    body = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in wanted]
-    namespace: dict[str, Any] = {"torch": torch, "Optional": Optional}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
-    return namespace[name]
-
-
-def train_ours(tmp_path: Path, **sections: Any) -> tuple[Trainer, list]:
-    """3 steps of 4 rows on a tiny Llama folder; the micro-batches the loop trained on, in order."""
-    model = tiny_chat_model(tmp_path / "base", context=128)
-    data = write_jsonl(tmp_path / "train.jsonl", alpaca_records(12))
-    train = {"steps": STEPS, "micro_batch": 2, "grad_accum": 2, "lr": LR, "warmup": 0, "schedule": "constant",
-             "clip": None, "betas": [0.9, 0.999]}  # fmt: skip
-    cfg = tiny_config(tmp_path, data, **sections)
-    cfg["model"] = {"path": str(model)}
-    cfg["train"].update(train | sections.get("train", {}))
-    cfg["data"]["packing"] = False
-    trainer = Trainer(load_config(None, base=cfg))
-    seen: list = []
-    setup = trainer.setup
-
-    def capture() -> None:
-        setup()
-        draw = trainer.loader.next
-        trainer.loader.next = lambda: seen.append(draw()) or seen[-1]
-
-    trainer.setup = capture
-    trainer.train()
-    return trainer, seen
+from tests.conftest import alpaca_records, tiny_config, write_jsonl
+from tests.training_reference import STEPS, ce_sum, hf_steps, lf_function, train_ours
 
 
 def train_theirs(folder: Path, batches: list, loss_fn: Any, noises: list | None = None) -> torch.nn.Module:
-    """transformers' model on the same micro-batches: the loss of each (LF's labels: our targets shifted
-    back by one) over the global batch's target count, AdamW as ours is set."""
+    """transformers' model on the same micro-batches (with NEFTune's hook, given the noise ours drew)."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     if noises is not None:  # transformers' hook, its uniform draw replaced by the noise ours drew
         embed = model.get_input_embeddings()
         embed.neftune_noise_alpha = 5.0
@@ -84,16 +40,7 @@ def train_theirs(folder: Path, batches: list, loss_fn: Any, noises: list | None 
                 torch.Tensor.uniform_ = original  # type: ignore[method-assign]
 
         embed.register_forward_hook(hook)
-    for step in batches:
-        count = sum(int((mb.targets != IGNORE).sum()) for mb in step.micro)
-        for mb in step.micro:
-            labels = torch.cat([torch.full_like(mb.targets[:, :1], -100), mb.targets[:, :-1]], dim=1)
-            labels = labels.masked_fill(labels == IGNORE, -100)
-            logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids).logits
-            loss_fn({"logits": logits}, labels, torch.tensor(count)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model
+    return hf_steps(model, batches, loss_fn)
 
 
 def assert_same_weights(trainer: Trainer, theirs: torch.nn.Module) -> None:
@@ -107,11 +54,6 @@ def assert_same_weights(trainer: Trainer, theirs: torch.nn.Module) -> None:
 def trainer_start(trainer: Trainer) -> torch.Tensor:
     base = AutoModelForCausalLM.from_pretrained(trainer.run_dir.parent / "base", dtype=torch.float32)
     return base.get_input_embeddings().weight
-
-
-def ce_sum(outputs: dict, labels: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    logits = outputs["logits"][:, :-1].flatten(0, 1)
-    return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), reduction="sum") / count
 
 
 @pytest.mark.slow
