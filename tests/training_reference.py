@@ -38,7 +38,7 @@ def train_ours(tmp_path: Path, **sections: Any) -> tuple[Trainer, list]:
     train = {"steps": STEPS, "micro_batch": 2, "grad_accum": 2, "lr": LR, "warmup": 0, "schedule": "constant",
              "clip": None, "betas": [0.9, 0.999]}  # fmt: skip
     cfg = tiny_config(tmp_path, data, **sections)
-    cfg["model"] = {"path": str(model)}
+    cfg["model"] = {"path": str(model), **sections.get("model", {})}
     cfg["train"].update(train | sections.get("train", {}))
     cfg["data"]["packing"] = False
     trainer = Trainer(load_config(None, base=cfg))

@@ -16,8 +16,16 @@ from transformers.pytorch_utils import Conv1D
 
 from shardforge.adapters.expert_lora import EXPERT_PARAMS, ParamLoRA, is_transposed
 from shardforge.adapters.lora import LoRALinear
+from shardforge.adapters.oft import OFTLinear
 from shardforge.adapters.peft_names import not_for_peft
-from shardforge.config.schema import EXPERT_TARGETS, LINEAR_TARGETS, FreezeSection, LoraSection, MethodSection
+from shardforge.config.schema import (
+    EXPERT_TARGETS,
+    LINEAR_TARGETS,
+    FreezeSection,
+    LoraSection,
+    MethodSection,
+    OFTSection,
+)
 from shardforge.errors import ConfigError
 from shardforge.models.common.protocol import CausalModel
 from shardforge.models.generic.config import model_type_of
@@ -39,7 +47,33 @@ def apply_finetuning(model: nn.Module, method: MethodSection, seed: int, adapter
             from shardforge.adapters.peft_format import load_adapter
 
             load_adapter(model, Path(adapter), method.lora)
+    elif method.finetuning == "oft":
+        add_oft(model, method.oft)
     freeze_parts(model, method)
+
+
+def add_oft(model: CausalModel, section: OFTSection) -> list[str]:
+    """Wrap the targeted linears of the decoder blocks in OFT adapters (`all`: as LoRA's `all` takes them);
+    everything else is frozen. Returns the wrapped names."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model_type = model_type_of(model.config.family)
+    refuse_measured(model_type, "lora")  # the generic families whose adapted forward was measured wrong
+    every, left_out = section.targets == "all", not_for_peft(model_type)
+    targets = _without(LINEAR_TARGETS, every, model.config.family, left_out) if left_out else LINEAR_TARGETS
+    targets = targets if every else tuple(section.targets)
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        if not (model.canonical_name(name).startswith("layers.") and isinstance(module, nn.Linear)):
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        if leaf in targets or (every and not model.native_names and leaf not in left_out):
+            terms = 5 if section.cayley_neumann else None
+            setattr(model.get_submodule(parent_name), leaf, OFTLinear(module, section.block_size, terms))
+            wrapped.append(name)
+    if not wrapped:
+        raise ConfigError(f"method.oft.targets {section.targets}: no linear of the decoder blocks matches")
+    return wrapped
 
 
 def freeze_parts(model: CausalModel, method: MethodSection) -> None:
@@ -56,7 +90,7 @@ def freeze_parts(model: CausalModel, method: MethodSection) -> None:
     parts = {model.config.part_of(model.canonical_name(n)) for n, _ in model.named_parameters()}
     if parts == {"language"}:
         return
-    lora = method.finetuning == "lora"
+    lora = method.adapters
     if lora and not vision.freeze_projector:
         raise ConfigError(
             "method.finetuning=lora with method.vision.freeze_projector=false: LoRA does not reach the "

@@ -202,5 +202,5 @@ def pissa_converted(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def is_adapter_key(key: str) -> bool:
-    """Is this state-dict key (our names) a LoRA adapter tensor?"""
-    return ".lora_" in key
+    """Is this state-dict key (our names) an adapter's tensor (LoRA's, or OFT's rotations)?"""
+    return ".lora_" in key or key.endswith(".oft_R")

@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from shardforge.adapters.expert_lora import EXPERT_PARAMS, ParamLoRA, expert_delta
 from shardforge.adapters.lora import LoRALinear, is_adapter_key, merge_weight
-from shardforge.config.schema import LoraSection
+from shardforge.adapters.oft import OFTLinear
+from shardforge.config.schema import LoraSection, OFTSection
 from shardforge.errors import ModelError
 from shardforge.models.quantize import dequantized
 from shardforge.models.spec import spec_for
@@ -35,6 +36,7 @@ _OURS_TO_PEFT = {
     "lora_A": "lora_A.weight",
     "lora_B": "lora_B.weight",
     "lora_magnitude": "lora_magnitude_vector",
+    "oft_R": "oft_R.weight",
 }
 
 
@@ -100,7 +102,9 @@ def our_keys(family: str, keys: Iterable[str], target_parameters: list[str]) -> 
         found = [(o, p) for o, p in _OURS_TO_PEFT.items() if key.startswith("base_model.model.") and
                  key.endswith(f".{p}")]  # fmt: skip
         if not found:
-            raise ModelError(f"adapter weight {key!r} is not a LoRA weight of this model family (unexpected)")
+            raise ModelError(
+                f"adapter weight {key!r} is not an adapter weight of this model family (unexpected)"
+            )
         ours, suffix = found[0]
         hf_module = key.removeprefix("base_model.model.").removesuffix(f".{suffix}")
         hf_owner = re.sub(r"(\.base_layer)+$", "", hf_module)
@@ -127,7 +131,7 @@ def _target_modules(adapters: Iterable[str], names: dict[str, str], others: set[
     for key in adapters:
         module = _split(key)[0]
         if not _expert_param(module):
-            whole = names[key].removeprefix("base_model.model.").rpartition(".lora_")[0]
+            whole = names[key].removeprefix("base_model.model.").rpartition(f".{_split(key)[1]}")[0]
             leaves[module.rpartition(".")[2]].add(whole)
     targets = set()
     for leaf, wholes in leaves.items():
@@ -152,7 +156,7 @@ def save_adapter(
     folder: Path,
     family: str,
     adapters: dict[str, torch.Tensor],
-    lora: LoraSection,
+    lora: LoraSection | OFTSection,
     base: str | None,
     tokenizer: Any = None,
     fan_in_fan_out: bool = False,
@@ -167,23 +171,17 @@ def save_adapter(
     tensors = {names[k]: v.detach().float().contiguous().cpu() for k, v in adapters.items()}
     save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
     targets = _target_modules(adapters, names, set(others))
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_dropout": lora.dropout,
-        "target_modules": targets,
-        "target_parameters": _target_parameters(family, adapters) or None,
-        "use_dora": lora.dora,
-        "use_rslora": lora.rslora,
-        "bias": "none",
-        "fan_in_fan_out": fan_in_fan_out,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "base_model_name_or_path": base,
-        "modules_to_save": None,
-    }
+    common = {"task_type": "CAUSAL_LM", "target_modules": targets, "bias": "none",
+              "fan_in_fan_out": fan_in_fan_out, "inference_mode": True, "base_model_name_or_path": base,
+              "modules_to_save": None}  # fmt: skip
+    if isinstance(lora, OFTSection):  # peft's OFTConfig: the block size, r inferred from it
+        config = {"peft_type": "OFT", "r": 0, "oft_block_size": lora.block_size, "module_dropout": 0.0,
+                  "use_cayley_neumann": lora.cayley_neumann, "num_cayley_neumann_terms": 5, "coft": False,
+                  "eps": 6e-5, "block_share": False, "init_weights": True, **common}  # fmt: skip
+    else:
+        config = {"peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+                  "target_parameters": _target_parameters(family, adapters) or None, "use_dora": lora.dora,
+                  "use_rslora": lora.rslora, "init_lora_weights": True, **common}  # fmt: skip
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -198,8 +196,10 @@ def read_adapter(folder: Path, family: str) -> tuple[dict, dict[str, torch.Tenso
             f"model.adapter: {folder} is not a PEFT adapter folder (needs {CONFIG_FILE} and {ADAPTER_FILE})"
         )
     config = json.loads(config_path.read_text())
-    if config.get("peft_type") != "LORA":
-        raise ModelError(f"model.adapter: {folder}: peft_type {config.get('peft_type')!r}; only LORA is read")
+    if config.get("peft_type") not in ("LORA", "OFT"):
+        raise ModelError(
+            f"model.adapter: {folder}: peft_type {config.get('peft_type')!r}; LORA and OFT are read"
+        )
     stored = load_file(str(folder / ADAPTER_FILE))
     names = our_keys(family, stored, config.get("target_parameters") or [])
     tensors = {names[k]: v for k, v in stored.items()}
@@ -219,6 +219,10 @@ def merged_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
             plain = dequantized(weight).T if flip else dequantized(weight)
             merged = merge_weight(plain, *parts, module.scale)
             out[f"{name}.weight"] = (merged.T if flip else merged).to(weight.dtype)
+        elif isinstance(module, OFTLinear):
+            weight = state[f"{name}.weight"]
+            rotations = module.rotations_of(state[f"{name}.oft_R"])
+            out[f"{name}.weight"] = (dequantized(weight).float() @ rotations.T).to(weight.dtype)
         elif isinstance(module, ParamLoRA):
             owner = name.rpartition(".")[0]
             weight = state[f"{owner}.{module.param_name}"]
@@ -240,6 +244,10 @@ def load_adapter(model: torch.nn.Module, folder: Path, lora: LoraSection) -> Non
     layers this model holds: a pipeline rank holds some). Settings, targets or a base that differ are
     errors naming what differs."""
     config, tensors = read_adapter(folder, model.config.family)
+    if config["peft_type"] != "LORA":
+        raise ModelError(
+            f"model.adapter {folder}: a {config['peft_type']} adapter; training continues LoRA ones"
+        )
     wanted = {"r": lora.rank, "lora_alpha": lora.alpha, "use_dora": lora.dora, "use_rslora": lora.rslora}
     differ = [
         f"{key}={config.get(key)!r} in the adapter but {value!r} in method.lora"

@@ -27,7 +27,7 @@ def finetuning_identity(cfg: Config) -> dict | None:
     method = cfg.method
     if method.finetuning == "full":
         return None
-    settings = method.lora if method.finetuning == "lora" else method.freeze
+    settings = {"lora": method.lora, "oft": method.oft}.get(method.finetuning, method.freeze)
     weights = sorted(Path(cfg.model.path).glob("*.safetensors")) if cfg.model.path else []
     base = file_fingerprint(weights) if weights else f"preset {cfg.model.preset}"
     identity = {"method": method.finetuning, "settings": settings.model_dump(), "base": base}

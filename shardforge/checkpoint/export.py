@@ -20,7 +20,7 @@ from shardforge.adapters.peft_format import merged_state, save_adapter
 from shardforge.checkpoint.store import find_latest, resolve_checkpoint
 from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state
 from shardforge.config import Config, load_config
-from shardforge.config.schema import ModelSection
+from shardforge.config.schema import LoraSection, ModelSection, OFTSection
 from shardforge.errors import CheckpointError
 from shardforge.models import load_model, save_model
 from shardforge.models.build import build_model, load_tokenizer
@@ -52,30 +52,37 @@ def write_model_folder(
         save_model(model.critic, to / "critic", tokenizer=tokenizer, state_dict=critic)
     beside = " and its critic (critic/)" if critic else ""
     merge = merge or getattr(model.config, "num_labels", 0) > 0  # a score head trains whole: not an adapter
-    lora = config.method.lora
-    if config.method.finetuning == "lora" and lora.init == "pissa":  # as the plain LoRA it amounts to
+    method = config.method
+    settings: LoraSection | OFTSection = method.oft if method.finetuning == "oft" else method.lora
+    if method.finetuning == "lora" and method.lora.init == "pissa":  # as the plain LoRA it amounts to
         state = pissa_converted(state)
-        factor = 2**0.5 if lora.rslora else 2.0  # peft's: the same scale at twice the rank
-        lora = lora.model_copy(update={"rank": 2 * lora.rank, "alpha": factor * lora.alpha})
-    if config.method.finetuning == "lora" and not merge:
+        factor = 2**0.5 if method.lora.rslora else 2.0  # peft's: the same scale at twice the rank
+        settings = method.lora.model_copy(
+            update={"rank": 2 * method.lora.rank, "alpha": factor * method.lora.alpha}
+        )
+    if method.adapters and not merge:
         adapters = {k: v for k, v in state.items() if is_adapter_key(k)}
         conv = any(isinstance(m, LoRALinear) and m.fan_in_fan_out for m in model.modules())  # GPT-2's Conv1D
         base = config.model.path
         others = plain_modules(model.config.family, state)
-        save_adapter(to, model.config.family, adapters, lora, base, tokenizer, conv, others)
-        return "LoRA adapter (PEFT format)" + beside
-    if config.method.finetuning == "lora":
+        save_adapter(to, model.config.family, adapters, settings, base, tokenizer, conv, others)
+        return (
+            f"{method.finetuning.upper() if method.finetuning == 'oft' else 'LoRA'} adapter (PEFT format)"
+            + beside
+        )
+    if method.adapters:
         state = merged_state(model, state)
     save_model(
         model, to, tokenizer=tokenizer, state_dict=state, expert_layout=config.checkpoint.expert_layout
     )
-    merged = ", adapters merged" if config.method.finetuning == "lora" else ""
+    merged = ", adapters merged" if method.adapters else ""
     return f"model (HF format{merged})" + beside
 
 
 def plain_modules(family: str, state: dict[str, torch.Tensor]) -> list[str]:
     """The HF names of the modules in a full state (our names) that hold a weight and carry no adapter."""
-    adapted = {k.rpartition(".lora_")[0] for k in state if is_adapter_key(k)}
+    adapted = {k.rpartition(".lora_")[0] if ".lora_" in k else k.removesuffix(".oft_R") for k in state
+               if is_adapter_key(k)}  # fmt: skip
     key_to_hf = spec_for(family).key_to_hf
     return [
         key_to_hf(k).removesuffix(".weight")

@@ -110,6 +110,9 @@ LF_DEFAULTS: dict[str, Any] = {
     "use_llama_pro": False,
     "pissa_init": False,
     "pissa_iter": 16,
+    "oft_rank": 0,
+    "oft_block_size": 32,
+    "module_dropout": 0.0,
 }
 
 # LF keys that need nothing in shardforge (the behaviour is built in, or belongs to HF Trainer's bookkeeping)
@@ -268,12 +271,24 @@ def _stage(value: Any, lf: dict, out: Converted) -> None:
 
 
 def _finetuning(value: Any, lf: dict, out: Converted) -> None:
-    if value == "oft":
-        out.unsupported.append("finetuning_type: oft (OFT adapters)")
-    elif value not in ("lora", "freeze", "full"):
+    if value not in ("lora", "oft", "freeze", "full"):
         raise ConfigError(f"finetuning_type: {value!r} is not one of lora, oft, freeze, full")
+    _put(out.config, "method.finetuning", value)
+    if value != "oft":
+        return
+    rank, block = _cast("oft_rank", int, lf["oft_rank"]), _cast("oft_block_size", int, lf["oft_block_size"])
+    if rank and block:  # peft's OFTConfig takes one of the two
+        raise ConfigError(f"oft_rank: {rank} with oft_block_size {block}; set one of them (the other 0)")
+    if rank:
+        out.unsupported.append(f"oft_rank: {rank} (shardforge's OFT is set by oft_block_size)")
     else:
-        _put(out.config, "method.finetuning", value)
+        _put(out.config, "method.oft.block_size", block)
+    if float(lf["module_dropout"]):
+        out.unsupported.append(f"module_dropout: {lf['module_dropout']} (OFT's multiplicative dropout)")
+    names = _names(lf["lora_target"])  # LF adapts lora_target's modules with OFT too (oft_target is unread)
+    _put(out.config, "method.oft.targets", "all" if names == ["all"] else names)
+    if "oft_target" in lf:
+        out.notes.append("oft_target: LLaMA-Factory 0.9.5 reads lora_target for OFT's modules, as here")
 
 
 def _datasets(key: str) -> Rule:
@@ -660,7 +675,8 @@ READ_WITH = frozenset({
     "quantization_method", "quantization_type", "dataset_dir", "max_samples", "neat_packing", "save_steps",
     "save_total_limit", "max_steps", "lr_scheduler_kwargs", "warmup_ratio", "adam_beta1", "adam_beta2",
     "adam_epsilon", "fp16", "eval_steps", "resume_from_checkpoint", "reward_model_type", "deepspeed",
-    "interleave_probs", "loraplus_lr_embedding", "pissa_iter", "pissa_convert",
+    "interleave_probs", "loraplus_lr_embedding", "pissa_iter", "pissa_convert", "oft_rank", "oft_block_size",
+    "module_dropout", "oft_target",
 })  # fmt: skip
 
 

@@ -167,6 +167,27 @@ class LoraSection(Section):
         return self
 
 
+class OFTSection(Section):
+    """OFT as peft defines it (LLaMA-Factory's finetuning_type: oft): each adapted linear's input rotated by
+    a block-diagonal orthogonal matrix of blocks `block_size` wide (adapters/oft.py)."""
+
+    block_size: int = Field(default=32, ge=2)  # peft's oft_block_size (adjusted per layer to a divisor)
+    targets: Literal["all"] | list[str] = "all"
+    # peft's use_cayley_neumann: the Cayley transform by its 5-term Neumann series, else solved exactly
+    cayley_neumann: bool = True
+
+    @model_validator(mode="after")
+    def _known_targets(self) -> OFTSection:
+        if self.targets != "all":
+            unknown = [t for t in self.targets if t not in LINEAR_TARGETS]
+            if unknown or not self.targets:
+                raise ValueError(
+                    f"method.oft.targets: {', '.join(map(repr, unknown)) or 'empty'}; valid: all, or some of "
+                    f"{', '.join(LINEAR_TARGETS)}"
+                )
+        return self
+
+
 class FreezeSection(Section):
     """Freeze tuning: the last N decoder layers train (negative: the first N), plus named modules."""
 
@@ -323,8 +344,9 @@ class SFTSection(Section):
 
 class MethodSection(Section):
     stage: StageName = "sft"
-    finetuning: Literal["full", "freeze", "lora"] = "full"
+    finetuning: Literal["full", "freeze", "lora", "oft"] = "full"
     lora: LoraSection = LoraSection()
+    oft: OFTSection = OFTSection()
     freeze: FreezeSection = FreezeSection()
     sft: SFTSection = SFTSection()
     vision: VisionSection = VisionSection()
@@ -333,6 +355,11 @@ class MethodSection(Section):
     rl: RLSection = RLSection()
     ppo: PPOSection = PPOSection()
     moe: MoESection = MoESection()
+
+    @property
+    def adapters(self) -> bool:
+        """Adapters train over a frozen base (LoRA, OFT): the base with them switched off is the start."""
+        return self.finetuning in ("lora", "oft")
 
     @model_validator(mode="after")
     def _reference(self) -> MethodSection:
@@ -599,10 +626,10 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _peft_settings(self) -> Config:
-        if self.model.quantize == "nf4" and self.method.finetuning != "lora":
+        if self.model.quantize == "nf4" and not self.method.adapters:
             raise ValueError(
                 f"model.quantize=nf4 freezes the base in 4 bits, so only adapters can train: set "
-                f"method.finetuning=lora (it is {self.method.finetuning})"
+                f"method.finetuning=lora or oft (it is {self.method.finetuning})"
             )
         if self.model.quantize == "nf4" and self.parallel.tp > 1:
             raise ValueError(
@@ -628,6 +655,15 @@ class Config(Section):
                         f"method.lora.init=pissa with {what}: PiSSA starts new adapters from a "
                         f"full-precision base's singular vectors, held whole on each rank (init: default "
                         f"works with it)"
+                    )
+        if self.method.finetuning == "oft":
+            refused = {f"parallel.tp={self.parallel.tp}": self.parallel.tp > 1,
+                       "method.vision.freeze_tower=false": not self.method.vision.freeze_tower}  # fmt: skip
+            for what, bad in refused.items():
+                if bad:
+                    raise ValueError(
+                        f"method.finetuning=oft with {what}: OFT adapts the decoder's linears, each held "
+                        f"whole on its rank (method.finetuning=lora works with it)"
                     )
         if self.model.adapter is not None and self.method.finetuning != "lora":
             raise ValueError(

@@ -115,11 +115,11 @@ class ReferencedObjective(CausalLM):
             self.reference = "copy"
             reference = load_reference(Path(ref), base, model).requires_grad_(False).eval()
             return f"reference model: {ref} (frozen, laid out as the policy is)", reference
-        if finetuning == "lora" and adapter is None:
+        if self.method.adapters and adapter is None:
             if not adapter_layers(model):
-                raise ConfigError("method.finetuning=lora, but the model has no LoRA layers to disable")
+                raise ConfigError(f"method.finetuning={finetuning}, but the model has no adapters to disable")
             self.reference = "adapters"
-            return "reference model: the policy with its LoRA adapters disabled (no second copy)", None
+            return "reference model: the policy with its adapters disabled (no second copy)", None
         self.reference = "copy"
         why = (
             " (the run starts from an adapter: disabling it would give the base, not the starting policy)"

@@ -231,8 +231,10 @@ class Trainer:
     def _save_final(self) -> Path:
         """Gather full weights (a collective) and write, from rank 0, the HF folder (or for LoRA the PEFT
         adapter folder, which peft loads over the base model)."""
-        lora = self.config.method.finetuning == "lora"
-        state = self.full_state_dict() if dist.is_initialized() or lora else None  # else: the live weights
+        adapters = self.config.method.adapters
+        state = (
+            self.full_state_dict() if dist.is_initialized() or adapters else None
+        )  # else: the live weights
         final = self.run_dir / "final"
         if self.is_main:
             what = write_model_folder(self.engine.inner, state, self.config, self.run.tokenizer, final)

@@ -84,6 +84,8 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "fp4": {"quantization_bit": 4, "quantization_type": "fp4"},
     "kto_pair": {"stage": "dpo", "pref_loss": "kto_pair"},
     "oft": {"finetuning_type": "oft"},
+    "oft_targets": {"finetuning_type": "oft", "oft_block_size": 16, "lora_target": "q_proj,v_proj"},
+    "oft_rank": {"finetuning_type": "oft", "oft_rank": 4, "oft_block_size": 0},
     "alpaca_template": {"template": "alpaca"},
     "polynomial": {"lr_scheduler_type": "polynomial"},
     "adafactor": {"optim": "adafactor"},
@@ -94,7 +96,7 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "tool_format": {"tool_format": "glm4"},
 }  # fmt: skip
 REFUSED = {
-    "ipo_smoothing", "galore", "int8", "hqq", "fp4", "kto_pair", "oft", "alpaca_template", "polynomial",
+    "ipo_smoothing", "galore", "int8", "hqq", "fp4", "kto_pair", "oft_rank", "alpaca_template", "polynomial",
     "adafactor", "epoch_saving", "hub_data", "ppo_without_reward", "ppo_lora_reward", "tool_format",
     "pissa_dpo",
 }  # fmt: skip
@@ -157,6 +159,9 @@ def expected(lf: dict[str, Any]) -> dict[str, Any]:
     out["train.neftune_alpha"] = lf["neftune_noise_alpha"]
     out["method.lora.plus_lr_ratio"] = lf["loraplus_lr_ratio"]
     out["method.freeze.llama_pro"] = lf["use_llama_pro"] and lf["finetuning_type"] == "freeze"
+    if lf["finetuning_type"] == "oft":
+        out["method.oft.block_size"] = lf["oft_block_size"]
+        out["method.oft.targets"] = "all" if targets == ["all"] else targets
     out["method.lora.init"] = "pissa" if lf["pissa_init"] else "default"
     out["method.lora.pissa_iter"] = lf["pissa_iter"] if lf["pissa_init"] else 16
     return out
