@@ -1,9 +1,9 @@
 """LoRA and DoRA on every layout: 2 ranks (DDP, ZeRO-1/2/3, TP2 with sequence parallel, PP2) and 4 ranks
 (FSDP2 x TP2, HSDP 2x2, PP2 x TP2) reproduce one process (loss and gradient norm per step, eval loss, final
 adapter and base weights), over an HF base whose vocabulary TP must pad, and QLoRA's NF4 base sharded by FSDP2
-on 2 ranks or split in 2 pipeline stages reproduces QLoRA in one process, as PiSSA's start does (ZeRO-3,
-PP2); adapters on a Qwen3-MoE's fused experts (with a dense layer) train under ZeRO-3, PP2 and full recompute
-as in one process; the base stays bit-identical; checkpoints hold only adapters."""
+on 2 ranks or split in 2 pipeline stages reproduces QLoRA in one process, as PiSSA's start and OFT's
+rotations do (ZeRO-3, PP2); adapters on a Qwen3-MoE's fused experts (with a dense layer) train under ZeRO-3,
+PP2 and full recompute as in one process; the base stays bit-identical; checkpoints hold only adapters."""
 
 from __future__ import annotations
 
@@ -49,6 +49,12 @@ EXPERTS = {"targets": ["q_proj", "experts.gate_up_proj", "experts.down_proj"]}
 PISSA = {"init": "pissa", "pissa_iter": 2}  # fast SVD: its random start is the same on every rank
 
 
+def oft(cfg: dict) -> dict:
+    """The same run with OFT adapters instead of LoRA's."""
+    cfg["method"] = {"finetuning": "oft", "oft": {"block_size": 16}}
+    return cfg
+
+
 def _moe_folder(folder) -> dict:
     """A Qwen3-MoE of 4 experts (top 2) whose first layer is dense."""
     cfg = DecoderConfig(
@@ -78,6 +84,7 @@ def runs(tmp_path_factory):
     moe = _moe_folder(tmp / "moe")
     refs["experts"] = train_runs([_cfg(tmp, "ref_experts", data, moe, EXPERTS)])[0]
     refs["pissa"] = train_runs([_cfg(tmp, "ref_pissa", data, model, PISSA)])[0]
+    refs["oft"] = train_runs([oft(_cfg(tmp, "ref_oft", data, model, {}))])[0]
     recompute = _cfg(tmp, "full_experts", data, moe, EXPERTS, activation_checkpoint="full")
 
     # global batch 8 everywhere: 4 x 2 accumulation in one process, 2 x 2 x 2 with 2 data-parallel ranks,
@@ -97,6 +104,8 @@ def runs(tmp_path_factory):
     jobs.append(("pp2_experts", _cfg(tmp, "pp2_experts", data, moe, EXPERTS, 4, pp=2)))
     jobs.append(("zero3_pissa", _cfg(tmp, "zero3_pissa", data, model, PISSA, 2, zero_stage=3)))
     jobs.append(("pp2_pissa", _cfg(tmp, "pp2_pissa", data, model, PISSA, 4, pp=2)))
+    jobs.append(("zero3_oft", oft(_cfg(tmp, "zero3_oft", data, model, {}, 2, zero_stage=3))))
+    jobs.append(("pp2_oft", oft(_cfg(tmp, "pp2_oft", data, model, {}, 4, pp=2))))
     two = run_ranks(train_runs, 2, [cfg for _, cfg in jobs])[0]
     four_jobs = [
         (f"fsdp_tp_{v}", _cfg(tmp, f"fsdp_tp_{v}", data, model, lora, 2, zero_stage=3, tp=2))
@@ -123,7 +132,7 @@ def runs(tmp_path_factory):
         *("ddp_lora", "zero1_lora", "zero2_lora", "zero3_lora", "tp2_lora", "pp2_lora"),
         *("zero3_dora", "tp2_dora", "fsdp_tp_lora", "fsdp_tp_dora", "hsdp_lora", "pp_tp_lora"),
         *("zero3_qlora", "pp2_qlora", "zero3_experts", "pp2_experts", "full_experts"),
-        *("zero3_pissa", "pp2_pissa"),
+        *("zero3_pissa", "pp2_pissa", "zero3_oft", "pp2_oft"),
     ],
 )
 def test_every_layout_trains_the_adapters_as_one_process(runs, name):
