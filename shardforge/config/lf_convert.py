@@ -113,6 +113,7 @@ LF_DEFAULTS: dict[str, Any] = {
     "oft_rank": 0,
     "oft_block_size": 32,
     "module_dropout": 0.0,
+    "pure_bf16": False,
 }
 
 # LF keys that need nothing in shardforge (the behaviour is built in, or belongs to HF Trainer's bookkeeping)
@@ -139,7 +140,7 @@ WANTS = {
     "use_muon": "Muon", "pissa_init": "PiSSA initialisation",
 "mixture_of_depths": "mixture-of-depths",
     "use_asft_loss": "the ASFT loss", "use_eaft_loss": "the EAFT loss",
-    "pure_bf16": "pure bf16 (no fp32 master weights)",
+
     "fp8": "fp8 training", "do_predict": "prediction with generation (shardforge generate)",
     "predict_with_generate": "prediction with generation (shardforge generate)",
     "streaming": "LF's streaming (use data.streaming)",
@@ -491,6 +492,11 @@ def _precision(value: Any, lf: dict, out: Converted) -> None:
     _put(out.config, "train.precision", "bf16" if bf16 else "fp16" if fp16 else "fp32")
     if fp16:
         _put(out.config, "model.dtype", "float32")  # fp16 keeps fp32 master weights, as HF's amp
+    if _cast("pure_bf16", bool, lf["pure_bf16"]):  # LF keeps the trained weights in bf16: no fp32 masters
+        if fp16:
+            raise ConfigError("pure_bf16: with fp16: true (LF computes in bf16); set one of them")
+        _put(out.config, "model.dtype", "bfloat16")
+        out.notes.append("pure_bf16: model.dtype: bfloat16 (weights, gradients and optimizer states in bf16)")
 
 
 def _saving(value: Any, lf: dict, out: Converted) -> None:
@@ -676,7 +682,7 @@ READ_WITH = frozenset({
     "save_total_limit", "max_steps", "lr_scheduler_kwargs", "warmup_ratio", "adam_beta1", "adam_beta2",
     "adam_epsilon", "fp16", "eval_steps", "resume_from_checkpoint", "reward_model_type", "deepspeed",
     "interleave_probs", "loraplus_lr_embedding", "pissa_iter", "pissa_convert", "oft_rank", "oft_block_size",
-    "module_dropout", "oft_target",
+    "module_dropout", "oft_target", "pure_bf16",
 })  # fmt: skip
 
 

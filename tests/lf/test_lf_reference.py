@@ -77,6 +77,7 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "pissa": {"pissa_init": True, "pissa_iter": -1, "pissa_convert": True},
     "pissa_fast": {"pissa_init": True},
     "pissa_dpo": {"stage": "dpo", "pissa_init": True},
+    "pure_bf16": {"pure_bf16": True},
     # refused: keys LF honours that shardforge cannot
     "galore": {"use_galore": True},
     "int8": {"quantization_bit": 8},
@@ -162,6 +163,8 @@ def expected(lf: dict[str, Any]) -> dict[str, Any]:
     if lf["finetuning_type"] == "oft":
         out["method.oft.block_size"] = lf["oft_block_size"]
         out["method.oft.targets"] = "all" if targets == ["all"] else targets
+    if lf["pure_bf16"]:
+        out["model.dtype"] = "bfloat16"
     out["method.lora.init"] = "pissa" if lf["pissa_init"] else "default"
     out["method.lora.pissa_iter"] = lf["pissa_iter"] if lf["pissa_init"] else 16
     return out
