@@ -114,6 +114,32 @@ LF_DEFAULTS: dict[str, Any] = {
     "oft_block_size": 32,
     "module_dropout": 0.0,
     "pure_bf16": False,
+    "use_galore": False,
+    "use_apollo": False,
+    "use_badam": False,
+    "use_adam_mini": False,
+    "use_muon": False,
+    "galore_target": "all",
+    "galore_rank": 16,
+    "galore_update_interval": 200,
+    "galore_scale": 2.0,
+    "galore_proj_type": "std",
+    "galore_layerwise": False,
+    "apollo_target": "all",
+    "apollo_rank": 16,
+    "apollo_update_interval": 200,
+    "apollo_scale": 32.0,
+    "apollo_proj": "random",
+    "apollo_proj_type": "std",
+    "apollo_scale_type": "channel",
+    "apollo_layerwise": False,
+    "apollo_scale_front": False,
+    "badam_mode": "layer",
+    "badam_start_block": None,
+    "badam_switch_mode": "ascending",
+    "badam_switch_interval": 50,
+    "badam_update_ratio": 0.05,
+    "badam_mask_mode": "adjacent",
 }
 
 # LF keys that need nothing in shardforge (the behaviour is built in, or belongs to HF Trainer's bookkeeping)
@@ -136,8 +162,7 @@ NOTHING_TO_DO = {
 }
 # LF keys whose value at LF's "off" needs nothing, and otherwise has no counterpart (unsupported)
 WANTS = {
-    "use_galore": "GaLore", "use_apollo": "APOLLO", "use_badam": "BAdam", "use_adam_mini": "Adam-mini",
-    "use_muon": "Muon", "pissa_init": "PiSSA initialisation",
+    "pissa_init": "PiSSA initialisation",
 "mixture_of_depths": "mixture-of-depths",
     "use_asft_loss": "the ASFT loss", "use_eaft_loss": "the EAFT loss",
 
@@ -167,6 +192,21 @@ SCHEDULES = {
 STAGES = {"pt": "pt", "sft": "sft", "rm": "rm", "dpo": "dpo", "kto": "kto", "ppo": "ppo"}
 PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo", "orpo": "orpo", "simpo": "simpo"}
 ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+ADAMW_8BIT = ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")  # bitsandbytes' (paging: not reproduced)
+# LF's optimizer switches, in the order its create_custom_optimizer takes them (LoRA+ after apollo)
+MENU = ("galore", "apollo", "badam", "adam_mini", "muon")
+# each projected optimizer's keys: LF's suffix -> (ours, LF's type)
+PROJECTED = {
+    "galore": {"target": ("targets", str), "rank": ("rank", int), "update_interval": ("update_interval", int),
+               "scale": ("scale", float), "proj_type": ("proj_type", str), "layerwise": ("layerwise", bool)},
+    "apollo": {"target": ("targets", str), "rank": ("rank", int), "update_interval": ("update_interval", int),
+               "scale": ("scale", float), "proj": ("proj", str), "proj_type": ("proj_type", str),
+               "scale_type": ("scale_type", str), "scale_front": ("scale_front", bool),
+               "layerwise": ("layerwise", bool)},
+    "badam": {"mode": ("mode", str), "start_block": ("start_block", int), "switch_mode": ("switch_mode", str),
+              "switch_interval": ("switch_interval", int), "update_ratio": ("update_ratio", float),
+              "mask_mode": ("mask_mode", str)},
+}  # fmt: skip
 # LF's generic templates (not any model's own chat format): no counterpart, and `auto` would differ
 GENERIC_TEMPLATES = ("alpaca", "default", "empty", "vicuna", "cpm", "ziya", "aquila", "belle", "intern")
 INFER_KEYS = ("infer_backend", "export_dir")  # a merge / export or inference YAML has these, and no stage
@@ -480,11 +520,60 @@ def _length(value: Any, lf: dict, out: Converted) -> None:
 
 
 def _optimizer(value: Any, lf: dict, out: Converted) -> None:
-    if str(value) not in ADAMW:
-        out.unsupported.append(f"optim: {value} (shardforge trains with AdamW: {', '.join(ADAMW)})")
+    """`optim` (transformers' choice of AdamW), and LF's own optimizer switches on top of it."""
+    menu = [name for name in MENU if _cast(f"use_{name}", bool, lf[f"use_{name}"])]
+    if str(value) in ADAMW_8BIT and not menu:
+        _put(out.config, "train.optimizer.name", "adamw_8bit")
+    elif str(value) not in ADAMW:
+        known = ", ".join(ADAMW + ADAMW_8BIT)
+        out.unsupported.append(f"optim: {value} (shardforge's AdamW: {known}; 8-bit with no use_* optimizer)")
+    if menu:
+        _menu(menu, lf, out)
     betas = (_cast("adam_beta1", float, lf["adam_beta1"]), _cast("adam_beta2", float, lf["adam_beta2"]))
     _put(out.config, "train.betas", list(betas))
     _put(out.config, "train.eps", _cast("adam_epsilon", float, lf["adam_epsilon"]))
+
+
+def _menu(menu: list[str], lf: dict, out: Converted) -> None:
+    """LF's use_galore / use_apollo / use_badam / use_adam_mini / use_muon, with LF's own checks and the one
+    its create_custom_optimizer takes when several are set."""
+    whole = [name for name in menu if name in ("galore", "apollo", "badam")]
+    if len(whole) > 1:
+        raise ConfigError(
+            f"use_{whole[0]} with use_{whole[1]}: LLaMA-Factory takes one of GaLore, APOLLO, BAdam"
+        )
+    if whole and lf["finetuning_type"] == "lora":
+        raise ConfigError(f"use_{whole[0]}: LLaMA-Factory does not combine it with LoRA (finetuning_type)")
+    lora_plus = lf["finetuning_type"] == "lora" and lf["loraplus_lr_ratio"] is not None
+    name = menu[0] if menu[0] in ("galore", "apollo") or not lora_plus else None
+    for other in menu:
+        if other != name:
+            taken = name or "LoRA+ (loraplus_lr_ratio)"
+            out.notes.append(f"use_{other}: LLaMA-Factory builds {taken} instead, as shardforge does")
+    if name is None:
+        return
+    _put(out.config, "train.optimizer.name", name)
+    for suffix, (ours, kind) in PROJECTED.get(name, {}).items():
+        value = lf[f"{name}_{suffix}"]
+        if ours == "targets":
+            names = _names(value)
+            value = "all" if names == ["all"] else names
+        elif value is not None:
+            value = _cast(f"{name}_{suffix}", kind, value)
+        _put(out.config, f"train.optimizer.{name}.{ours}", value)
+    if _layerwise(lf):
+        out.notes.append(
+            f"{name}_layerwise: the same update after the backward (docs/optimizers.md), with no gradient "
+            f"clipping (train.clip: null), as LF's per-parameter steps never clip"
+        )
+
+
+def _layerwise(lf: dict) -> bool:
+    """LF steps each parameter in its gradient hook (layer-wise GaLore / APOLLO, taken first)."""
+    for name in ("galore", "apollo"):
+        if _cast(f"use_{name}", bool, lf[f"use_{name}"]):
+            return _cast(f"{name}_layerwise", bool, lf[f"{name}_layerwise"])
+    return False
 
 
 def _precision(value: Any, lf: dict, out: Converted) -> None:
@@ -661,7 +750,7 @@ RULES: dict[str, Rule] = {
     "warmup_steps": _warmup,
     "optim": _optimizer,
     "max_grad_norm": lambda v, lf, out: _put(
-        out.config, "train.clip", _cast("max_grad_norm", float, v) or None
+        out.config, "train.clip", None if _layerwise(lf) else _cast("max_grad_norm", float, v) or None
     ),
     "bf16": _precision,
     "eval_strategy": _evaluating,
@@ -682,7 +771,12 @@ READ_WITH = frozenset({
     "save_total_limit", "max_steps", "lr_scheduler_kwargs", "warmup_ratio", "adam_beta1", "adam_beta2",
     "adam_epsilon", "fp16", "eval_steps", "resume_from_checkpoint", "reward_model_type", "deepspeed",
     "interleave_probs", "loraplus_lr_embedding", "pissa_iter", "pissa_convert", "oft_rank", "oft_block_size",
-    "module_dropout", "oft_target", "pure_bf16",
+    "module_dropout", "oft_target", "pure_bf16", "use_galore", "use_apollo", "use_badam", "use_adam_mini",
+    "use_muon", "galore_target", "galore_rank", "galore_update_interval", "galore_scale", "galore_proj_type",
+    "galore_layerwise", "apollo_target", "apollo_rank", "apollo_update_interval", "apollo_scale",
+    "apollo_proj", "apollo_proj_type", "apollo_scale_type", "apollo_scale_front", "apollo_layerwise",
+    "badam_mode", "badam_start_block", "badam_switch_mode", "badam_switch_interval", "badam_update_ratio",
+    "badam_mask_mode", "badam_verbose",
 })  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from shardforge.config.optimizers import layout_refusal
 from shardforge.config.schema import Config, ModelSection, ParallelSection
 from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.parallel.context_parallel import check_context_parallel
@@ -299,6 +300,21 @@ def check_layout(cfg: Config, world: int, shape: Any) -> tuple[ParallelDims, int
             f"tokens, which sequence parallel cannot split evenly; set parallel.sequence_parallel: false"
         )
     check(check_critic, cfg, dims)
+    refused = layout_refusal(
+        cfg.train.optimizer,
+        world=dims.dp,
+        zero_stage=cfg.parallel.zero_stage,
+        tp=dims.tp,
+        pp=dims.pp,
+        offload=cfg.parallel.offload,
+        grad_accum=grad_accum or cfg.train.grad_accum,
+        clip=cfg.train.clip,
+        finetuning=cfg.method.finetuning,
+        lora_plus=cfg.method.finetuning == "lora" and cfg.method.lora.plus_lr_ratio is not None,
+        checkpoint_every=cfg.checkpoint.every,
+    )  # the optimizer menu's whole-tensor choices (config/optimizers.py)
+    if refused:
+        broken.append(refused)
     plan = check(plan_pipeline, shape, cfg.parallel, cfg.train.micro_batch, cfg.data.max_length)
     if len(broken) == 1:
         raise ConfigError(broken[0])

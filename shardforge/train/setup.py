@@ -111,7 +111,8 @@ def build_run(config: Config, console: Console, objective: Objective | None = No
         config=cfg, tokenizer=tokenizer, reading=how, rows=train_rows, split=split, multiple=multiple,
         engine=engine, dims=dims, mesh=ws.mesh, autocast=precision.autocast, sampler=sampler))  # fmt: skip
     total = count_steps(cfg.train, source.groups, split.global_batch)
-    optimizer = build_optimizer(engine.model, cfg.train, cfg.parallel, dims.dp_mesh(ws.mesh))
+    optimizer = build_optimizer(engine.model, cfg.train, cfg.parallel, dims.dp_mesh(ws.mesh), cfg.method,
+                                model.config, cfg.checkpoint)  # fmt: skip
     scheduler = build_scheduler(optimizer, total, cfg.train)
     checkpoints = build_checkpoints(cfg, run_dir=ws.run_dir, model=model, trained=engine.model,
                                     optimizer=optimizer, scheduler=scheduler, precision=precision,

@@ -79,7 +79,20 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "pissa_dpo": {"stage": "dpo", "pissa_init": True},
     "pure_bf16": {"pure_bf16": True},
     # refused: keys LF honours that shardforge cannot
-    "galore": {"use_galore": True},
+    "galore": {"use_galore": True, "finetuning_type": "full", "galore_target": "q_proj,v_proj",
+               "galore_rank": 4},
+    "galore_layerwise": {"use_galore": True, "finetuning_type": "full", "galore_layerwise": True},
+    "apollo": {"use_apollo": True, "finetuning_type": "full", "apollo_proj": "svd",
+               "apollo_scale_front": True},
+    "badam": {"use_badam": True, "finetuning_type": "full", "badam_mode": "ratio", "badam_update_ratio": 0.1},
+    "adam_mini": {"use_adam_mini": True, "finetuning_type": "full"},
+    "muon": {"use_muon": True},
+    "muon_under_loraplus": {"use_muon": True, "loraplus_lr_ratio": 4.0},
+    "adamw_8bit": {"optim": "adamw_bnb_8bit"},
+    "paged_8bit": {"optim": "paged_adamw_8bit", "finetuning_type": "full"},
+    "galore_with_lora": {"use_galore": True},
+    "galore_with_apollo": {"use_galore": True, "use_apollo": True, "finetuning_type": "full"},
+    "galore_8bit": {"use_galore": True, "finetuning_type": "full", "optim": "adamw_bnb_8bit"},
     "int8": {"quantization_bit": 8},
     "hqq": {"quantization_bit": 4, "quantization_method": "hqq"},
     "fp4": {"quantization_bit": 4, "quantization_type": "fp4"},
@@ -97,7 +110,8 @@ EDGE: dict[str, dict[str, Any]] = {  # hand-written: LF's defaults, and each map
     "tool_format": {"tool_format": "glm4"},
 }  # fmt: skip
 REFUSED = {
-    "ipo_smoothing", "galore", "int8", "hqq", "fp4", "kto_pair", "oft_rank", "alpaca_template", "polynomial",
+    "ipo_smoothing", "galore_with_lora", "galore_with_apollo", "galore_8bit",
+    "int8", "hqq", "fp4", "kto_pair", "oft_rank", "alpaca_template", "polynomial",
     "adafactor", "epoch_saving", "hub_data", "ppo_without_reward", "ppo_lora_reward", "tool_format",
     "pissa_dpo",
 }  # fmt: skip
@@ -165,6 +179,24 @@ def expected(lf: dict[str, Any]) -> dict[str, Any]:
         out["method.oft.targets"] = "all" if targets == ["all"] else targets
     if lf["pure_bf16"]:
         out["model.dtype"] = "bfloat16"
+    menu = [n for n in ("galore", "apollo", "badam", "adam_mini", "muon") if lf[f"use_{n}"]]
+    lora_plus = lf["finetuning_type"] == "lora" and lf["loraplus_lr_ratio"] is not None
+    chosen = menu[0] if menu and (menu[0] in ("galore", "apollo") or not lora_plus) else None
+    eight = lf["optim"] in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
+    out["train.optimizer.name"] = chosen or ("adamw_8bit" if eight else "adamw")
+    if chosen in ("galore", "apollo"):
+        out[f"train.optimizer.{chosen}.rank"] = lf[f"{chosen}_rank"]
+        out[f"train.optimizer.{chosen}.layerwise"] = lf[f"{chosen}_layerwise"]
+        target = lf[f"{chosen}_target"]
+        out[f"train.optimizer.{chosen}.targets"] = "all" if target == ["all"] else target
+        if lf[f"{chosen}_layerwise"]:
+            out["train.clip"] = None
+    if chosen == "apollo":
+        out["train.optimizer.apollo.proj"] = lf["apollo_proj"]
+        out["train.optimizer.apollo.scale_front"] = lf["apollo_scale_front"]
+    if chosen == "badam":
+        out["train.optimizer.badam.mode"] = lf["badam_mode"]
+        out["train.optimizer.badam.update_ratio"] = lf["badam_update_ratio"]
     out["method.lora.init"] = "pissa" if lf["pissa_init"] else "default"
     out["method.lora.pissa_iter"] = lf["pissa_iter"] if lf["pissa_init"] else 16
     return out
@@ -204,7 +236,7 @@ def test_our_table_of_lf_defaults_is_lf_s_own(lf_cases):
             theirs = None if theirs == 2 * resolved["lora_rank"] else theirs
         if key == "report_to":  # transformers' [] is LF's "none"
             theirs = "none" if theirs == [] else theirs
-        if key in ("lora_target", "freeze_trainable_modules"):  # LF splits its comma lists
+        if key in ("lora_target", "freeze_trainable_modules", "galore_target", "apollo_target"):  # LF splits
             theirs = ",".join(theirs)
         if theirs != ours_default:
             differ[key] = (ours_default, theirs)
@@ -287,18 +319,20 @@ def test_merge_and_inference_yamls_become_the_equivalent_commands(lf_cases):
 
 def test_the_command_refuses_what_it_cannot_honour_unless_allowed(lf_cases, tmp_path):
     ref, _, _ = lf_cases
-    source = ref.src / "examples" / "extras" / "galore" / "llama3_full_sft.yaml"
+    source = ref.src / "examples" / "extras" / "mod" / "llama3_full_sft.yaml"
     run = [sys.executable, "-m", "shardforge", "convert", str(source)]
     refused = subprocess.run(run, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert "use_galore: GaLore" in refused.stdout and "--allow-unsupported" in refused.stdout
+    assert (
+        "mixture_of_depths: mixture-of-depths" in refused.stdout and "--allow-unsupported" in refused.stdout
+    )
     allowed = subprocess.run(
         [*run, "--allow-unsupported", "--to", str(tmp_path / "ours.yaml")],
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )  # fmt: skip
     assert allowed.returncode == 0, allowed.stdout + allowed.stderr
     text = (tmp_path / "ours.yaml").read_text()
-    assert "# UNSUPPORTED (--allow-unsupported), not honoured: use_galore: GaLore" in text
+    assert "# UNSUPPORTED (--allow-unsupported), not honoured: mixture_of_depths: mixture-of-depths" in text
     assert math.isclose(load_config(tmp_path / "ours.yaml").train.lr, 1e-5)
     merge = ref.src / "examples" / "merge_lora" / "qwen3_lora_sft.yaml"
     proc = subprocess.run([*run[:-1], str(merge)], capture_output=True, text=True, cwd=REPO, timeout=120)
