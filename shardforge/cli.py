@@ -142,6 +142,21 @@ def _cmd_export(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_expand(args: argparse.Namespace, console: Console) -> int:
+    """LLaMA Pro's block expansion of an HF folder (LLaMA-Factory's scripts/llama_pro.py)."""
+    from pathlib import Path
+
+    from shardforge.models.expand import expand_blocks
+
+    folder = expand_blocks(Path(args.model), Path(args.to), args.blocks)
+    console.print(
+        f"expanded {args.model} by {args.blocks} blocks into {folder}; train the new blocks with "
+        f"model.path={folder} method.finetuning=freeze method.freeze.llama_pro=true "
+        f"method.freeze.trainable_layers={args.blocks}"
+    )
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace, console: Console) -> int:
     """A LLaMA-Factory YAML as a shardforge config: printed (or written with --to), checked by the schema."""
     from pathlib import Path
@@ -377,6 +392,74 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
+    """Prediction with generation and BLEU/ROUGE (--data), or lm-evaluation-harness tasks (--tasks)."""
+    import json
+    import time
+    from pathlib import Path
+
+    out = Path(args.out)
+    if args.tasks:
+        if args.tp > 1:
+            raise ConfigError("--tasks runs on one process: drop --tp (it applies to --data)")
+        from shardforge.eval.harness import ShardforgeLM, run_tasks, summary, task_manager, write_results
+
+        tasks = [t for t in args.tasks.split(",") if t]
+        manager = task_manager(tasks, args.include_path)  # a wrong name fails before the model loads
+        import logging
+
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)  # not its notes on every custom task
+        with _engine_for(args, console) as driven:
+            assert driven is not None  # one process
+            max_gen_toks = args.max_new_tokens or 256  # a task's own generation_kwargs come first (HFLM's)
+            lm = ShardforgeLM(engine=driven[1], batch_size=args.batch_size, max_gen_toks=max_gen_toks)
+            results = run_tasks(lm, tasks, manager, args.limit, args.num_fewshot, args.seed or 0)
+        written = write_results(results, out)
+        for task, metrics in summary(results).items():
+            shown = ", ".join(f"{k.split(',')[0]} {v:.4f}" for k, v in metrics.items() if "stderr" not in k)
+            console.print(f"{task}: {shown}", highlight=False)
+        console.print(f"wrote {written}")
+        return 0
+    from shardforge.data.templates import resolve_template
+    from shardforge.eval.predict import (
+        METRICS,
+        PREDICTIONS,
+        dataset_specs,
+        predict,
+        prompt_items,
+        read_records,
+        write_predictions,
+    )
+    from shardforge.infer.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens or 1024,  # LLaMA-Factory's default
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    ).check()
+    specs = dataset_specs(
+        [d for d in args.data.split(",") if d], args.dataset_info, args.format, args.max_samples
+    )
+    records = read_records(specs, args.system)  # bad data fails before the model loads
+    if (code := _as_ranks(args)) is not None:
+        return code
+    with _engine_for(args, console) as driven:
+        if driven is None:
+            return 0
+        loaded, engine = driven
+        items = prompt_items(records, loaded.tokenizer, resolve_template(loaded.tokenizer, args.template),
+                             args.cutoff_len)  # fmt: skip
+        started = time.perf_counter()
+        predictions = predict(engine, items, params)
+        metrics = write_predictions(predictions, out, time.perf_counter() - started)
+    console.print(json.dumps(metrics, indent=2), highlight=False)
+    console.print(f"wrote {out / PREDICTIONS} and {out / METRICS}")
+    return 0
+
+
 def _inference_flags(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     p.add_argument("model", help="an HF model folder, a PEFT adapter folder, a run folder or a checkpoint")
     p.add_argument("--adapter", help="a PEFT LoRA adapter folder to merge into the model")
@@ -497,6 +580,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--base", default=None, help="a PEFT adapter's base folder (default: its base_model_name_or_path)"
     )
     p_export.set_defaults(func=_cmd_export)
+    p_expand = sub.add_parser(
+        "expand", help="LLaMA Pro: add zero-output copies of decoder blocks to an HF model folder"
+    )
+    p_expand.add_argument("model", help="the HF model folder to expand")
+    p_expand.add_argument(
+        "--blocks", type=_at_least(1), required=True, help="blocks to add (a divisor of the layers)"
+    )
+    p_expand.add_argument("--to", required=True, help="the folder to write")
+    p_expand.set_defaults(func=_cmd_expand)
     p_convert = sub.add_parser("convert", help="a LLaMA-Factory training YAML as a shardforge config")
     p_convert.add_argument("source", help="the LLaMA-Factory YAML")
     p_convert.add_argument("--to", help="write the config here (default: print it)")
@@ -542,6 +634,41 @@ def build_parser() -> argparse.ArgumentParser:
         "(without it: data URLs only; remote URLs never)",
     )
     p_serve.set_defaults(func=_cmd_serve)
+    p_eval = sub.add_parser(
+        "eval",
+        help="evaluate a model: answers generated for a data set with BLEU/ROUGE (--data, LLaMA-Factory's "
+        "do_predict), or lm-evaluation-harness tasks (--tasks)",
+    )
+    _inference_flags(p_eval, sampling=False)
+    what = p_eval.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--data", help="data sets to predict: files or folders, or dataset_info.json names (A,B)"
+    )
+    what.add_argument("--tasks", help="lm-eval tasks (A,B): its own, the bundled shardforge_tiny_mc, ...")
+    p_eval.add_argument("--out", default="eval", help="the folder the predictions or results go to")
+    p_eval.add_argument("--dataset-info", help="--data names: their dataset_info.json (or its folder)")
+    p_eval.add_argument("--format", choices=["alpaca", "sharegpt", "openai"], help="--data files' format")
+    p_eval.add_argument("--max-samples", type=_at_least(1), help="records read per data set at most")
+    p_eval.add_argument("--template", default="auto", choices=["auto", "chatml"], help="the chat template")
+    p_eval.add_argument("--system", help="the system message of conversations that have none")
+    p_eval.add_argument(
+        "--cutoff-len", type=_at_least(2), help="prompt + label cut as LLaMA-Factory's cutoff_len"
+    )
+    p_eval.add_argument(
+        "--max-new-tokens",
+        type=_at_least(1),
+        help="new tokens per answer at most (default: --data 1024, LLaMA-Factory's; --tasks 256, lm-eval's)",
+    )
+    p_eval.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    p_eval.add_argument("--top-k", type=int, default=None)
+    p_eval.add_argument("--top-p", type=float, default=None)
+    p_eval.add_argument("--repetition-penalty", type=float, default=None)
+    p_eval.add_argument("--seed", type=int, default=None)
+    p_eval.add_argument("--include-path", help="--tasks: a folder of more lm-eval task YAMLs")
+    p_eval.add_argument("--limit", type=_at_least(1), help="--tasks: items per task at most")
+    p_eval.add_argument("--num-fewshot", type=_at_least(0), help="--tasks: examples shown before each item")
+    p_eval.add_argument("--batch-size", type=_at_least(1), default=16, help="--tasks: rows per forward")
+    p_eval.set_defaults(func=_cmd_eval)
     p_webui = sub.add_parser("webui", help="a web UI: configure, plan, launch, watch, chat and export")
     p_webui.add_argument("--host", default="127.0.0.1", help="a non-loopback host needs --auth")
     p_webui.add_argument("--port", type=_at_least(0), default=7860)

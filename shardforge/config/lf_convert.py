@@ -166,8 +166,8 @@ WANTS = {
 "mixture_of_depths": "mixture-of-depths",
     "use_asft_loss": "the ASFT loss", "use_eaft_loss": "the EAFT loss",
 
-    "fp8": "fp8 training", "do_predict": "prediction with generation (shardforge generate)",
-    "predict_with_generate": "prediction with generation (shardforge generate)",
+    "fp8": "fp8 training", "do_predict": "prediction in a training run (shardforge eval after it)",
+    "predict_with_generate": "prediction in a training run (shardforge eval after it)",
     "streaming": "LF's streaming (use data.streaming)",
     "additional_target": "training extra modules beside LoRA", "resize_vocab": "vocabulary resizing",
     "video_max_pixels": "video data", "use_unsloth": "Unsloth kernels",
@@ -790,6 +790,10 @@ def convert_lf(lf: dict[str, Any]) -> Converted:
     among them, are read from the working directory, as LF reads them)."""
     if not is_training(lf):
         return _command(lf)
+    if _cast("do_predict", bool, lf.get("do_predict", False)) and not _cast(
+        "do_train", bool, lf.get("do_train", False)
+    ):
+        return _predict(lf)
     if not lf.get("model_name_or_path"):
         raise ConfigError("model_name_or_path: missing (LLaMA-Factory needs the model to train)")
     given = {k: v for k, v in lf.items() if v is not None or k not in LF_DEFAULTS}
@@ -809,6 +813,64 @@ def convert_lf(lf: dict[str, Any]) -> Converted:
             out.notes.append(f"{key}: {value!r} is LF's default, nothing to set")
         else:
             out.unsupported.append(f"{key}: {WANTS.get(key, 'no counterpart in shardforge')}")
+    return out
+
+
+# LF's generating arguments' defaults (hparams/generating_args.py): it samples unless do_sample is false
+GENERATION = {"do_sample": True, "temperature": 0.95, "top_p": 0.7, "top_k": 50, "max_new_tokens": 1024,
+              "repetition_penalty": 1.0}  # fmt: skip
+PREDICT_KEYS = {"model_name_or_path", "adapter_name_or_path", "stage", "do_predict", "predict_with_generate",
+                "finetuning_type", "eval_dataset", "dataset_dir", "template", "cutoff_len", "max_samples",
+                "default_system", "output_dir", "seed", *GENERATION}  # fmt: skip
+
+
+def _predict(lf: dict[str, Any]) -> Converted:
+    """LF's do_predict YAML (predict_with_generate, BLEU / ROUGE) as the equivalent `shardforge eval`."""
+    out = Converted({})
+    model = lf.get("model_name_or_path")
+    if not model:
+        raise ConfigError("model_name_or_path: missing (the model to predict with)")
+    if not lf.get("eval_dataset"):
+        raise ConfigError("eval_dataset: missing (LLaMA-Factory predicts on eval_dataset)")
+    if not _cast("predict_with_generate", bool, lf.get("predict_with_generate", False)):
+        out.unsupported.append(
+            "predict_with_generate: false (prediction by logits; shardforge eval generates)"
+        )
+    adapters = _names(lf["adapter_name_or_path"]) if lf.get("adapter_name_or_path") else []
+    if len(adapters) > 1:
+        raise ConfigError(f"adapter_name_or_path: {len(adapters)} adapters; shardforge eval takes one")
+    folder = Path(str(lf.get("dataset_dir", "data")))
+    gen = {k: lf.get(k, v) for k, v in GENERATION.items()}
+    parts = ["shardforge", "eval", str(model), "--data", ",".join(_names(lf["eval_dataset"])),
+             "--dataset-info", str(folder / "dataset_info.json")]  # fmt: skip
+    if adapters:
+        parts += ["--adapter", adapters[0]]
+    if lf.get("template") == "chatml":
+        parts += ["--template", "chatml"]
+    elif lf.get("template") in GENERIC_TEMPLATES:
+        out.unsupported.append(f"template: {lf['template']} (LF's generic {lf['template']} format)")
+    parts += ["--cutoff-len", str(_cast("cutoff_len", int, lf.get("cutoff_len", 2048)))]
+    for key, flag in (("max_samples", "--max-samples"), ("default_system", "--system"), ("seed", "--seed")):
+        if lf.get(key) is not None:
+            parts += [flag, str(lf[key])]
+    parts += ["--max-new-tokens", str(_cast("max_new_tokens", int, gen["max_new_tokens"]))]
+    if _cast("do_sample", bool, gen["do_sample"]):
+        sampling = {
+            "--temperature": ("temperature", float),
+            "--top-p": ("top_p", float),
+            "--top-k": ("top_k", int),
+        }
+        for flag, (key, kind) in sampling.items():
+            parts += [flag, str(_cast(key, kind, gen[key]))]
+    else:
+        parts += ["--temperature", "0"]
+    if float(gen["repetition_penalty"]) != 1.0:
+        parts += ["--repetition-penalty", str(_cast("repetition_penalty", float, gen["repetition_penalty"]))]
+    parts += ["--out", str(lf.get("output_dir", "eval"))]
+    out.command = shlex.join(parts)
+    for key in lf:
+        if key not in PREDICT_KEYS:
+            out.notes.append(f"{key}: not part of the equivalent command")
     return out
 
 

@@ -70,6 +70,13 @@ HOW = {
     "shardforge train examples/grpo_math.yaml": "example",
     "shardforge train examples/vlm_sft.yaml": "example",
     "shardforge export runs/demo_lora --to runs/demo_lora_merged --merge": "example-export",
+    "shardforge eval runs/my-sft --data data/my_eval.jsonl --max-new-tokens 32 --out runs/my-sft/predict": "eval",  # noqa: E501
+    "shardforge eval runs/my-sft --tasks shardforge_tiny_mc --out runs/my-sft/lm-eval": "eval",
+    "shardforge eval MODEL --data NAME[,NAME] [--dataset-info FILE] [--adapter DIR] [--max-new-tokens N] [--out DIR]": "synopsis",  # noqa: E501
+    "shardforge expand MODEL --blocks N --to DIR": "synopsis",
+    "shardforge expand": "synopsis",
+    "shardforge convert": "synopsis",
+    'pip install -e ".[eval]"': "extra",
     "shardforge plan CONFIG": "synopsis",
     "shardforge train CONFIG [key=value ...]": "synopsis",
     "shardforge train CONFIG --nproc N [key=value ...]": "synopsis",
@@ -290,6 +297,19 @@ def test_chat_and_generate(ws, my_sft):
     run(generate, ws)
     results = [json.loads(line) for line in (ws / "results.jsonl").read_text().splitlines()]
     assert len(results) == 2
+
+
+def test_eval_after_training(ws, my_sft):
+    """Predictions with LF's metrics files, and an lm-eval task, on the quickstart's run."""
+    predict, tasks = commands("eval")
+    run(predict, ws)
+    out = ws / "runs" / "my-sft" / "predict"
+    rows = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
+    assert rows and set(rows[0]) >= {"prompt", "predict", "label"}
+    assert "predict_bleu-4" in json.loads((out / "predict_results.json").read_text())
+    run(tasks, ws)
+    results = json.loads((ws / "runs" / "my-sft" / "lm-eval" / "lm_eval_results.json").read_text())
+    assert "shardforge_tiny_mc" in json.dumps(results)
 
 
 def _serve(command: str, ws: Path, key: str | None) -> None:

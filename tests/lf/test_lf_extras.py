@@ -74,3 +74,36 @@ def test_lf_s_extras_convert_and_train_on_the_demo_model(demo, tmp_path, monkeyp
         assert json.loads(adapter.read_text())["peft_type"] == config.method.finetuning.upper()
     else:
         assert (final / "config.json").is_file()
+
+
+def test_lf_s_prediction_yaml_becomes_shardforge_eval_and_runs(demo, tmp_path):
+    """extras/nlg_eval (do_predict with predict_with_generate): the equivalent `shardforge eval` command,
+    run as printed on the demo model (its adapter left out, the run shortened), writes LF's two files."""
+    import shlex
+    import subprocess
+    import sys
+
+    ref = reference()
+    source = ref.src / "examples" / "extras" / "nlg_eval" / "llama3_lora_predict.yaml"
+    converted = convert_lf(yaml.safe_load(source.read_text()))
+    assert converted.command is not None and not converted.unsupported
+    words = shlex.split(converted.command)
+    assert words[:2] == ["shardforge", "eval"] and "--temperature" in words  # LF samples by default
+    args = dict(zip(words[3::2], words[4::2], strict=True))
+    assert args["--data"] == "identity,alpaca_en_demo" and args["--max-samples"] == "50"
+    args.pop("--adapter")  # a LoRA run of the 8B model in LF's example
+    args |= {"--max-samples": "3", "--max-new-tokens": "8", "--out": str(tmp_path / "predict")}
+    command = [
+        sys.executable,
+        "-m",
+        "shardforge",
+        "eval",
+        str(demo["base"]),
+        *(x for kv in args.items() for x in kv),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ref.src, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = (tmp_path / "predict" / "generated_predictions.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and set(json.loads(lines[0])) >= {"prompt", "predict", "label"}
+    metrics = json.loads((tmp_path / "predict" / "predict_results.json").read_text())
+    assert {"predict_bleu-4", "predict_rouge-1", "predict_rouge-2", "predict_rouge-l"} <= set(metrics)
