@@ -12,7 +12,6 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -33,10 +32,11 @@ def cpu_kernels() -> Any:
     began = time.perf_counter()
     path = os.environ.get("PATH", "")
     try:
-        if shutil.which("ninja") is None:  # the `ninja` wheel's binary, when its venv is not on PATH
-            import ninja
+        # always the `ninja` wheel's binary (a dependency), whatever PATH holds: another ninja version (the
+        # system's) rewrites the build log and makes the next caller rebuild everything (~30 s)
+        import ninja
 
-            os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{path}"
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{path}"
         # built with -march=native: one build per instruction set, should the cache be shared by machines;
         # torch's loader rebuilds when a source changes, the digest when the header does
         capability = torch.backends.cpu.get_cpu_capability().lower()
