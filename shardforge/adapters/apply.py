@@ -64,8 +64,11 @@ def add_oft(model: CausalModel, section: OFTSection) -> list[str]:
     targets = targets if every else tuple(section.targets)
     wrapped = []
     for name, module in list(model.named_modules()):
-        if not (model.canonical_name(name).startswith("layers.") and isinstance(module, nn.Linear)):
-            continue
+        if (
+            not (model.canonical_name(name).startswith("layers.") and adaptable(module))
+            or type(module) is Conv1D
+        ):
+            continue  # as LoRA's `all` takes them (a router returning a tuple is no plain linear); no Conv1D
         parent_name, _, leaf = name.rpartition(".")
         if leaf in targets or (every and not model.native_names and leaf not in left_out):
             terms = 5 if section.cayley_neumann else None

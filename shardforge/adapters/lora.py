@@ -15,9 +15,10 @@ reduced by DTensor itself.
 PiSSA (`init="pissa"`, peft's `init_lora_weights="pissa"` / `"pissa_niter_N"`) starts A and B from W's r
 principal singular directions, s B0 A0 = U_r S_r V_r^T. peft subtracts that start from the base weight; here
 the base stays W and the layer keeps the start (buffers `pissa_A`, `pissa_B`) to subtract it in the adapter:
-W x + s (B A - B0 A0) x is peft's W_res x + s B A x, with the same gradients. So the base with adapters off
-is the model the run started from (a preference run's reference), and the adapter written out is a plain
-LoRA of rank 2r, [A; A0] and [B, -B0], as peft's `path_initial_model_for_weight_conversion` converts it.
+W x - s B0 A0 x + s B A drop(x) is peft's W_res x + s B A drop(x), with the same gradients. So the base with
+adapters off is the model the run started from (a preference run's reference), and the adapter written out
+is a plain LoRA of rank 2r, [A; A0] and [B, -B0], as peft's `path_initial_model_for_weight_conversion`
+converts it.
 """
 
 from __future__ import annotations
@@ -141,8 +142,12 @@ class LoRALinear(AdapterLayer, nn.Linear):
         if not self.adapter_enabled:
             return out
         dropped = self.dropout(x)
-        a, b = self.factors()
+        a, b = self.lora_A, self.lora_B
         low = F.linear(F.linear(dropped.to(a.dtype), a), b) * self.scale
+        if (
+            self.pissa_iter is not None
+        ):  # the start comes off W itself (peft's W_res): dropout never reaches it
+            low = low - F.linear(F.linear(x.to(a.dtype), self.pissa_A), self.pissa_B) * self.scale
         if self.lora_magnitude is None:
             return out + low.to(out.dtype)
         with torch.no_grad():

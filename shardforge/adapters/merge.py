@@ -55,8 +55,8 @@ def merge_adapter(model: nn.Module, folder: Path) -> None:
 def merge_oft(model: nn.Module, folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
     """A PEFT OFT folder (peft's defaults besides the block size and the Neumann switch, as LLaMA-Factory's
     runs and ours write them) merged into `model`."""
-    defaults = {"r": 0, "coft": False, "block_share": False, "num_cayley_neumann_terms": 5}
-    defaults["module_dropout"] = 0.0
+    defaults = {"r": 0, "coft": False, "block_share": False, "num_cayley_neumann_terms": 5}  # module_dropout:
+    # training's alone, nothing to merge
     unread = {k: config[k] for k, off in defaults.items() if config.get(k, off) != off}
     if unread:
         raise ModelError(f"{folder}: OFT with {unread}; shardforge reads OFT with oft_block_size alone set")

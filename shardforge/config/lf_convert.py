@@ -314,6 +314,9 @@ def _stage(value: Any, lf: dict, out: Converted) -> None:
 def _finetuning(value: Any, lf: dict, out: Converted) -> None:
     if value not in ("lora", "oft", "freeze", "full"):
         raise ConfigError(f"finetuning_type: {value!r} is not one of lora, oft, freeze, full")
+    for key in ("use_dora", "use_rslora"):  # LF's own checks
+        if value != "lora" and _cast(key, bool, lf[key]):
+            raise ConfigError(f"{key}: only valid for LoRA training (finetuning_type is {value})")
     _put(out.config, "method.finetuning", value)
     if value != "oft":
         return

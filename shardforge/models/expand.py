@@ -18,7 +18,7 @@ from shardforge.errors import ModelError
 from shardforge.models.io import INDEX_FILE, read_config_json, weight_files, write_weights
 
 LAYER_KEY = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
-ZEROED = ("o_proj", "down_proj")  # the block's writes to the residual stream (LF's rule)
+ZEROED = ("o_proj", "down_proj")  # the block's writes to the residual stream (LF's rule: any key naming them)
 
 
 def expanded_order(layers: int, blocks: int) -> list[tuple[int, bool]]:
@@ -46,6 +46,14 @@ def expand_blocks(
         )
     if blocks < 1 or layers % blocks:
         raise ModelError(f"--blocks {blocks}: must be at least 1 and divide the model's {layers} layers")
+    # index rules of which layers are sparse that a copy placed between them would break
+    rules = {"decoder_sparse_step": 1, "first_k_dense_replace": 0, "moe_layer_freq": 1}
+    broken = {k: config[k] for k, fine in rules.items() if config.get(k, fine) not in (fine, None)}
+    if broken:
+        raise ModelError(
+            f"{source / 'config.json'}: {broken} places its sparse layers by index, which the copies would "
+            f"shift; LLaMA Pro expands models whose layers are all alike or listed (mlp_only_layers)"
+        )
     if target.resolve() == source.resolve():
         raise ModelError(f"{target}: the expanded model needs a folder of its own, not the source")
     tensors: dict[str, torch.Tensor] = {}
@@ -60,18 +68,16 @@ def expand_blocks(
             out[key] = value
         else:
             per_layer.setdefault(int(match[2]), {})[f"{match[1]}{{}}{match[3]}"] = value
-    zeroed = {t for t in per_layer.get(0, {}) if any(f".{name}." in t for name in ZEROED)}
-    if not all(any(f".{name}." in t for t in zeroed) for name in ZEROED):
+    if not all(any(name in t for t in patterns) for patterns in per_layer.values() for name in ZEROED):
         raise ModelError(
-            f"{source}: its decoder blocks have no o_proj and down_proj weights, which a new block's zero "
-            f"output needs (LLaMA Pro expands Llama-like models)"
+            f"{source}: its decoder blocks lack an o_proj or a down_proj weight, whose zeros give a new "
+            f"block its zero output (LLaMA Pro expands Llama-like models)"
         )
     order = expanded_order(layers, blocks)
     for new, (old, fresh) in enumerate(order):
         for pattern, value in per_layer[old].items():
-            out[pattern.format(new)] = (
-                torch.zeros_like(value) if fresh and pattern in zeroed else value.clone()
-            )
+            zeroed = fresh and any(name in pattern for name in ZEROED)  # LF's substring rule
+            out[pattern.format(new)] = torch.zeros_like(value) if zeroed else value.clone()
     target.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
         if item.is_file() and item.suffix != ".safetensors" and item.name not in (INDEX_FILE, "config.json"):
@@ -79,6 +85,9 @@ def expand_blocks(
     config["num_hidden_layers"] = len(order)
     if isinstance(config.get("layer_types"), list) and len(config["layer_types"]) == layers:
         config["layer_types"] = [config["layer_types"][old] for old, _ in order]
+    if isinstance(config.get("mlp_only_layers"), list):  # a mixture of experts' dense layers, by index
+        dense = set(config["mlp_only_layers"])
+        config["mlp_only_layers"] = [new for new, (old, _) in enumerate(order) if old in dense]
     (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     write_weights(out, target, max_shard_bytes)
     return target
