@@ -127,7 +127,7 @@ def test_qlora_trains_close_to_lora_on_the_bf16_base(tmp_path, base):
 
 def test_what_qlora_cannot_do_is_refused(tmp_path):
     base = {"model": {"preset": "tiny-llama", "tokenizer": "t"}, "data": {"train": [{"path": "x.jsonl"}]}}
-    full = r"model.quantize=nf4 freezes .* set method.finetuning=lora \(it is full\)"
+    full = r"model.quantize=nf4 freezes .* set method.finetuning=lora or oft \(it is full\)"
     with pytest.raises(ConfigError, match=full):
         load_config(None, ["model.quantize=nf4"], base=base)
     with pytest.raises(ConfigError, match=r"model.quantize=nf4 with parallel.tp=2"):
