@@ -314,11 +314,12 @@ def _as_ranks(args: argparse.Namespace, stop_grace: float | None = None) -> int 
     return None
 
 
-def _sampling(args: argparse.Namespace):
+def _sampling(args: argparse.Namespace, max_tokens: int | None = None):
+    """The sampling flags as SamplingParams (`max_tokens`: eval's --max-new-tokens, else --max-tokens)."""
     from shardforge.infer.sampling import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens,
+        max_tokens=max_tokens if max_tokens is not None else args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -430,16 +431,8 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         read_records,
         write_predictions,
     )
-    from shardforge.infer.sampling import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_new_tokens or 1024,  # LLaMA-Factory's default
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-    ).check()
+    params = _sampling(args, max_tokens=args.max_new_tokens or 1024)  # LLaMA-Factory's default
     specs = dataset_specs(
         [d for d in args.data.split(",") if d], args.dataset_info, args.format, args.max_samples
     )
@@ -662,6 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
     p_eval.add_argument("--top-k", type=int, default=None)
     p_eval.add_argument("--top-p", type=float, default=None)
+    p_eval.add_argument("--min-p", type=float, default=None)
     p_eval.add_argument("--repetition-penalty", type=float, default=None)
     p_eval.add_argument("--seed", type=int, default=None)
     p_eval.add_argument("--include-path", help="--tasks: a folder of more lm-eval task YAMLs")
