@@ -157,6 +157,23 @@ def _cmd_expand(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _cmd_loftq(args: argparse.Namespace, console: Console) -> int:
+    """LoftQ's base and adapter for QLoRA (LLaMA-Factory's scripts/loftq_init.py)."""
+    from pathlib import Path
+
+    from shardforge.adapters.loftq import ADAPTER, loftq_folder
+
+    targets = tuple(t for t in args.targets.split(",") if t)
+    folder = loftq_folder(Path(args.model), Path(args.to), args.rank, args.alpha, targets, args.iter)
+    alpha = args.alpha or 2 * args.rank
+    console.print(
+        f"wrote the LoftQ base to {folder} and its adapter to {folder / ADAPTER}; train them as QLoRA with "
+        f"model.path={folder} model.adapter={folder / ADAPTER} model.quantize=nf4 method.finetuning=lora "
+        f"method.lora.rank={args.rank} method.lora.alpha={alpha} method.lora.targets=[{','.join(targets)}]"
+    )
+    return 0
+
+
 def _cmd_convert(args: argparse.Namespace, console: Console) -> int:
     """A LLaMA-Factory YAML as a shardforge config: printed (or written with --to), checked by the schema."""
     from pathlib import Path
@@ -582,6 +599,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_expand.add_argument("--to", required=True, help="the folder to write")
     p_expand.set_defaults(func=_cmd_expand)
+    p_loftq = sub.add_parser("loftq", help="LoftQ: a 4-bit base and a LoRA adapter that start near the model")
+    p_loftq.add_argument("model", help="the HF model folder")
+    p_loftq.add_argument("--to", required=True, help="the folder to write (the base; its adapter inside)")
+    p_loftq.add_argument(
+        "--rank", type=_at_least(1), default=16, help="LoRA rank (LLaMA-Factory's default 16)"
+    )
+    p_loftq.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default: twice the rank)")
+    p_loftq.add_argument("--targets", default="q_proj,v_proj", help="the adapted linears, comma-separated")
+    p_loftq.add_argument("--iter", type=_at_least(1), default=4, help="alternating rounds (LF's default 4)")
+    p_loftq.set_defaults(func=_cmd_loftq)
     p_convert = sub.add_parser("convert", help="a LLaMA-Factory training YAML as a shardforge config")
     p_convert.add_argument("source", help="the LLaMA-Factory YAML")
     p_convert.add_argument("--to", help="write the config here (default: print it)")

@@ -75,6 +75,8 @@ HOW = {
     "shardforge eval MODEL --data NAME[,NAME] [--dataset-info FILE] [--adapter DIR] [--max-new-tokens N] [--out DIR]": "synopsis",  # noqa: E501
     "shardforge expand MODEL --blocks N --to DIR": "synopsis",
     "shardforge expand": "synopsis",
+    "shardforge loftq": "synopsis",
+    "shardforge loftq MODEL --to DIR [--rank 16] [--alpha A] [--targets q_proj,v_proj] [--iter 4]": "synopsis",
     "shardforge convert": "synopsis",
     'pip install -e ".[eval]"': "extra",
     "shardforge plan CONFIG": "synopsis",
