@@ -264,6 +264,8 @@ class StateCounter:
         params = int(sum(sizes))
         frozen = int(sum(s for s, p in zip(sizes, held, strict=True) if not p.trained))
         grads = params - frozen
+        if self.optimizer.name == "badam" and self.optimizer.badam.mode == "layer":
+            grads = _badam_block_grads(numel, held)
         if not self.tied and layout.tp > 1 and layout.zero_stage < 2:
             # An untied embedding's gradient comes back from DTensor's embedding backward replicated over tp:
             # the whole padded vocabulary on every rank, tp times its shard (measured; a tied one is summed
@@ -371,6 +373,15 @@ def _badam(optimizer: OptimizerSection, trained: list[tuple[int, ParamSpec]]) ->
     for n, p in trained:
         if p.layer is not None:
             blocks[p.layer] = blocks.get(p.layer, 0) + 3 * n * FP32_BYTES + STEP_BYTES
+    return max(blocks.values(), default=0)
+
+
+def _badam_block_grads(numel: list[int], held: list[ParamSpec]) -> int:
+    """BAdam's layer mode: only the active decoder block has requires_grad (the largest block's gradients)."""
+    blocks: dict[int, int] = {}
+    for n, p in zip(numel, held, strict=True):
+        if p.trained and p.layer is not None:
+            blocks[p.layer] = blocks.get(p.layer, 0) + n * p.itemsize
     return max(blocks.values(), default=0)
 
 

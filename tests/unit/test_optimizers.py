@@ -541,6 +541,7 @@ def test_each_optimizer_trains_end_to_end(tmp_path, name):
     losses = [r["loss"] for r in records]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses), losses
     assert records[0]["optim_bytes"] == records[0]["planned_optim_bytes"] > 0
+    assert records[0]["grad_bytes"] == records[0]["planned_grad_bytes"] > 0  # BAdam's: the active block's
 
 
 @pytest.mark.parametrize("name", ["adamw_8bit", "muon", "galore", "adam_mini"])
