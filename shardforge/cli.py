@@ -417,13 +417,23 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: a file is there; give a folder to write the results in")
     if args.tasks:
         if args.tp > 1:
             raise ConfigError("--tasks runs on one process: drop --tp (it applies to --data)")
-        from shardforge.eval.harness import ShardforgeLM, run_tasks, summary, task_manager, write_results
+        from shardforge.eval.harness import (
+            ShardforgeLM,
+            check_tasks,
+            run_tasks,
+            summary,
+            task_manager,
+            write_results,
+        )
 
         tasks = [t for t in args.tasks.split(",") if t]
         manager = task_manager(tasks, args.include_path)  # a wrong name fails before the model loads
+        check_tasks(tasks, manager)  # and a wrong task YAML
         import logging
 
         logging.getLogger("lm_eval").setLevel(logging.ERROR)  # not its notes on every custom task

@@ -53,7 +53,8 @@ def build_checkpoints(
     critic = model.critic.config if model.critic is not None else None
     vocab_rows = padded_vocab(config.vocab_size, dims.tp)
     finetuning = finetuning_identity(cfg)
-    sig = signature(config, vocab_rows, global_batch, data_id, cfg.train.seed, finetuning, critic)
+    seed, optimizer_name = cfg.train.seed, cfg.train.optimizer.name
+    sig = signature(config, vocab_rows, global_batch, data_id, seed, finetuning, critic, optimizer_name)
     parts = (trained, optimizer, scheduler, precision)
     layout = (dims.world_size, dims.describe())
     return CheckpointManager(run_dir / "checkpoints", cfg.checkpoint, sig, parts, layout)

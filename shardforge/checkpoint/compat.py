@@ -28,6 +28,10 @@ _ADVICE = {
         "the checkpoint holds PPO's separate critic model (method.ppo.critic) of that shape, or none: resume "
         "with the critic it was trained with"
     ),
+    "optimizer": (
+        "the checkpoint holds that optimizer's states: resume with train.optimizer.name as saved, or export "
+        "the weights (shardforge export) and start a new run with the other optimizer from them"
+    ),
     "optimizer_format": (
         "the optimizer states are stored in another layout (an older shardforge): resume with the version "
         "that wrote it, or export the weights (shardforge export) and start a new run from them"
@@ -40,7 +44,8 @@ def check_compatible(folder: Path, saved: dict, current: dict) -> None:
     model, field by field)."""
     problems = []
     for key in _ADVICE:
-        was, now = saved.get(key), current[key]
+        # a checkpoint from before train.optimizer holds AdamW's states
+        was, now = saved.get(key, "adamw" if key == "optimizer" else None), current[key]
         if was == now:
             continue
         if key in ("model", "critic") and isinstance(was, dict) and isinstance(now, dict):

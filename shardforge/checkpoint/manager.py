@@ -39,6 +39,7 @@ def signature(
     seed: int,
     finetuning: Any = None,
     critic_config: Any = None,
+    optimizer: str = "adamw",
 ) -> dict:
     """What a continuation depends on. The model is its whole config (every field of the family's config
     dataclass except the original config.json it was read from, or the generic backend's transformers
@@ -50,6 +51,7 @@ def signature(
         "rows": rows,
         "seed": seed,
         "finetuning": finetuning,  # None: full; else the method, its settings and the base it trains over
+        "optimizer": optimizer,  # train.optimizer.name: whose states the checkpoint holds
         "optimizer_format": OPTIMIZER_FORMAT,
         "critic": None if critic_config is None else _config_fields(critic_config),
     }

@@ -141,10 +141,16 @@ def layout_refusal(
             f"method.lora.plus_lr_ratio (LoRA+) with {key}: LoRA+ sets learning rates per parameter group of "
             f"AdamW; use train.optimizer.name adamw or adamw_8bit"
         )
-    if name in ("galore", "apollo", "badam") and finetuning == "lora":
+    if name in ("galore", "apollo", "badam") and finetuning in ("lora", "oft"):
         return (
-            f"{key} with method.finetuning=lora: {name} trains full weights (LLaMA-Factory refuses it too); "
-            f"use method.finetuning full or freeze"
+            f"{key} with method.finetuning={finetuning}: {name} trains full weights (LLaMA-Factory refuses "
+            f"it with adapters too); use method.finetuning full or freeze"
+        )
+    if name == "badam" and optimizer.badam.mode == "layer" and finetuning != "full":
+        return (
+            f"{key} (mode layer) with method.finetuning={finetuning}: BAdam switches requires_grad over "
+            f"every decoder block, which would train the blocks the freeze keeps; use method.finetuning "
+            f"full, or train.optimizer.badam.mode: ratio"
         )
     if name == "adamw":
         return None

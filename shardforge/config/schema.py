@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -526,6 +527,14 @@ class TrainSection(Section):
     profile: ProfileSection | None = None  # {start, steps}: profile those steps (None: no profiling)
 
     @model_validator(mode="after")
+    def _adam(self) -> TrainSection:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train.betas={list(self.betas)}: each must be at least 0 and below 1")
+        if not math.isfinite(self.eps):
+            raise ValueError(f"train.eps={self.eps}: a finite positive number")
+        return self
+
+    @model_validator(mode="after")
     def _length(self) -> TrainSection:
         if self.steps is None and self.epochs is None:
             raise ValueError("set train.steps or train.epochs")
@@ -656,6 +665,11 @@ class Config(Section):
                         f"full-precision base's singular vectors, held whole on each rank (init: default "
                         f"works with it)"
                     )
+        if self.method.lora.plus_lr_ratio is not None and self.method.finetuning != "lora":
+            raise ValueError(
+                f"method.lora.plus_lr_ratio (LoRA+) with method.finetuning={self.method.finetuning}: it sets "
+                f"the learning rate of LoRA's B matrices; set method.finetuning: lora, or drop it"
+            )
         if self.method.finetuning == "oft":
             refused = {f"parallel.tp={self.parallel.tp}": self.parallel.tp > 1,
                        "method.vision.freeze_tower=false": not self.method.vision.freeze_tower}  # fmt: skip

@@ -268,12 +268,43 @@ def task_manager(tasks: Sequence[str], include_path: str | Path | None = None) -
         import difflib
 
         near = difflib.get_close_matches(unknown[0], manager.all_tasks, n=5, cutoff=0.6)
+        broken = _unreadable_yamls(Path(include_path)) if include_path is not None else []
         raise ConfigError(
             f"unknown lm-eval task {unknown[0]!r}; bundled: {', '.join(bundled_tasks())}"
             + (f"; near it: {', '.join(near)}" if near else "")
             + " (or lm-eval's own tasks by name, or a folder of task YAMLs with --include-path)"
+            + (f"; these task YAMLs do not parse: {'; '.join(broken)}" if broken else "")
         )
     return manager
+
+
+def _unreadable_yamls(folder: Path) -> list[str]:
+    """The YAMLs under `folder` that do not parse (lm-eval skips them with a log line): each file and why.
+    lm-eval's own tags (`!function`) are read as anything."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    broken = []
+    for path in sorted(folder.rglob("*.yaml")):
+        try:
+            yaml.load(path.read_text(encoding="utf-8", errors="replace"), Loader=Loader)
+        except yaml.YAMLError as exc:
+            broken.append(f"{path}: {' '.join(str(exc).split())}")
+    return broken
+
+
+def check_tasks(tasks: Sequence[str], manager: Any) -> None:
+    """Build the tasks once before a model loads: a task whose YAML holds a wrong value (an output_type
+    lm-eval has not, a missing field) is a ConfigError naming it, not lm-eval's traceback mid-run."""
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict(list(tasks), manager)
+    except (ValueError, KeyError, TypeError, AttributeError, FileNotFoundError) as exc:
+        raise ConfigError(f"lm-eval cannot build the task(s) {', '.join(tasks)}: {exc}") from None
 
 
 def run_tasks(
@@ -289,6 +320,20 @@ def run_tasks(
     (`results[task][metric]`, and each item's requests and responses in `samples`)."""
     from lm_eval import simple_evaluate
 
+    try:
+        return _evaluate(simple_evaluate, lm, tasks, manager, limit, num_fewshot, seed)
+    except ValueError as exc:
+        if "Sample larger than population" not in str(exc):
+            raise
+        raise ConfigError(
+            f"--num-fewshot {num_fewshot}: more examples than a task's few-shot pool holds ({exc})"
+        ) from None
+
+
+def _evaluate(
+    simple_evaluate: Any, lm: Any, tasks: Sequence[str], manager: Any, limit: int | None,
+    num_fewshot: int | None, seed: int,
+) -> dict[str, Any]:  # fmt: skip
     return simple_evaluate(
         model=lm,
         tasks=list(tasks),

@@ -95,25 +95,35 @@ def prompt_items(
     records: Sequence[Record], tokenizer: Any, template: ChatTemplate, cutoff_len: int | None = None
 ) -> list[Item]:
     """Each conversation's prompt (all but its last reply, as the template renders it for the assistant's
-    turn) and label (that reply). `cutoff_len`: prompt and label shortened as LF's `infer_seqlen` cuts them
-    (data/truncate.py); the label is then the decoded tokens kept."""
-    prompts, labels = [], []
+    turn) and label: the reply as the template writes it after the prompt (its end-of-turn marks
+    included), decoded without special tokens, as LLaMA-Factory's labels are (chatml's reply ends in a
+    newline). `cutoff_len`: prompt and label shortened as LF's `infer_seqlen` cuts them (data/truncate.py)."""
+    prompts, wholes, replies = [], [], []
     for record in records:
         messages = list(record.messages or ())
         last = messages[-1] if messages else {}
         if last.get("role") != "assistant":
             raise DataError(f"{record.source}: the conversation does not end with a reply to compare with")
+        if record.images:  # the engine here reads text: images would be left out of the prompt silently
+            raise DataError(
+                f"{record.source}: the record has images; shardforge eval --data predicts on text records"
+            )
         prompts.append(render(tokenizer, template, messages[:-1], generation_prompt=True, tools=record.tools))
-        labels.append(last.get("content") or "")
+        wholes.append(render(tokenizer, template, messages, tools=record.tools))
+        replies.append(last.get("content") or "")
     items = []
-    for record, (ids, _), label in zip(records, tokenize(tokenizer, prompts), labels, strict=True):
-        prompt_ids = ids.tolist()
+    encoded = zip(
+        tokenize(tokenizer, prompts), tokenize(tokenizer, wholes), tokenize(tokenizer, replies), strict=True
+    )
+    for record, ((ids, _), (whole, _), (reply, _)) in zip(records, encoded, strict=True):
+        prompt_ids, whole_ids = ids.tolist(), whole.tolist()
+        # the template's reply after the prompt; a template that rewrites earlier turns: the reply alone
+        same = whole_ids[: len(prompt_ids)] == prompt_ids
+        label_ids = whole_ids[len(prompt_ids) :] if same else reply.tolist()
         if cutoff_len is not None:
-            label_ids = tokenize(tokenizer, [label])[0][0].tolist()
             kept_prompt, kept_label = infer_seqlen(len(prompt_ids), len(label_ids), cutoff_len)
-            prompt_ids = prompt_ids[:kept_prompt]
-            if kept_label < len(label_ids):
-                label = tokenizer.decode(label_ids[:kept_label], skip_special_tokens=True)
+            prompt_ids, label_ids = prompt_ids[:kept_prompt], label_ids[:kept_label]
+        label = tokenizer.decode(label_ids, skip_special_tokens=True)
         if not prompt_ids:
             raise DataError(f"{record.source}: the prompt has no tokens (cutoff_len {cutoff_len})")
         items.append(Item(record.source, prompt_ids, label))
@@ -169,5 +179,6 @@ def write_predictions(predictions: Sequence[Prediction], out: Path, seconds: flo
             )
             f.write("\n")
     partial.replace(out / PREDICTIONS)
-    (out / METRICS).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    # as transformers' save_metrics writes LF's: indented 4, keys sorted
+    (out / METRICS).write_text(json.dumps(metrics, indent=4, sort_keys=True) + "\n", encoding="utf-8")
     return metrics

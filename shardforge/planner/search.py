@@ -261,13 +261,18 @@ class Planner:
         for offload in (False, True):  # offload only when nothing fits in device memory without it
             for group in self.layout_groups(batch, offload):
                 # the group's least memory (the shortest chain end of the smallest micro-batches) first:
-                # when that does not fit, none of the group does
+                # when that does not fit in memory, none of the group does (a rule that refuses it, as
+                # layer-wise GaLore refuses accumulation, may still take another split of the group)
                 least = group[0][-1]
-                if not self._consider(least, plan):
+                first = self._consider(least, plan)
+                if not first.fits and first.kind == "memory":
                     continue
                 for chain in group:
                     for layout in chain:
-                        if layout is least or self._consider(layout, plan):
+                        if layout is least:
+                            if first.fits:
+                                break
+                        elif self._consider(layout, plan).fits:
                             break
             if plan.ranked:
                 break
@@ -276,17 +281,17 @@ class Planner:
         plan.seconds = time.perf_counter() - started
         return plan
 
-    def _consider(self, layout: Layout, plan: Plan) -> bool:
-        """Estimate one layout into the plan (ranked, or counted rejected); whether it fits."""
+    def _consider(self, layout: Layout, plan: Plan) -> Candidate:
+        """Estimate one layout into the plan (ranked, or counted rejected)."""
         c = self.evaluate(layout, searching=True)
         if c.fits:
             plan.ranked.append(c)
-            return True
+            return c
         plan.rejected[c.kind] += 1
         near = plan.examples.get(c.kind)
         if near is None or _nearer(c, near):
             plan.examples[c.kind] = c
-        return False
+        return c
 
 
 def _nearer(a: Candidate, b: Candidate) -> bool:
@@ -349,6 +354,11 @@ def choose(cfg: Config, shape: Any, cluster: Cluster, measure: bool = True) -> t
     planner = Planner(cfg, shape, cluster, measure)
     plan = planner.search()
     if not plan.ranked:
+        if "memory" not in plan.examples and "rules" in plan.examples:  # a rule, not the device's memory
+            raise ConfigError(
+                f"parallel.auto: no layout of {cluster.describe()} runs this job: "
+                f"{plan.examples['rules'].rejected}"
+            )
         near = plan.examples.get("memory")
         detail = f"; the nearest, {near.layout.describe()}, {near.rejected}" if near else ""
         raise ConfigError(

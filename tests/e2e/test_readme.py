@@ -76,7 +76,7 @@ HOW = {
     "shardforge expand MODEL --blocks N --to DIR": "synopsis",
     "shardforge expand": "synopsis",
     "shardforge loftq": "synopsis",
-    "shardforge loftq MODEL --to DIR [--rank 16] [--alpha A] [--targets q_proj,v_proj] [--iter 4]": "synopsis",
+    "shardforge loftq MODEL --to DIR [--rank 16] [--alpha A] [--targets q_proj,v_proj] [--iter 4]": "synopsis",  # noqa: E501
     "shardforge convert": "synopsis",
     'pip install -e ".[eval]"': "extra",
     "shardforge plan CONFIG": "synopsis",

@@ -60,7 +60,7 @@ def test_predictions_are_transformers_greedy_tokens(driven, model_dir, tmp_path)
             ids = hf.generate(torch.tensor([item.prompt_ids]), max_new_tokens=12, do_sample=False)
         assert made.tokens == ids[0, len(item.prompt_ids) :].tolist()
         assert made.predict == loaded.tokenizer.decode(made.tokens, skip_special_tokens=True)
-    assert predictions[0].label == first["output"]
+    assert predictions[0].label == first["output"] + "\n"  # LF's label: the template's reply, decoded
     assert first["instruction"] in predictions[0].prompt and first["input"] in predictions[0].prompt
 
     metrics = write_predictions(predictions, tmp_path, seconds=2.0)
@@ -82,7 +82,7 @@ def test_dataset_info_names_and_their_errors(tmp_path, tokenizer):
     records = read_records(specs, system="Be brief.")
     assert len(records) == 3
     items = prompt_items(records, tokenizer, resolve_template(tokenizer, "chatml"))
-    assert [i.label for i in items] == ["hi", "hi", "4"]
+    assert [i.label for i in items] == ["hi\n", "hi\n", "4\n"]  # chatml's reply ends in a newline
     assert tokenizer.decode(items[2].prompt_ids).startswith("<|im_start|>system\nBe brief.")
 
     with pytest.raises(DataError, match='no dataset named "qaa"'):
@@ -101,12 +101,13 @@ def test_cutoff_len_cuts_prompt_and_label_as_llamafactory(tmp_path, tokenizer):
     template = resolve_template(tokenizer, "auto")
     whole = prompt_items(records, tokenizer, template)[0]
     cut = prompt_items(records, tokenizer, template, cutoff_len=64)[0]
-    label_ids = tokenizer(label, add_special_tokens=False)["input_ids"]
+    # the reply as the template writes it (LF's label): its end-of-turn mark and newline counted
+    label_ids = tokenizer(label + "<|im_end|>\n", add_special_tokens=False)["input_ids"]
     kept_prompt, kept_label = infer_seqlen(len(whole.prompt_ids), len(label_ids), 64)
     assert kept_label < len(label_ids)  # the case where both are cut
     assert cut.prompt_ids == whole.prompt_ids[:kept_prompt]
     assert cut.label == tokenizer.decode(label_ids[:kept_label], skip_special_tokens=True)
-    assert whole.label == label
+    assert whole.label == label + "\n"
 
 
 def test_answers_end_at_the_models_context(driven):

@@ -11,6 +11,7 @@ sharded layouts (FSDP2, TP) are refused (`config.optimizers.layout_refusal`).
 from __future__ import annotations
 
 import importlib.util
+import re
 from typing import Any
 
 import torch
@@ -90,6 +91,13 @@ def badam(model: nn.Module, optimizer: OptimizerSection, train: TrainSection) ->
     if section.mode == "layer":
         from badam import BlockOptimizer
 
+        blocks = len({m[1] for n, _ in named if (m := re.match(r"(?:.*\.)?layers\.(\d+)\.", n))})
+        if section.start_block is not None and section.start_block >= blocks:
+            raise ConfigError(
+                f"train.optimizer.badam.start_block={section.start_block}: the model has {blocks} decoder "
+                f"blocks (0 to {blocks - 1})"
+            )
+
         class CountedBlockOptimizer(BlockOptimizer):
             def state_tensors(self) -> list[torch.Tensor]:
                 """The active block's AdamW states and its fp32 working copies (memory_report)."""
@@ -122,6 +130,11 @@ def adam_mini(model: nn.Module, train: TrainSection, model_config: Any) -> torch
     from hidden_size, num_heads and num_kv_heads (LF reads the HF config's names of the same fields)."""
     from adam_mini import Adam_mini
 
+    if str(model_config.family).startswith("hf:"):  # transformers' own module names (fused qkv, biases)
+        raise ConfigError(
+            f"train.optimizer.name=adam_mini partitions parameters by Llama-like names (q_proj, k_proj, "
+            f"...); {model_config.family} runs on the generic backend with other names: use adamw or muon"
+        )
     return Adam_mini(
         named_parameters=model.named_parameters(),
         lr=train.lr,
