@@ -117,3 +117,14 @@ def test_llama_pro_needs_the_count_of_added_blocks():
     assert trainable_layers(6, FreezeSection(trainable_layers=2)) == {4, 5}
     with pytest.raises(ConfigError, match="6 layers are not a multiple of trainable_layers=4"):
         trainable_layers(6, FreezeSection(trainable_layers=4, llama_pro=True))
+
+
+def test_the_expand_command_writes_the_folder_and_says_how_to_train_it(base, tmp_path, capsys):
+    from shardforge.cli import main
+
+    assert main(["expand", str(base), "--blocks", "2", "--to", str(tmp_path / "pro")]) == 0
+    said = capsys.readouterr().out
+    assert "method.freeze.llama_pro=true" in said and "trainable_layers=2" in said
+    assert json.loads((tmp_path / "pro" / "config.json").read_text())["num_hidden_layers"] == 6
+    assert main(["expand", str(base), "--blocks", "3", "--to", str(tmp_path / "x")]) == 2
+    assert "--blocks 3" in capsys.readouterr().err

@@ -84,3 +84,16 @@ def test_bad_loftq_requests_are_refused_by_name(tmp_path):
         loftq_folder(base, tmp_path / "x", targets=("qkv",))
     with pytest.raises(ModelError, match="a folder of its own"):
         loftq_folder(base, base)
+
+
+def test_the_loftq_command_writes_both_and_says_how_to_train_them(tmp_path, capsys):
+    from shardforge.cli import main
+
+    base = tiny_chat_model(tmp_path / "base", context=64)
+    argv = ["loftq", str(base), "--to", str(tmp_path / "q"), "--rank", "4", "--iter", "1"]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "model.quantize=nf4" in said and "method.lora.alpha=8" in said
+    assert json.loads((tmp_path / "q" / "loftq_init" / "adapter_config.json").read_text())["lora_alpha"] == 8
+    assert main(["loftq", str(base), "--to", str(tmp_path / "r"), "--targets", "nope"]) == 2
+    assert "no linear of its decoder layers is named nope" in capsys.readouterr().err
