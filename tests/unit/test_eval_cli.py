@@ -60,7 +60,8 @@ def test_predict_writes_llamafactorys_files_with_transformers_greedy_answers(mod
     lines = [json.loads(line) for line in (out / "generated_predictions.jsonl").read_text().splitlines()]
     records = [json.loads(line) for line in DEMO_EVAL.read_text().splitlines()[:3]]
     assert [set(line) for line in lines] == [{"prompt", "predict", "label"}] * 3
-    assert [line["label"] for line in lines] == [r["output"] for r in records]
+    # LF's label: the reply as the (chatml) template writes it, decoded without special tokens
+    assert [line["label"] for line in lines] == [r["output"] + "\n" for r in records]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for line in lines:
