@@ -10,12 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jieba  # noqa: F401  (pinned in the dev extra)
 import pytest
 
 from shardforge.cli import main
 from tests.conftest import REPO, tiny_chat_model, write_jsonl
-
-pytest.importorskip("jieba")
 
 DEMO_EVAL = REPO / "examples" / "data" / "demo_eval.jsonl"
 

@@ -12,8 +12,7 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-pytest.importorskip("lm_eval")
-
+import lm_eval  # noqa: F401  (pinned in the dev extra)
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
@@ -147,7 +146,7 @@ def test_registered_under_shardforge_for_lm_evals_model_names():
 
 def test_a_lora_adapter_scores_as_hflm_with_peft(model_dir, tmp_path):
     """--adapter: the adapter merged into our model scores as transformers + peft score it unmerged."""
-    peft = pytest.importorskip("peft")
+    import peft
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir)

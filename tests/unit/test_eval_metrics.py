@@ -6,20 +6,14 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from pathlib import Path
 
+import jieba  # noqa: F401  (pinned in the dev extra)
+import nltk  # noqa: F401  (pinned in the dev extra)
 import numpy as np
 import pytest
+import rouge_chinese  # noqa: F401  (pinned in the dev extra)
 
 from shardforge.eval.similarity import item_scores, similarity
-
-pytest.importorskip("jieba")
-pytest.importorskip("rouge_chinese")
-pytest.importorskip("nltk")
-
-LF_PACKAGE = (
-    Path(__file__).resolve().parents[2] / ".lf-reference/venv/lib/python3.11/site-packages/llamafactory"
-)
 
 # English and Chinese pairs, an exact match, an empty prediction, one with no words at all (punctuation and
 # spaces only), and a label that is empty
@@ -40,17 +34,18 @@ def _lf_compute_similarity():
     """LF's ComputeSimilarity class, imported from its source without LF's package __init__ files (they
     import every trainer): the parent packages are put in place as bare packages over LF's folders; the
     transformers hook LF's extras/packages.py installs on import is put back afterwards."""
-    if not (LF_PACKAGE / "train" / "sft" / "metric.py").is_file():
-        pytest.skip("the LLaMA-Factory reference tree (.lf-reference) is not here")
+    from tests.lf.reference_env import reference
+
+    lf_package = reference().src / "src" / "llamafactory"  # made on first use, as tests/lf's are
     import transformers.utils.import_utils as import_utils
 
     original = import_utils._is_package_available
     added = []
     try:
         for name, folder in (
-            ("llamafactory", LF_PACKAGE),
-            ("llamafactory.train", LF_PACKAGE / "train"),
-            ("llamafactory.train.sft", LF_PACKAGE / "train" / "sft"),
+            ("llamafactory", lf_package),
+            ("llamafactory.train", lf_package / "train"),
+            ("llamafactory.train.sft", lf_package / "train" / "sft"),
         ):
             if name not in sys.modules:
                 package = types.ModuleType(name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jieba  # noqa: F401  (pinned in the dev extra)
 import pytest
 import torch
 
@@ -24,8 +25,6 @@ from shardforge.eval.predict import (
 from shardforge.infer.sampling import SamplingParams
 from shardforge.infer.session import inference_engine
 from tests.conftest import REPO, lf_messages_entry, tiny_chat_model, write_jsonl
-
-pytest.importorskip("jieba")
 
 DEMO_EVAL = REPO / "examples" / "data" / "demo_eval.jsonl"
 

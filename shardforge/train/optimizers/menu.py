@@ -142,12 +142,7 @@ def adam_mini(model: nn.Module, train: TrainSection, model_config: Any) -> torch
         eps=train.eps,
         weight_decay=train.weight_decay,
         dim=model_config.hidden_size,
-        n_heads=_field(model_config, "num_heads", "num_attention_heads"),
-        n_kv_heads=_field(model_config, "num_kv_heads", "num_key_value_heads"),
+        n_heads=model_config.num_heads,  # our DecoderConfig's (the generic backend is refused above)
+        n_kv_heads=model_config.num_kv_heads,
         verbose=False,
     )
-
-
-def _field(config: Any, *names: str) -> Any:
-    """Our DecoderConfig's name of a field, or the HF config's (the generic backend)."""
-    return next(getattr(config, n) for n in names if getattr(config, n, None) is not None)
