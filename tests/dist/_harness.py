@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import tempfile
@@ -32,6 +33,10 @@ def _entry(fn: Callable, rank: int, world: int, port: int, out: str, args: tuple
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+    fault = (Path(out) / f"rank{rank}.fault").open(
+        "w"
+    )  # a native crash's stacks (a segfault leaves no traceback)
+    faulthandler.enable(fault, all_threads=True)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
         result = fn(*args)
@@ -42,6 +47,8 @@ def _entry(fn: Callable, rank: int, world: int, port: int, out: str, args: tuple
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        faulthandler.disable()
+        fault.close()
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> list[Any]:
@@ -64,7 +71,17 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 600) -> lis
             for r in range(world)
             if (Path(out) / f"rank{r}.err").exists()
         }
-        if errors or hung:
+        # a rank that left no traceback died outside Python: its exit code says how (-9: killed, e.g. OOM)
+        silent = {
+            r: p.exitcode for r, p in enumerate(procs) if r not in errors and p.exitcode not in (0, None)
+        }
+        for r in silent:
+            fault = Path(out) / f"rank{r}.fault"
+            stacks = fault.read_text() if fault.exists() else "(none: it died before it started)"
+            errors[r] = f"exit code {silent[r]}; native stacks:\n{stacks}"
+        if errors or hung or silent:
             detail = "\n".join(f"--- rank {r}:\n{e}" for r, e in errors.items())
-            raise AssertionError(f"ranks failed (hung: {hung}):\n{detail}")
+            raise AssertionError(
+                f"ranks failed (hung: {hung}, died without a traceback: {silent}):\n{detail}"
+            )
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
