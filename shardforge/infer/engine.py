@@ -27,6 +27,7 @@ from shardforge.errors import ShardforgeError
 from shardforge.infer.blocks import BlockManager
 from shardforge.infer.cpu_kernels import cpu_kernels
 from shardforge.infer.executor import Executor, LocalRunner, ModelRunner, StepInput, attends_paged
+from shardforge.infer.grammar import ConstraintError, Grammars
 from shardforge.infer.media import RequestImages, step_images
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.paged import Chunk, PagedKV
@@ -98,6 +99,7 @@ class Update:
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    stop_token: bool = False  # it ended on an end-of-sequence or stop token (a token with no text)
 
 
 @dataclass
@@ -138,6 +140,7 @@ class Engine:
             executor = Executor(local_runner(model, config))
         self.executor = executor
         self.output = OutputProcessor(tokenizer)
+        self.grammars = Grammars(tokenizer, model.config.vocab_size) if tokenizer is not None else None
         self.detokenize = True  # text inline after each step (a server's runner turns it off: its own thread)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(
@@ -187,6 +190,13 @@ class Engine:
             raise RequestError("the prompt has no tokens")
         params = self.defaults.fill(params.check())
         params.check_tokens(self.model.config.vocab_size)
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise SamplingError("structured outputs need the model's tokenizer", params.constraint.param)
+            try:
+                self.grammars.check(params.constraint)
+            except ConstraintError as exc:
+                raise SamplingError(str(exc), exc.param) from None
         room = self.context - len(prompt)
         if room < 1:
             raise TooLong(
@@ -290,11 +300,28 @@ class Engine:
         """Every row's next token in one batch on the logits' device, and the log-probabilities asked for."""
         samplers = [seq.sampler for seq in seqs]
         suppress = [self._suppressed(seq) for seq in seqs]
+        if any(s.matcher is not None for s in samplers):
+            logits = self._constrained(logits, seqs)
         if all(s.plain_greedy for s in samplers) and not any(suppress):
             tokens = logits.argmax(-1).tolist()
         else:
             tokens = choose(processed_logits(logits, samplers, [s.tokens for s in seqs], suppress), samplers)
         return tokens, top_logprobs(logits, tokens, [s.params.logprobs for s in samplers])
+
+    def _constrained(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits with what each structured output's grammar does not allow next at -inf (its end and
+        stop tokens allowed where the output so far is a whole match)."""
+        assert self.grammars is not None  # `check` refused constraints without a tokenizer
+        rows = [row for row, seq in enumerate(seqs) if seq.sampler.matcher is not None]
+        matchers = [m for seq in seqs if (m := seq.sampler.matcher) is not None]
+        ends = [
+            (*self._eos(seqs[row].sampler.params), *seqs[row].sampler.params.stop_token_ids) for row in rows
+        ]
+        allowed = self.grammars.allowed(matchers, ends).to(logits.device)
+        logits = logits.float().clone()
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, -torch.inf)
+        return logits
 
     def _suppressed(self, seq: Sequence) -> tuple[int, ...]:
         """The stop tokens, while the completion is shorter than min_tokens."""
@@ -311,12 +338,18 @@ class Engine:
         params = seq.sampler.params
         seq.tokens.append(token)
         seq.sampler.observe(token)
-        finish = "stop" if token in self._eos(params) or token in params.stop_token_ids else None
+        stop_token = token in self._eos(params) or token in params.stop_token_ids
+        finish = "stop" if stop_token else None
+        matcher = seq.sampler.matcher
+        if finish is None and matcher is not None and (not matcher.accept(token) or matcher.done):
+            finish = "stop"  # the structured output is complete: nothing else may follow
         if finish is None and len(seq.output) >= seq.max_tokens:
             finish = "length"
         if finish is not None:
             self._finish(request, seq, finish)
-        return Update(seq.request_id, seq.index, [token], "", finish, [logprobs] if logprobs else [])
+        return Update(
+            seq.request_id, seq.index, [token], "", finish, [logprobs] if logprobs else [], stop_token
+        )
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
     def _sequence(
@@ -328,7 +361,10 @@ class Engine:
         media: RequestImages | None = None,
     ) -> Sequence:
         assert params.max_tokens is not None  # filled by `check`
-        sampler = Sampler.create(params, index)
+        matcher = None
+        if params.constraint is not None and self.grammars is not None:
+            matcher = self.grammars.matcher(params.constraint)
+        sampler = Sampler.create(params, index, matcher)
         return Sequence(request_id, index, list(prompt), len(prompt), sampler, params.max_tokens, media=media)
 
     def _start(self, request: _Request, seq: Sequence, first: bool = False) -> None:

@@ -87,9 +87,9 @@ class OutputProcessor:
         if stream is None:
             return update
         finish = update.finish_reason
-        # a stop token (eos, stop_token_ids: the core finished the completion with "stop") has no text;
-        # stop strings count from min_tokens on (vLLM's rule; the core suppresses stop tokens until then)
-        visible = completion.tokens[:-1] if finish == "stop" else completion.tokens
+        # a stop token (eos, stop_token_ids) has no text; stop strings count from min_tokens on (vLLM's
+        # rule; the core suppresses stop tokens until then)
+        visible = completion.tokens[:-1] if update.stop_token else completion.tokens
         stream.update(visible, stops=len(completion.tokens) >= min_tokens)
         if stream.stopped is not None:
             finish = "stop"

@@ -1,11 +1,12 @@
 """The OpenAI API's request bodies (every field its client sends, and the common extras vLLM takes: top_k,
-min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids), checked by pydantic in strict mode (a
-string is not a number, a number not a boolean) and turned into SamplingParams. A documented field this server
-does not implement (tools, response_format, ...) is refused by name when it asks for something; a field the
-API does not document is ignored, as OpenAI-compatible servers do, and logged."""
+min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, structured_outputs), checked by pydantic in
+strict mode (a string is not a number, a number not a boolean) and turned into SamplingParams. A documented
+field this server does not implement (audio, prediction, ...) is refused by name when it asks for something; a
+field the API does not document is ignored, as OpenAI-compatible servers do, and logged."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from typing import Annotated, Any, Literal
@@ -13,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shardforge.data.media import IMAGE
+from shardforge.infer.grammar import Constraint
 from shardforge.infer.sampling import SamplingError, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,73 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one of a JSON schema, a regex, a choice of strings, a Lark /
+    GBNF grammar, or any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=1024)
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's, not implemented here: refused by name when set
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    disable_fallback: bool | None = None
+
+    def constraint(self) -> Constraint | None:
+        for name in ("whitespace_pattern", "structural_tag", "disable_additional_properties"):
+            if getattr(self, name) is not None:
+                raise SamplingError(
+                    f"structured_outputs.{name} is not supported by this server", f"structured_outputs.{name}"
+                )
+        asked = {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object or None,
+        }
+        given = [name for name, value in asked.items() if value is not None]
+        if len(given) > 1:
+            raise SamplingError(
+                f"structured_outputs: give one of json, regex, choice, grammar, json_object (got {given})",
+                "structured_outputs",
+            )
+        if not given:
+            return None
+        name = given[0]
+        param = f"structured_outputs.{name}"
+        if name == "json_object":
+            return Constraint("json", '{"type": "object"}', param)
+        if name == "json":
+            return json_constraint(self.json_, param)
+        if name == "choice":
+            return Constraint("choice", json.dumps(self.choice), param)
+        return Constraint(name, str(asked[name]), param)  # type: ignore[arg-type]
+
+
+def json_constraint(schema: dict[str, Any] | str | None, param: str) -> Constraint:
+    """A JSON schema given as an object or as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise SamplingError(f"{param}: the schema is not valid JSON: {exc}", param) from None
+    if not isinstance(schema, (dict, bool)):
+        raise SamplingError(f"{param}: a JSON schema is an object (got {type(schema).__name__})", param)
+    return Constraint("json", json.dumps(schema), param)
+
+
+# The structured-output fields vLLM took before 0.12, which it now ignores: a silently unconstrained answer
+# is worse than a refusal that names the replacement.
+_LEGACY_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
 
 
 class _Common(BaseModel):
@@ -51,6 +120,7 @@ class _Common(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_BIAS)
+    structured_outputs: StructuredOutputs | None = None
     # documented, and with no effect on what is generated: accepted and ignored
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -61,6 +131,10 @@ class _Common(BaseModel):
         """The documented fields this server does not implement, by name: each one's value and its neutral
         value(s), which are accepted."""
         return {}
+
+    def constraint(self) -> Constraint | None:
+        """The structured output asked for, if any."""
+        return self.structured_outputs.constraint() if self.structured_outputs is not None else None
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The sampling parameters; SamplingError naming the field for a bad or unsupported one."""
@@ -73,6 +147,13 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if any(len(stop) > MAX_STOP_CHARS for stop in stops):
             raise SamplingError(f"stop: a stop string is longer than {MAX_STOP_CHARS} characters", "stop")
+        legacy = [name for name in _LEGACY_GUIDED if name in (self.model_extra or {})]
+        if legacy:
+            raise SamplingError(
+                f"{legacy[0]} is vLLM's field from before 0.12: use structured_outputs "
+                f'(e.g. {{"structured_outputs": {{"{legacy[0].removeprefix("guided_")}": ...}}}})',
+                legacy[0],
+            )
         if self.model_extra:
             log.warning("ignored request fields the OpenAI API does not have: %s", sorted(self.model_extra))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -93,6 +174,7 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             logit_bias=_logit_bias(self.logit_bias),
+            constraint=self.constraint(),
         ).check()
 
 
@@ -181,7 +263,6 @@ class ChatRequest(_Common):
 
     def unsupported(self) -> dict[str, Any]:
         return {
-            "response_format": ({"type": "text"},),
             "tools": ([],),
             "tool_choice": ("none",),
             "functions": ([],),
@@ -194,6 +275,29 @@ class ChatRequest(_Common):
             "web_search_options": (),
             "moderation": (),
         }
+
+    def constraint(self) -> Constraint | None:
+        """response_format's JSON (object or schema), or structured_outputs; not both."""
+        fmt = self.response_format
+        kind = fmt.get("type") if fmt is not None else "text"
+        if kind == "text":
+            return super().constraint()
+        if self.structured_outputs is not None and self.structured_outputs.constraint() is not None:
+            raise SamplingError("give response_format or structured_outputs, not both", "response_format")
+        if kind == "json_object":
+            return Constraint("json", '{"type": "object"}', "response_format")
+        if kind != "json_schema":
+            raise SamplingError(
+                f"response_format.type={kind!r} is invalid: it must be text, json_object or json_schema",
+                "response_format.type",
+            )
+        spec = (fmt or {}).get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise SamplingError(
+                'response_format: json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                "response_format.json_schema",
+            )
+        return json_constraint(spec["schema"], "response_format.json_schema.schema")
 
     def params(self) -> SamplingParams:
         if self.top_logprobs is not None:

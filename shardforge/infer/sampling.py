@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from shardforge.errors import ShardforgeError
+from shardforge.infer.grammar import Constraint, Matcher
 
 
 class SamplingError(ShardforgeError):
@@ -48,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: and the k most likely
     include_stop_in_output: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), as the OpenAI API's
+    constraint: Constraint | None = None  # a structured output (infer/grammar.py)
 
     def check(self) -> SamplingParams:
         """Raise a SamplingError naming the first bad parameter; return self."""
@@ -136,9 +138,10 @@ class Sampler:
     params: SamplingParams
     generator: torch.Generator | None = None
     counts: dict[int, int] = field(default_factory=dict)
+    matcher: Matcher | None = None  # its place in a structured output's grammar
 
     @classmethod
-    def create(cls, params: SamplingParams, index: int = 0) -> Sampler:
+    def create(cls, params: SamplingParams, index: int = 0, matcher: Matcher | None = None) -> Sampler:
         """`index`: which of the request's n completions (each has its own stream of draws)."""
         generator = None
         if not params.greedy:
@@ -148,7 +151,7 @@ class Sampler:
                 generator.manual_seed((params.seed * 1_000_003 + index) % (1 << 64))
             else:
                 generator.seed()
-        return cls(params, generator)
+        return cls(params, generator, matcher=matcher)
 
     @property
     def plain_greedy(self) -> bool:

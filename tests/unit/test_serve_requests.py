@@ -269,7 +269,6 @@ def test_an_empty_prompt_is_refused(client, prompt):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("response_format", {"type": "json_object"}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "required"),
         ("audio", {"voice": "alloy"}),
