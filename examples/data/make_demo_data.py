@@ -3,7 +3,8 @@
 Writes ``demo_alpaca.jsonl`` (train), ``demo_sharegpt.jsonl`` (multi-turn), ``demo_eval.jsonl``
 (held-out), ``demo_pref.jsonl`` (preference pairs: the right answer chosen, another question's answer
 rejected), ``demo_kto.jsonl`` (single completions: the right answer labelled desirable, another question's
-answer undesirable), ``demo_math.jsonl`` (multiplication prompts with their answers, for the RL examples)
+answer undesirable), ``demo_math.jsonl`` (multiplication prompts with their answers, for the RL examples),
+``demo_tools.jsonl`` (tool use in LLaMA-Factory's glaive_toolcall form, with a tools column)
 and a transformers-loadable byte-level BPE ``tokenizer/`` with a ChatML chat template.
 Tasks are small arithmetic/string puzzles a tiny model can learn in minutes on CPU.
 Run: ``python examples/data/make_demo_data.py [--out DIR]``.
@@ -254,6 +255,52 @@ def verify_tokenizer(out_dir: Path) -> None:
     assert len(tok) == 1024, len(tok)
 
 
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+    {
+        "name": "add",
+        "description": "the sum of two numbers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+]
+CITIES = ["Oslo", "Paris", "Rome", "Lima", "Cairo", "Tokyo"]
+WEATHER = ["rain", "snow", "sun", "wind"]
+
+
+def make_tools(rng: random.Random, n: int) -> list[dict]:
+    """Tool use in LLaMA-Factory's glaive_toolcall form (function_call / observation turns, a `tools` column
+    holding the functions as a JSON string): a weather lookup, a sum, and plain requests answered without a
+    call. Small enough for a tiny model to learn the calls in a few hundred steps (the server's tool-call
+    test)."""
+    rows = []
+    for _ in range(n):
+        kind = rng.choice(["weather", "add", "say"])
+        if kind == "weather":
+            city, weather = rng.choice(CITIES), rng.choice(WEATHER)
+            call = {"name": "get_weather", "arguments": {"city": city}}
+            turns = [("human", f"weather in {city}?"), ("function_call", json.dumps(call))]
+            turns += [("observation", json.dumps({"weather": weather})), ("gpt", f"{weather} in {city}.")]
+        elif kind == "add":
+            a, b = rng.randint(1, 9), rng.randint(1, 9)
+            call = {"name": "add", "arguments": {"a": a, "b": b}}
+            turns = [("human", f"add {a} and {b}"), ("function_call", json.dumps(call))]
+            turns += [("observation", json.dumps({"sum": a + b})), ("gpt", f"{a + b}")]
+        else:
+            word = rng.choice(WORDS[:20])
+            turns = [("human", f"say {word}"), ("gpt", word)]
+        conversations = [{"from": who, "value": value} for who, value in turns]
+        rows.append({"conversations": conversations, "tools": json.dumps(TOOLS)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
@@ -269,6 +316,7 @@ def main() -> None:
     files["demo_pref.jsonl"] = pairs
     files["demo_kto.jsonl"] = make_kto(random.Random(4), 400)
     files["demo_math.jsonl"] = make_math(random.Random(5), 400)
+    files["demo_tools.jsonl"] = make_tools(random.Random(6), 300)
     for name, rows in files.items():
         write_jsonl(out / name, rows)
         print(f"wrote {out / name}: {len(rows)} records, {(out / name).stat().st_size:,} bytes")

@@ -10,16 +10,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from shardforge.data.images import ImageReader
 from shardforge.data.media import IMAGE, check_placeholders, content_parts, image_refs, resolve_image
 from shardforge.data.templates import render, resolve_template
 from shardforge.errors import DataError, ShardforgeError
 from shardforge.infer.engine import Engine
+from shardforge.infer.protocol import StructuredOutputs, validation_message
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models.common.images import ImageInputs
 
-_PARAM_KEYS = {f.name for f in fields(SamplingParams)}
+_PARAM_KEYS = {f.name for f in fields(SamplingParams)} - {
+    "constraint"
+}  # a line's `structured_outputs` sets it
 
 
 def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
@@ -27,8 +31,10 @@ def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     return token_ids(tokenizer, chat_text(tokenizer, messages), special=False)
 
 
-def chat_text(tokenizer: Any, messages: list[dict]) -> str:
-    return render(tokenizer, resolve_template(tokenizer, "auto"), messages, generation_prompt=True)
+def chat_text(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The conversation rendered for the assistant's turn, with the functions it may call (`tools`)."""
+    template = resolve_template(tokenizer, "auto")
+    return render(tokenizer, template, messages, generation_prompt=True, tools=tools or ())
 
 
 def token_ids(tokenizer: Any, text: str, special: bool = True) -> list[int]:
@@ -110,6 +116,18 @@ def _read_prompts(
                 (overrides["stop"],) if isinstance(overrides["stop"], str) else tuple(overrides["stop"])
             )
         try:
+            if "structured_outputs" in record:  # as the server's extra: {"json": ...}, {"regex": ...}, ...
+                overrides["constraint"] = StructuredOutputs.model_validate(
+                    record["structured_outputs"]
+                ).constraint()
+        except ValidationError as exc:
+            message, field = validation_message(exc)
+            raise DataError(
+                f"{where}: structured_outputs: {message}".replace(f"{field}: ", "", field == "body")
+            ) from None
+        except ShardforgeError as exc:
+            raise DataError(f"{where}: {exc}") from None
+        try:
             params = replace(base, **overrides).check()
         except (ShardforgeError, TypeError) as exc:
             raise DataError(f"{where}: {exc}") from None
@@ -132,6 +150,12 @@ def generate_file(
     model's images (infer/load.py: Loaded.images)."""
     rows = _read_prompts(prompts, engine.tokenizer, base, reader)
     ids, params = [r[1] for r in rows], [r[2] for r in rows]
+    for line, (prompt, asked) in enumerate(zip(ids, params, strict=True), 1):
+        if asked.constraint is not None:  # compiled before any generation: a bad one names its line
+            try:
+                engine.check(prompt, asked)
+            except ShardforgeError as exc:
+                raise DataError(f"--prompts {prompts}: line {line}: {exc}") from None
     completions = engine.generate(ids, params, progress, [r[3] for r in rows])
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")

@@ -14,10 +14,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shardforge.data.media import IMAGE
+from shardforge.data.tools import function_calls
 from shardforge.infer.grammar import Constraint
 from shardforge.infer.sampling import SamplingError, SamplingParams
+from shardforge.infer.tools import forced_constraint
 
 log = logging.getLogger(__name__)
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # the OpenAI API's rule for a function's name
 _TOKEN_ID = re.compile(r"-?[0-9]{1,12}")  # ASCII digits only: int() would also read "٣" and refuse "²"
 
 # Bounds on lists a client may send, so that one request cannot slow every step of the others (each stop
@@ -228,6 +231,19 @@ class Message(BaseModel):
             return self.content or ""
         return "".join(p["text"] if p["type"] == "text" else IMAGE for p in self.content)
 
+    def for_template(self, content: str) -> dict[str, Any]:
+        """The message as chat templates take it: an assistant's tool_calls with their arguments decoded (the
+        API carries them as JSON text; templates write them as JSON values), a tool result's call id."""
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        extra = self.model_extra or {}
+        if self.role == "assistant" and extra.get("tool_calls"):
+            message["tool_calls"] = function_calls(
+                extra["tool_calls"], "messages", "an assistant turn's tool_calls"
+            )
+        if self.role == "tool" and isinstance(extra.get("tool_call_id"), str):
+            message["tool_call_id"] = extra["tool_call_id"]
+        return message
+
     def image_urls(self) -> list[str]:
         return [
             p["image_url"]["url"]
@@ -263,8 +279,6 @@ class ChatRequest(_Common):
 
     def unsupported(self) -> dict[str, Any]:
         return {
-            "tools": ([],),
-            "tool_choice": ("none",),
             "functions": ([],),
             "function_call": ("none",),
             "audio": (),
@@ -278,6 +292,15 @@ class ChatRequest(_Common):
 
     def constraint(self) -> Constraint | None:
         """response_format's JSON (object or schema), or structured_outputs; not both."""
+        choice = self.tool_choice_name()
+        if choice not in ("none", "auto"):
+            if self.response_format not in (None, {"type": "text"}) or self.structured_outputs is not None:
+                raise SamplingError(
+                    f"tool_choice={choice!r} is answered with a structured output: give no response_format "
+                    "or structured_outputs with it",
+                    "tool_choice",
+                )
+            return forced_constraint(self.template_tools(), choice, self.parallel_tool_calls is not False)
         fmt = self.response_format
         kind = fmt.get("type") if fmt is not None else "text"
         if kind == "text":
@@ -298,6 +321,52 @@ class ChatRequest(_Common):
                 "response_format.json_schema",
             )
         return json_constraint(spec["schema"], "response_format.json_schema.schema")
+
+    def tool_choice_name(self) -> str:
+        """What the model may do with `tools`: none, auto, required, or the name of the function it must call
+        (auto when tools are given and tool_choice is not, as the OpenAI API defines)."""
+        tools, choice = self.tools or [], self.tool_choice
+        names = []
+        for i, tool in enumerate(tools):
+            function = (
+                tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+            )
+            name = function.get("name") if isinstance(function, dict) else None
+            if not (isinstance(name, str) and _FUNCTION_NAME.fullmatch(name)):
+                raise SamplingError(
+                    f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                    "{...}}} with a name of letters, digits, _ and - (at most 64)",
+                    f"tools[{i}]",
+                )
+            parameters = function.get("parameters")  # type: ignore[union-attr]
+            if parameters is not None and not isinstance(parameters, dict):
+                raise SamplingError(
+                    f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]"
+                )
+            names.append(name)
+        if choice is None:
+            return "auto" if tools else "none"
+        if isinstance(choice, dict):
+            function = choice.get("function") if choice.get("type") == "function" else None
+            named = function.get("name") if isinstance(function, dict) else None
+            if named not in names:
+                raise SamplingError(
+                    f"tool_choice names the function {named!r}, which is not in tools ({names})",
+                    "tool_choice",
+                )
+            return str(named)
+        if choice not in ("none", "auto", "required"):
+            raise SamplingError(
+                f"tool_choice={choice!r} is invalid: it must be none, auto, required or "
+                '{"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if choice != "none" and not tools:
+            raise SamplingError(f"tool_choice={choice!r} needs tools", "tool_choice")
+        return choice
+
+    def template_tools(self) -> list[dict]:
+        return list(self.tools or [])
 
     def params(self) -> SamplingParams:
         if self.top_logprobs is not None:

@@ -50,7 +50,7 @@ def request_images(
     images as the engine takes them; a text-only chat comes back as it is, with None."""
     urls = [url for m in messages for url in m.image_urls()]
     if not urls:
-        return [{"role": m.role, "content": m.text()} for m in messages], None
+        return _chat(messages, [m.text() for m in messages]), None
     if reader is None:
         raise _bad(
             f"{model} reads no images (a text model, or a vision-language one without its image processor "
@@ -62,5 +62,13 @@ def request_images(
     except DataError as exc:
         raise _bad(str(exc)) from None
     fill = reader.filler(grids)
-    chat = [{"role": m.role, "content": fill(m.marked_text())} for m in messages]
+    chat = _chat(messages, [fill(m.marked_text()) for m in messages])
     return chat, ImageInputs(torch.from_numpy(pixels), torch.from_numpy(grids))
+
+
+def _chat(messages: list[Message], texts: list[str]) -> list[dict]:
+    """The messages as the template takes them, with these texts (tool calls and results carried over)."""
+    try:
+        return [m.for_template(text) for m, text in zip(messages, texts, strict=True)]
+    except DataError as exc:
+        raise _bad(str(exc)) from None

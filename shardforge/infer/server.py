@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from shardforge.data.templates import resolve_template
 from shardforge.errors import ConfigError
 from shardforge.infer.engine import RequestError, TooLong, Update
 from shardforge.infer.http import APIError, ClientGone, Guard, until_disconnected, uvicorn_server
@@ -31,6 +32,7 @@ from shardforge.infer.protocol import ChatRequest, CompletionRequest, validation
 from shardforge.infer.request_images import request_images
 from shardforge.infer.runner import EngineRunner, QueueFull, RequestStream, Unavailable
 from shardforge.infer.sampling import SamplingError
+from shardforge.infer.tools import CallStream, Tooling, detect, tool_call_json
 
 
 def build_app(
@@ -51,6 +53,7 @@ def build_app(
     max_chars = 4 * longest * context
     metrics = Metrics(runner)
     runner.on_finish = metrics.finished
+    call_format = detect(resolve_template(tokenizer, "auto").jinja)
     created = int(time.time())
 
     @app.exception_handler(StarletteHTTPException)
@@ -116,9 +119,10 @@ def build_app(
             )
         return token_ids(tokenizer, text, special)
 
-    def chat_prompt(messages: list[dict]) -> list[int]:
+    def chat_prompt(messages: list[dict], tools: list[dict]) -> list[int]:
         try:
-            text = chat_text(tokenizer, messages)
+            text = chat_text(tokenizer, messages, tools)
+            shown = not tools or text != chat_text(tokenizer, messages)
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
             raise APIError(
                 400,
@@ -126,7 +130,26 @@ def build_app(
                 "invalid_request_error",
                 param="messages",
             ) from None
+        if not shown:  # the model would never see them: a silently different request
+            raise APIError(
+                400,
+                f"tools: {served_name}'s chat template does not show tools to the model (no tool format)",
+                "invalid_request_error",
+                param="tools",
+            )
         return tokens_of(text, False, "messages")
+
+    def tooling(body: ChatRequest) -> Tooling:
+        choice = body.tool_choice_name()
+        if choice == "auto" and call_format is None:
+            raise APIError(
+                400,
+                f"tools: {served_name}'s chat template shows no tool-call format this server reads (hermes "
+                "<tool_call>, llama3_json, mistral [TOOL_CALLS]); use tool_choice required or a function",
+                "invalid_request_error",
+                param="tools",
+            )
+        return Tooling(choice, call_format)
 
     def submit(
         request_id: str, prompt: list[int], params: Any, body: Any, field: str, images: Any = None
@@ -157,10 +180,11 @@ def build_app(
         try:
             body = await parse(request, ChatRequest)
             params = body.params()
+            tools = tooling(body)
             messages, images = await asyncio.to_thread(
                 request_images, body.messages, loaded.images, image_root, served_name
             )
-            prompt = await asyncio.to_thread(chat_prompt, messages)
+            prompt = await asyncio.to_thread(chat_prompt, messages, body.template_tools())
             rid = f"chatcmpl-{uuid.uuid4().hex}"
             stream = submit(rid, prompt, params, body, "messages", images)
         except SamplingError as exc:
@@ -170,7 +194,8 @@ def build_app(
         head = {"id": rid, "created": int(time.time()), "model": served_name}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(_chat_chunks(head, stream, params.n, len(prompt), usage, tokenizer), [stream])
+            chunks = _chat_chunks(head, stream, params.n, len(prompt), usage, tokenizer, tools)
+            return _sse(chunks, [stream])
         try:
             choices, completion_tokens = await until_disconnected(request, _collect(stream, params.n))
         except ClientGone:
@@ -181,10 +206,15 @@ def build_app(
             stream.close()
         out = []
         for index, c in choices.items():
+            said = c["tokens"][:-1] if c["stop_token"] else c["tokens"]
+            content, calls = tools.answer(c["text"], tokenizer.decode(said, skip_special_tokens=False))
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [tool_call_json(call) for call in calls]
             choice = {
                 "index": index,
-                "message": {"role": "assistant", "content": c["text"]},
-                "finish_reason": c["finish"],
+                "message": message,
+                "finish_reason": tools.finish_reason(calls, c["finish"]),
                 "logprobs": _chat_logprobs(c["logprobs"], c["tokens"], tokenizer) if body.logprobs else None,
             }
             out.append(choice)
@@ -301,7 +331,9 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 async def _collect(updates: AsyncIterator[Update], n: int) -> tuple[dict[int, dict], int]:
-    choices = {i: {"text": "", "tokens": [], "logprobs": [], "finish": None} for i in range(n)}
+    choices = {
+        i: {"text": "", "tokens": [], "logprobs": [], "finish": None, "stop_token": False} for i in range(n)
+    }
     made = 0
     async for u in updates:
         c = choices[u.index]
@@ -309,6 +341,7 @@ async def _collect(updates: AsyncIterator[Update], n: int) -> tuple[dict[int, di
         c["tokens"] += u.tokens
         c["logprobs"] += u.logprobs
         c["finish"] = u.finish_reason or c["finish"]
+        c["stop_token"] = c["stop_token"] or u.stop_token
         made += len(u.tokens)
     return choices, made
 
@@ -330,9 +363,18 @@ def _sse(chunks: AsyncIterator[dict], streams: list[RequestStream]) -> Streaming
 
 
 async def _chat_chunks(
-    head: dict, updates: AsyncIterator[Update], n: int, prompt_tokens: int, usage: bool, tokenizer: Any
+    head: dict,
+    updates: AsyncIterator[Update],
+    n: int,
+    prompt_tokens: int,
+    usage: bool,
+    tokenizer: Any,
+    tools: Tooling,
 ) -> AsyncIterator[dict]:
+    """The chunks of a streamed chat; with tools, each choice's text goes through a CallStream (content until
+    a call may begin, the calls as one delta each at the end)."""
     base = {**head, "object": "chat.completion.chunk"}
+    calls = {index: CallStream(tools, tokenizer) for index in range(n)} if tools.choice != "none" else {}
     for index in range(n):
         yield {
             **base,
@@ -343,15 +385,19 @@ async def _chat_chunks(
     made = 0
     async for u in updates:
         made += len(u.tokens)
-        delta = {"content": u.text} if u.text else {}
+        finish = u.finish_reason
+        text = calls[u.index].update(u.tokens, u.text, u.stop_token) if calls else u.text
+        delta: dict[str, Any] = {"content": text} if text else {}
+        if finish is not None and calls:
+            rest, made_calls = calls[u.index].finish()
+            if rest:
+                delta["content"] = delta.get("content", "") + rest
+            if made_calls:
+                delta["tool_calls"] = [tool_call_json(call, i) for i, call in enumerate(made_calls)]
+            finish = tools.finish_reason(made_calls, finish)
         logprobs = _chat_logprobs(u.logprobs, u.tokens, tokenizer) if u.logprobs else None
-        if delta or u.finish_reason or logprobs:
-            choice = {
-                "index": u.index,
-                "delta": delta,
-                "finish_reason": u.finish_reason,
-                "logprobs": logprobs,
-            }
+        if delta or finish or logprobs:
+            choice = {"index": u.index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             yield {**base, "choices": [choice]}
     if usage:
         yield {**base, "choices": [], "usage": _usage(prompt_tokens, made)}

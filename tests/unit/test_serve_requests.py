@@ -269,8 +269,6 @@ def test_an_empty_prompt_is_refused(client, prompt):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"),
         ("audio", {"voice": "alloy"}),
         ("reasoning_effort", "high"),
         ("moderation", {"input": {"mode": "block"}}),

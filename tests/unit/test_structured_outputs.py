@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
+from shardforge.errors import DataError
 from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.grammar import Constraint
 from shardforge.infer.load import load_for_inference
+from shardforge.infer.offline import generate_file
 from shardforge.infer.runner import EngineRunner
 from shardforge.infer.sampling import SamplingError, SamplingParams
 from shardforge.infer.server import build_app
@@ -291,3 +293,20 @@ def test_bad_structured_output_fields_are_400s_naming_the_field(api, body, param
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_generate_takes_structured_outputs_per_line_and_names_a_bad_one(engine, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "x", "structured_outputs": {"regex": "[0-9]{3}"}}, {"prompt": "y", "max_tokens": 5}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    generate_file(engine, prompts, tmp_path / "out.jsonl", SamplingParams(max_tokens=10, temperature=0))
+    first = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])["completions"][0]
+    assert re.fullmatch("[0-9]{3}", first["text"]) and first["finish_reason"] == "stop"
+    for bad, words in [
+        ({"regex": "(("}, "line 1: structured_outputs.regex"),
+        ({"nope": 1}, "nope"),
+        ("x", "dict"),
+    ]:
+        prompts.write_text(json.dumps({"prompt": "x", "structured_outputs": bad}) + "\n")
+        with pytest.raises(DataError, match=words):
+            generate_file(engine, prompts, tmp_path / "out.jsonl", SamplingParams(max_tokens=10))
