@@ -14,6 +14,9 @@
 most share the template's default system prompt): the SmolLM2-135M job of issue 38 is
 `--model models/smollm2-135m --chat --requests 64 --new-tokens 60 174 --http 16 64 --vllm PYTHON`.
 
+--quantize int8|int4 (--group-size N) runs shardforge's engine on quantized weights (infer/quantized.py);
+benchmarks/quantized.py sets them against fp32 / bf16 and transformers' TorchAoConfig side by side.
+
 Every request arrives at time 0 (an offline burst, as with RL rollouts or an evaluation set); all decode
 greedily with no eos, each to its own number of new tokens. Reported per variant: output tokens/s, time to
 first token and time per output token (p50 / p99), and whether its tokens equal transformers' one at a time.
@@ -41,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PLACE = {"device": "cpu", "dtype": "float32"}  # set once by main() from --device / --dtype
+PLACE = {"device": "cpu", "dtype": "float32", "quantize": None, "group_size": 128}  # set once by main()
 SIZES = {  # (hidden, layers, heads, kv heads, intermediate, vocab): ~5M and ~50M parameters
     "5m": (256, 6, 4, 2, 688, 1024),
     "50m": (640, 10, 10, 5, 1728, 1024),
@@ -248,7 +251,10 @@ def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
     def greedy(new: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
 
-    loaded = load_for_inference(folder, dtype=PLACE["dtype"], device=PLACE["device"])
+    from shardforge.infer.quantized import Quantization
+
+    quantize = Quantization(PLACE["quantize"], PLACE["group_size"]) if PLACE["quantize"] else None
+    loaded = load_for_inference(folder, dtype=PLACE["dtype"], device=PLACE["device"], quantize=quantize)
     packed = inference_layout(loaded.model)
     config = EngineConfig(max_running=max_running)
     warm = Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)  # as vLLM's side warms up
@@ -273,6 +279,13 @@ def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
     ttft = [first[k] - start for k in keys]
     tpot = [(last[k] - first[k]) / (len(outputs[k]) - 1) for k in keys if len(outputs[k]) > 1]
     name = f"shardforge engine (up to {max_running} running{', prepacked' if packed else ''})"
+    if quantize is not None:
+        name = (
+            name[:-1]
+            + f", {quantize.scheme}"
+            + (f" g{quantize.group_size}" if quantize.scheme == "int4" else "")
+            + ")"
+        )
     return _summary(name, wall, ttft, tpot, [outputs[k] for k in keys])
 
 
@@ -447,9 +460,11 @@ def main() -> None:
         help="run vLLM's and shardforge's offline variants this many times, alternating (the machine's "
         "speed drifts by 20%% over minutes): report each round's ratio and the median",
     )
+    parser.add_argument("--quantize", choices=["int8", "int4"], default=None, help="shardforge's weights")
+    parser.add_argument("--group-size", type=int, default=128, help="with --quantize int4")
     parser.add_argument("--out", default=None, help="write the JSON results here")
     args = parser.parse_args()
-    PLACE.update(device=args.device, dtype=args.dtype)
+    PLACE.update(device=args.device, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size)
     import torch
 
     torch.set_num_threads(args.threads)

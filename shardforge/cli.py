@@ -317,8 +317,28 @@ def _engine_for(args: argparse.Namespace, console: Console):
     )
     console.print(f"loading {args.model}" + (f" over {args.tp} tensor-parallel ranks" if args.tp > 1 else ""))
     return inference_engine(
-        args.model, args.adapter, args.dtype, args.device, config, args.tp, prepack=not args.no_prepack
+        args.model,
+        args.adapter,
+        args.dtype,
+        args.device,
+        config,
+        args.tp,
+        not args.no_prepack,
+        _quantize(args),
     )
+
+
+def _quantize(args: argparse.Namespace):
+    """--quantize / --group-size as a Quantization (None: full precision); bad values fail before loading."""
+    from shardforge.infer.quantized import Quantization
+
+    if args.quantize is None:
+        if args.group_size is not None:
+            raise ConfigError("--group-size goes with --quantize int4")
+        return None
+    if args.group_size is not None and args.quantize != "int4":
+        raise ConfigError(f"--group-size goes with --quantize int4, not --quantize {args.quantize}")
+    return Quantization(args.quantize, args.group_size or 128).check()
 
 
 def _as_ranks(args: argparse.Namespace, stop_grace: float | None = None) -> int | None:
@@ -326,6 +346,11 @@ def _as_ranks(args: argparse.Namespace, stop_grace: float | None = None) -> int 
     `stop_grace`: SIGTERM is how the command ends, within that many seconds (serve)."""
     from shardforge.launch import already_a_rank, launch_local
 
+    quantize = _quantize(args)  # bad quantization flags fail before any rank starts
+    if quantize is not None and args.tp > 1:
+        raise ConfigError(
+            f"--quantize {quantize.scheme} with --tp {args.tp}: quantized weights run on one process"
+        )
     if args.tp > 1 and not already_a_rank(translate=False):
         return launch_local(args.tp, 0, args.argv, stop_grace=stop_grace)
     return None
@@ -494,6 +519,18 @@ def _inference_flags(p: argparse.ArgumentParser, sampling: bool = True) -> None:
         "--no-prepack",
         action="store_true",
         help="keep the weights in their plain layout (by default, on CPU, they are laid out once for oneDNN)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="weight-only int8 or int4 (group-wise) block linears and LM head, quantized at load",
+    )
+    p.add_argument(
+        "--group-size",
+        type=_at_least(1),
+        default=None,
+        help="int4: inputs per scale and zero, one of 32, 64, 128 (default), 256",
     )
     if sampling:
         p.add_argument("--max-tokens", type=_at_least(1), default=None, help="new tokens at most")

@@ -1,6 +1,9 @@
 """What the engine serves, from whatever a user points at: an HF model folder, a PEFT LoRA adapter folder (on
 its base), a training run (its `final/`, else its latest checkpoint), or one checkpoint of any layout. LoRA
-is merged into the base weights, so inference runs plain linears."""
+is merged into the base weights, so inference runs plain linears. A QLoRA run serves the same way: its
+adapter merges into the full-precision base it names (a checkpoint's NF4 base is dequantized by the merge).
+`quantize` puts the loaded model's linears in int8 / int4 (infer/quantized.py); an HF folder that is
+quantized already (AWQ, GPTQ, fp8) loads as it is (infer/prequantized.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ from torch import nn
 from shardforge.adapters.merge import merge_adapter, merge_lora_modules
 from shardforge.data.images import ImageReader, image_processor
 from shardforge.dtypes import TORCH_DTYPES
-from shardforge.errors import DataError, ModelError
+from shardforge.errors import ConfigError, DataError, ModelError
+from shardforge.infer.prequantized import load_prequantized, quantization_config
+from shardforge.infer.quantized import Quantization, quantize_for_inference
 from shardforge.infer.sampling import GenerationDefaults
 from shardforge.log import get_logger
 
@@ -37,6 +42,18 @@ def load_for_inference(
     adapter: str | Path | None = None,
     dtype: str = "float32",
     device: str = "cpu",
+    quantize: Quantization | None = None,
+) -> Loaded:
+    """The model (frozen, in `dtype` on `device`), its tokenizer and generation defaults; with `quantize`,
+    its block linears and LM head in int8 / int4, quantized once loaded."""
+    loaded = _load(source, adapter, dtype, device, quantize)
+    if quantize is not None:
+        quantize_for_inference(loaded.model, quantize)
+    return loaded
+
+
+def _load(
+    source: str | Path, adapter: str | Path | None, dtype: str, device: str, quantize: Quantization | None
 ) -> Loaded:
     path = Path(source)
     if dtype not in TORCH_DTYPES:
@@ -45,7 +62,7 @@ def load_for_inference(
         raise ModelError(f"{source}: no such model folder, adapter folder, run or checkpoint")
     torch_dtype, target = TORCH_DTYPES[dtype], torch.device(device)
     if (path / "final").is_dir():  # a run: what it handed back
-        return load_for_inference(path / "final", adapter, dtype, device)
+        return _load(path / "final", adapter, dtype, device, quantize)
     if (path / "adapter_config.json").is_file():
         if adapter is not None:
             raise ModelError(f"{source} is an adapter folder; --adapter goes with a base model folder")
@@ -55,8 +72,10 @@ def load_for_inference(
                 f"{path}: the adapter's base_model_name_or_path {base!r} is not a local folder; pass the "
                 f"base model folder, with the adapter as --adapter {path}"
             )
-        return load_for_inference(base, path, dtype, device)
+        return _load(base, path, dtype, device, quantize)
     if (path / "config.json").is_file():
+        if (config := quantization_config(path)) is not None:
+            return _prequantized(path, config, adapter, quantize, torch_dtype, target)
         return _hf_folder(path, adapter, torch_dtype, target)
     return _checkpoint(path, adapter, torch_dtype, target)
 
@@ -99,6 +118,29 @@ def _hf_folder(folder: Path, adapter: Path | None, dtype: torch.dtype, device: t
     tokenizer_folder = Path(adapter) if adapter is not None and _has_tokenizer(Path(adapter)) else folder
     name = Path(adapter).name if adapter is not None else folder.name
     return _finish(model, tokenizer_folder, folder, name)
+
+
+def _prequantized(
+    folder: Path,
+    config: dict,
+    adapter: Path | None,
+    quantize: Quantization | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Loaded:
+    method = config.get("quant_method", "?")
+    if quantize is not None:
+        raise ConfigError(
+            f"--quantize {quantize.scheme}: {folder} is quantized already (quantization_config.quant_method="
+            f"{method!r}); it loads as it is, without --quantize"
+        )
+    if adapter is not None:
+        raise ModelError(
+            f"{folder}: a LoRA adapter cannot be merged into {method} weights; merge it into the "
+            f"full-precision base, or serve that base with --quantize"
+        )
+    model = load_prequantized(folder, config, dtype, device)
+    return _finish(model, folder, folder, folder.name)
 
 
 def _checkpoint(path: Path, adapter: Path | None, dtype: torch.dtype, device: torch.device) -> Loaded:

@@ -13,6 +13,7 @@ from shardforge.errors import ConfigError
 from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.load import Loaded, load_for_inference
 from shardforge.infer.packed import inference_layout
+from shardforge.infer.quantized import Quantization
 from shardforge.parallel.distributed import (
     init_distributed,
     local_rank_from_env,
@@ -31,17 +32,23 @@ def inference_engine(
     config: EngineConfig | None = None,
     tp: int = 1,
     prepack: bool = True,
+    quantize: Quantization | None = None,
 ) -> Iterator[tuple[Loaded, Engine] | None]:
     """Yields (what was loaded, its engine) where the engine is driven: the only process, or rank 0 of a
     tensor-parallel launch. The other ranks follow rank 0's steps inside this call and then get None.
     `prepack`: lay the frozen weights out for the CPU's GEMM library once, and its element-wise work on the
-    fused kernels (infer/packed.py: `inference_layout`)."""
+    fused kernels (infer/packed.py: `inference_layout`). `quantize`: the linears in int8 / int4 (one
+    process: the training TP plan splits plain linears only)."""
+    if quantize is not None and tp > 1:
+        raise ConfigError(
+            f"--quantize {quantize.scheme} with --tp {tp}: quantized weights run on one process"
+        )
     if tp > 1 and world_size_from_env() != tp:
         raise ConfigError(f"--tp {tp} runs on {tp} processes, but {world_size_from_env()} were started")
     place = pick_device(device, local_rank_from_env()) if tp > 1 else torch.device(device)
     owns = tp > 1 and init_distributed(pick_backend("auto", place), timeout_minutes=60)
     try:
-        loaded = load_for_inference(source, adapter, dtype, str(place))
+        loaded = load_for_inference(source, adapter, dtype, str(place), quantize)
         if tp == 1:
             if prepack:
                 inference_layout(loaded.model)

@@ -155,11 +155,13 @@ def load_hf_weights(
     quantize: bool = False,
     device: str | torch.device = "cpu",
     fresh: tuple[str, ...] = (),
+    claimed: frozenset[str] = frozenset(),
 ) -> None:
     """Copy safetensors weights into the model's parameters, checking that every parameter is filled
     exactly once. A `partial` model (a pipeline stage) skips the weights of the other stages; with
     `quantize`, the block linears' meta placeholders become NF4 weights on `device`. `fresh` names our
-    parameters the caller initializes instead (a new head): the file's tensors of that name are skipped."""
+    parameters the caller initializes instead (a new head): the file's tensors of that name are skipped.
+    `claimed`: HF keys the caller reads itself (a pre-quantized checkpoint's packed linears)."""
     params = dict(model.named_parameters())
     if model.untied_copy:  # a stage's copy of the tied embedding is filled from it
         params.pop("lm_head.weight")
@@ -179,6 +181,8 @@ def load_hf_weights(
         with handle as f:
             for hf_key in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if hf_key.endswith(_IGNORED_HF_KEYS) or (tied and hf_key == "lm_head.weight"):
+                    continue
+                if hf_key in claimed:
                     continue
                 placed = spec.key_from_hf(hf_key)
                 slot = placed if isinstance(placed, Slot) else Slot(placed)
