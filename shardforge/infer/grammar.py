@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from shardforge.errors import ShardforgeError
@@ -24,7 +25,6 @@ log = logging.getLogger(__name__)
 # JSON is written compactly (no whitespace between tokens), so a model cannot pad an answer with spaces until
 # max_tokens: OpenAI's outputs and vLLM's `disable_any_whitespace` look so.
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class ConstraintError(ShardforgeError):
@@ -105,18 +105,20 @@ class Grammars:
         computed together on llguidance's threads."""
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=max(1, min(4, torch.get_num_threads())))
-        words = math.ceil(self._llg("").vocab_size / 32)
-        bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
+        rows, words = len(matchers), math.ceil(self._llg("").vocab_size / 32)
+        bitmask = np.zeros((rows, words), dtype=np.int32)
         pairs = [(m.llg, row) for row, m in enumerate(matchers)]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, len(matchers))
-        bits = ((bitmask[:, :, None] >> _BITS) & 1).bool().view(len(matchers), words * 32)
-        mask = torch.zeros(len(matchers), self.vocab_size, dtype=torch.bool)
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, words * 4, rows)
+        # bit j of word w is token 32 w + j: the little-endian bytes' bits, lowest first (numpy: one pass,
+        # no thread pool, where torch's small ops waited ms for their threads on a busy machine)
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+        mask = np.zeros((rows, self.vocab_size), dtype=bool)
         width = min(self.vocab_size, bits.shape[1])
         mask[:, :width] = bits[:, :width]
         for row, (m, ids) in enumerate(zip(matchers, extra, strict=True)):
             if m.accepting and ids:
                 mask[row, list(ids)] = True
-        return mask
+        return torch.from_numpy(mask)
 
 
 class Matcher:
