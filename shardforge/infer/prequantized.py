@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shardforge.errors import ModelError
-from shardforge.infer.quantized import GROUP_SIZES, Int4Weight, QuantizedLinear, Weight, stacked
+from shardforge.infer.quantized import GROUP_SIZES, Int4Weight, QuantizedLinear, Weight, shaped, stacked
 from shardforge.models.common.protocol import FusedProjections
 
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AWQ packs the columns 0 2 4 6 1 3 5 7 into one int32
@@ -166,11 +166,7 @@ class Fp8Linear(nn.Module):
         )
         if self.row_scale is not None:
             out = out * self.row_scale
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        out = out.view(*x.shape[:-1], self.out_features)
-        return out.split(self.sizes, -1) if self.sizes else out
+        return shaped(out, x, self.bias, self.sizes)
 
     def extra_repr(self) -> str:
         kind = "per-row" if self.row_scale is not None else "per-tensor"

@@ -187,11 +187,7 @@ class QuantizedLinear(nn.Module):
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group, self.scales)
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        out = out.view(*x.shape[:-1], self.out_features)
-        return out.split(self.sizes, -1) if self.sizes else out
+        return shaped(out, x, self.bias, self.sizes)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group}" if self.group else ""
@@ -199,6 +195,18 @@ class QuantizedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}{group}, "
             f"activations in {str(self.compute).removeprefix('torch.')}"
         )
+
+
+def shaped(
+    out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A quantized matmul's rows [M, N] as the linear's output: x's dtype and leading dims, plus the bias,
+    split into the stacked linears' outputs where several share the layer (a fused slot)."""
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out.split(sizes, -1) if sizes else out
 
 
 def _int4_packed(q: torch.Tensor) -> torch.Tensor:
