@@ -107,7 +107,7 @@ def test_balancing_losses_are_the_published_formulas():
     (ref_main + aux * sum(aux_terms) / 2 + z * sum(z_terms) / 2).backward()
     grads = dict(reference.named_parameters())
     for name, param in ours.named_parameters():
-        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
     assert grads["layers.0.mlp.gate.weight"].grad.abs().sum() > 0
     for layer, value, zv in zip(moe_layers(ours), aux_terms, z_terms, strict=True):  # recorded by backward
         picks, (aux_sum, z_sum, n, dropped) = layer.window[:8], layer.window[8:].tolist()
