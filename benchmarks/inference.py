@@ -17,6 +17,9 @@ most share the template's default system prompt): the SmolLM2-135M job of issue 
 --quantize int8|int4 (--group-size N) runs shardforge's engine on quantized weights (infer/quantized.py);
 benchmarks/quantized.py sets them against fp32 / bf16 and transformers' TorchAoConfig side by side.
 
+--lora N adds shardforge's engine with N PEFT LoRA adapters served on the base unmerged (infer/multi_lora.py),
+on the same requests: all on the base (adapters loaded), all on one adapter, spread over the N in turn.
+
 Every request arrives at time 0 (an offline burst, as with RL rollouts or an evaluation set); all decode
 greedily with no eos, each to its own number of new tokens. Reported per variant: output tokens/s, time to
 first token and time per output token (p50 / p99), and whether its tokens equal transformers' one at a time.
@@ -240,9 +243,43 @@ def run_hf_continuous(folder: Path, requests: list) -> dict:
     return _summary("transformers continuous batching", wall, ttft, tpot, outputs)
 
 
-def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
+def build_adapters(folder: Path, count: int, into: Path) -> list[tuple[str, Path]]:
+    """`count` PEFT LoRA adapters over the model (non-zero B, so they change the outputs): ranks 8 and 16 in
+    turn, every other one on q/v only, the others on every linear, as a multi-LoRA deployment mixes them;
+    written under `into` (a temporary folder, never beside a real model)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = []
+    for i in range(count):
+        targets = ["q_proj", "v_proj"] if i % 2 else "all-linear"
+        rank = 8 if i % 2 == 0 else 16
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(folder),
+            LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, target_modules=targets),
+        )
+        generator = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+        model.save_pretrained(into / f"lora-{i}")
+        out.append((f"lora-{i}", into / f"lora-{i}"))
+    return out
+
+
+def run_shardforge(
+    folder: Path,
+    requests: list,
+    max_running: int,
+    loras: list[tuple[str, Path]] | None = None,
+    which: list[str | None] | None = None,
+    label: str = "",
+) -> dict:
     """The engine as `generate` and `serve` build it: loaded for inference, laid out for it on CPU (weights
-    prepacked, element-wise work on the fused kernels: infer/packed.py's `inference_layout`)."""
+    prepacked, element-wise work on the fused kernels: infer/packed.py's `inference_layout`). `loras`: the
+    adapters served on the base (infer/multi_lora.py), `which`: each request's (None: the base)."""
     from shardforge.infer.engine import Engine, EngineConfig
     from shardforge.infer.load import load_for_inference
     from shardforge.infer.packed import inference_layout
@@ -260,12 +297,17 @@ def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
     warm = Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)  # as vLLM's side warms up
     warm.generate([p for p, _ in requests[:2]], [greedy(n) for _, n in requests[:2]])
     engine = Engine(loaded.model, loaded.tokenizer, config, loaded.defaults)  # no prefix cached
+    if loras is not None:
+        from shardforge.infer.multi_lora import attach
+
+        attach(engine, loras, folder)
+    which = which or [None] * len(requests)
     start = time.perf_counter()
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     outputs: dict[str, list[int]] = {}
     for i, (prompt, new) in enumerate(requests):
-        engine.add(str(i), prompt, greedy(new))
+        engine.add(str(i), prompt, greedy(new), adapter=which[i])
         outputs[str(i)] = []
     while engine.has_work():
         updates = engine.step()
@@ -278,7 +320,7 @@ def run_shardforge(folder: Path, requests: list, max_running: int) -> dict:
     keys = [str(i) for i in range(len(requests))]
     ttft = [first[k] - start for k in keys]
     tpot = [(last[k] - first[k]) / (len(outputs[k]) - 1) for k in keys if len(outputs[k]) > 1]
-    name = f"shardforge engine (up to {max_running} running{', prepacked' if packed else ''})"
+    name = f"shardforge engine (up to {max_running} running{', prepacked' if packed else ''}{label})"
     if quantize is not None:
         name = (
             name[:-1]
@@ -462,6 +504,13 @@ def main() -> None:
     )
     parser.add_argument("--quantize", choices=["int8", "int4"], default=None, help="shardforge's weights")
     parser.add_argument("--group-size", type=int, default=128, help="with --quantize int4")
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        help="also run N LoRA adapters on the base (infer/multi_lora.py): all requests on the base with the "
+        "adapters loaded, all on one adapter, and spread over the N in turn (the same requests)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON results here")
     args = parser.parse_args()
     PLACE.update(device=args.device, dtype=args.dtype, quantize=args.quantize, group_size=args.group_size)
@@ -483,10 +532,23 @@ def main() -> None:
         print(f"{len(requests)} requests, {sum(n for _, n in requests)} new tokens in all", flush=True)
         vllm = args.vllm if vllm_usable(args.vllm) else None
         variants = []
+        loras = build_adapters(folder, args.lora, Path(tmp)) if args.lora else []
+        mixes = {  # with --lora: the same requests on the base, one adapter, the N in turn
+            ", base requests, adapters loaded": [None] * len(requests),
+            ", all on 1 adapter": [loras[0][0]] * len(requests),
+            f", {args.lora} adapters mixed": [loras[i % args.lora][0] for i in range(len(requests))],
+        } if loras else {}  # fmt: skip
         for n in range(args.rounds):  # each run tagged with its round, to pair them
             if vllm:  # before ours loads
                 variants.append(lambda n=n: {**run_vllm_offline(vllm, folder, requests), "round": n})
             variants.append(lambda n=n: {**run_shardforge(folder, requests, args.max_running), "round": n})
+            for label, which in mixes.items():  # alternating with the plain engine, round by round
+                variants.append(
+                    lambda n=n, w=which, lb=label: {
+                        **run_shardforge(folder, requests, args.max_running, loras, w, lb),
+                        "lora_round": n,
+                    }
+                )
         if "one" not in args.skip:
             variants.append(lambda: run_hf_one_at_a_time(folder, requests))
         if "padded" not in args.skip:
@@ -550,7 +612,11 @@ def _offline_ratios(runs: list[dict]) -> list[float]:
     """Ours over vLLM's offline tokens/s in each round where both ran (one after the other)."""
 
     def by_round(prefix: str) -> dict[int, float]:
-        return {r["round"]: r["output_tokens_per_s"] for r in runs if r["variant"].startswith(prefix)}
+        return {
+            r["round"]: r["output_tokens_per_s"]
+            for r in runs
+            if r["variant"].startswith(prefix) and "round" in r
+        }
 
     theirs, ours = by_round("vLLM CPU, offline"), by_round("shardforge engine")
     return [ours[n] / theirs[n] for n in sorted(ours.keys() & theirs.keys())]

@@ -314,6 +314,7 @@ def _engine_for(args: argparse.Namespace, console: Console):
         kv_memory_bytes=int(args.kv_memory_gb * (1 << 30)),
         max_running=args.max_running,
         max_step_tokens=args.max_step_tokens,
+        speculative=_speculative(args),
     )
     console.print(f"loading {args.model}" + (f" over {args.tp} tensor-parallel ranks" if args.tp > 1 else ""))
     return inference_engine(
@@ -325,7 +326,35 @@ def _engine_for(args: argparse.Namespace, console: Console):
         args.tp,
         not args.no_prepack,
         _quantize(args),
+        _loras(args),
+        draft=args.draft,
     )
+
+
+def _speculative(args: argparse.Namespace):
+    """--speculative ngram / --draft MODEL with their sizes as a SpeculativeConfig (None: off); bad values
+    fail before loading, naming the flag."""
+    from shardforge.errors import ConfigError
+    from shardforge.infer.speculative import SpeculativeConfig
+
+    if args.speculative is None and args.draft is None:
+        return None
+    if args.speculative is not None and args.draft is not None:
+        raise ConfigError("--draft and --speculative ngram: choose one way of drafting")
+    method = "draft" if args.draft is not None else "ngram"
+    spec = SpeculativeConfig(
+        method, args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max
+    )
+    return spec.check(args.max_step_tokens)
+
+
+def _loras(args: argparse.Namespace):
+    """serve's --lora NAME=FOLDER adapters ([] with --lora-root alone: loaded at run time; None: off)."""
+    from shardforge.infer.multi_lora import parse_lora_flags
+
+    if not getattr(args, "lora", None) and not getattr(args, "lora_root", None):
+        return None
+    return parse_lora_flags(args.lora)
 
 
 def _quantize(args: argparse.Namespace):
@@ -347,6 +376,8 @@ def _as_ranks(args: argparse.Namespace, stop_grace: float | None = None) -> int 
     from shardforge.launch import already_a_rank, launch_local
 
     quantize = _quantize(args)  # bad quantization flags fail before any rank starts
+    if _loras(args) is not None and args.tp > 1:
+        raise ConfigError(f"--lora with --tp {args.tp}: many adapters on one base run on one process")
     if quantize is not None and args.tp > 1:
         raise ConfigError(
             f"--quantize {quantize.scheme} with --tp {args.tp}: quantized weights run on one process"
@@ -431,7 +462,8 @@ def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
         console.print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API; Ctrl-C stops)")
         runner = EngineRunner(engine, args.max_waiting)
         root = Path(args.image_root) if args.image_root else None
-        serve(loaded, runner, args.host, args.port, name, args.api_key, args.shutdown_grace, root)
+        lora_root = Path(args.lora_root) if args.lora_root else None
+        serve(loaded, runner, args.host, args.port, name, args.api_key, args.shutdown_grace, root, lora_root)
     return 0
 
 
@@ -515,6 +547,16 @@ def _inference_flags(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     p.add_argument("--max-running", type=_at_least(1), default=64, help="sequences decoded together")
     p.add_argument("--max-step-tokens", type=_at_least(1), default=512, help="tokens computed per step")
     p.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel ranks (the training TP plan)")
+    p.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="speculative decoding by prompt lookup: draft tokens from earlier n-grams, no second model",
+    )
+    p.add_argument("--draft", default=None, help="speculative decoding by a draft model (same tokenizer)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed a step")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, help="--speculative ngram: shortest n-gram")
+    p.add_argument("--prompt-lookup-max", type=int, default=3, help="--speculative ngram: longest n-gram")
     p.add_argument(
         "--no-prepack",
         action="store_true",
@@ -699,6 +741,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a vision-language model reads requests' local image paths only under this folder "
         "(without it: data URLs only; remote URLs never)",
+    )
+    p_serve.add_argument(
+        "--lora",
+        action="append",
+        default=None,
+        metavar="NAME=FOLDER",
+        help="a PEFT LoRA adapter served on the base unmerged, chosen by a request's model=NAME (repeatable; "
+        "requests under different adapters share a batch)",
+    )
+    p_serve.add_argument(
+        "--lora-root",
+        default=None,
+        help="POST /v1/load_lora_adapter may load adapter folders under this folder (without it: off)",
     )
     p_serve.set_defaults(func=_cmd_serve)
     p_eval = sub.add_parser(

@@ -100,6 +100,15 @@ class BlockManager:
                 self.reserved[end] = False
                 end += 1
 
+    def trim(self, blocks: list[int]) -> None:
+        """Free a sequence's last blocks that only rejected speculative tokens were written into (never full,
+        so never cached or shared), reserved for it still: its next steps take them back in the same run."""
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = self.reserved[block] = True
+                self.free_count += 1
+
     def cached_prefix(
         self, tokens: list[int], limit: int, salt: bytes = b""
     ) -> tuple[list[int], list[bytes]]:

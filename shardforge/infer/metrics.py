@@ -37,6 +37,10 @@ class Metrics:
             stats = runner.stats
             return stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
 
+        def acceptance() -> float:
+            stats = runner.stats
+            return stats.spec_accepted_tokens / stats.spec_draft_tokens if stats.spec_draft_tokens else 0.0
+
         for name, doc, read in (
             ("shardforge_queue_length", "Requests waiting for their first token", lambda: runner.waiting),
             ("shardforge_running", "Sequences running", lambda: runner.stats.running),
@@ -59,6 +63,22 @@ class Metrics:
             ),
             ("shardforge_prefix_cache_hit_rate", "Cached share of the tokens looked up", hit_rate),
             ("shardforge_preemptions", "Sequences preempted so far", lambda: runner.stats.preemptions),
+            (
+                "shardforge_spec_decode_num_drafts",
+                "Speculative steps of a sequence so far (one verification of its draft each)",
+                lambda: runner.stats.spec_drafts,
+            ),
+            (
+                "shardforge_spec_decode_num_draft_tokens",
+                "Draft tokens the model checked so far",
+                lambda: runner.stats.spec_draft_tokens,
+            ),
+            (
+                "shardforge_spec_decode_num_accepted_tokens",
+                "Draft tokens kept so far",
+                lambda: runner.stats.spec_accepted_tokens,
+            ),
+            ("shardforge_spec_decode_acceptance_rate", "Kept share of the draft tokens", acceptance),
         ):
             Gauge(name, doc, registry=registry).set_function(read)
 

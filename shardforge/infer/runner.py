@@ -8,6 +8,7 @@ snapshot after every step for the metrics to read."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from shardforge.infer.engine import Engine, RequestError, Update
 from shardforge.infer.output import OutputProcessor
@@ -111,6 +113,7 @@ class EngineRunner:
         params: SamplingParams,
         loop: asyncio.AbstractEventLoop,
         images: ImageInputs | None = None,
+        adapter: str | None = None,
     ) -> RequestStream:
         """Queue a request; its updates arrive on the returned stream. Raises RequestError / SamplingError
         for a bad one (checked here, before it is queued), QueueFull when the queue is full."""
@@ -124,9 +127,19 @@ class EngineRunner:
                 raise QueueFull(f"{self.max_waiting} requests are waiting already; retry later", None)
             self.pending.add(request_id)
         updates: asyncio.Queue = asyncio.Queue()
-        self.inbox.put(("add", request_id, prompt, params, images, _Sink(loop, updates, Timing())))
+        self.inbox.put(("add", request_id, prompt, params, images, _Sink(loop, updates, Timing()), adapter))
         self.wake.set()
         return RequestStream(self, request_id, updates)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine's thread between two steps (loading a LoRA adapter into the layers the
+        step reads); its result or error comes back on the future."""
+        if self.error is not None or self.stopping:
+            raise Unavailable("the engine is not running", None)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put(("call", fn, future))
+        self.wake.set()
+        return future
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks, between this step and the next. Never blocks."""
@@ -176,15 +189,21 @@ class EngineRunner:
                 return
             kind = message[0]
             if kind == "add":
-                _, request_id, prompt, params, images, sink = message
+                _, request_id, prompt, params, images, sink, adapter = message
                 try:
-                    params = self.engine.add(request_id, prompt, params, images)
-                except RequestError as exc:  # checked in submit: only a duplicate id gets here
+                    params = self.engine.add(request_id, prompt, params, images, adapter)
+                except RequestError as exc:  # checked in submit: a duplicate id, an adapter unloaded since
                     log.warning("request %s refused: %s", request_id, exc)
                     self.outbox.put(("start", request_id, params, sink))
                     self.outbox.put(("end", request_id, "failed"))
                     continue
                 self.outbox.put(("start", request_id, params, sink))
+            elif kind == "call":
+                _, fn, future = message
+                try:
+                    future.set_result(fn())
+                except Exception as exc:  # the caller's to report (a bad adapter folder: a 400)
+                    future.set_exception(exc)
             elif kind == "abort":
                 self.engine.abort(message[1])
                 self.outbox.put(("end", message[1], "aborted"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from shardforge.infer.blocks import BlockManager
 from shardforge.infer.media import RequestImages
@@ -34,11 +35,15 @@ class Sequence:
     finish_reason: str | None = None
     preemptions: int = 0
     media: RequestImages | None = None  # the prompt's images, encoded
+    draft: list[int] = field(default_factory=list)  # speculative tokens run after its last one this step
+    draft_probs: Any = None  # the distributions a draft model drew them from (infer/speculative.py: Draft)
+    adapter: int = 0  # its LoRA adapter's slot (infer/multi_lora.py); 0: the base
+    adapter_salt: bytes = b""  # that adapter's prefix-cache salt: the same prompt under two never shares
 
     @property
     def salt(self) -> bytes:
-        """Where its prefix-cache keys start: its images' digest (none: b"")."""
-        return self.media.salt if self.media is not None else b""
+        """Where its prefix-cache keys start: its images' digest (none: b""), then its adapter's."""
+        return (self.media.salt if self.media is not None else b"") + self.adapter_salt
 
     @property
     def output(self) -> list[int]:
@@ -78,8 +83,13 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted for an earlier one in this loop
                 continue
-            n = min(seq.uncomputed, budget)
+            n = min(seq.uncomputed + len(seq.draft), budget)
+            if n < seq.uncomputed + len(seq.draft):  # the budget cuts its draft short (or out)
+                seq.draft = seq.draft[: max(0, n - seq.uncomputed)]
             while not self._grow(seq, seq.computed + n):
+                if seq.draft:  # a draft never preempts anyone: the sequence decodes plainly
+                    seq.draft, n = [], min(seq.uncomputed, budget)
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -116,6 +126,15 @@ class Scheduler:
                 seq.keys.append(self.blocks.register(seq.blocks[i], parent, tokens))
             else:
                 seq.keys.append(b"")
+
+    def rolled_back(self, seq: Sequence) -> None:
+        """After a speculative step: the blocks past its tokens that rejected draft tokens were written into
+        are let go (kept reserved for it, so its next blocks are the same run), and its draft is cleared."""
+        keep = -(-len(seq.tokens) // self.blocks.block_size)
+        if len(seq.blocks) > keep:
+            self.blocks.trim(seq.blocks[keep:])
+            del seq.blocks[keep:]
+        seq.draft, seq.draft_probs = [], None
 
     def _attach_prefix(self, seq: Sequence) -> None:
         """Start from the cached blocks of the longest known prefix. A request with one completion copies
@@ -158,3 +177,4 @@ class Scheduler:
         self.blocks.release(seq.blocks)
         self.blocks.release(seq.copy_from)  # not admitted after all: the copy never ran
         seq.blocks, seq.keys, seq.computed, seq.copy_from = [], [], 0, []
+        seq.draft, seq.draft_probs = [], None

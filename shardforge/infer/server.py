@@ -26,6 +26,7 @@ from shardforge.errors import ConfigError
 from shardforge.infer.engine import RequestError, TooLong, Update
 from shardforge.infer.http import APIError, ClientGone, Guard, until_disconnected, uvicorn_server
 from shardforge.infer.load import Loaded
+from shardforge.infer.lora_routes import adapter_cards, adapter_names, add_lora_routes
 from shardforge.infer.metrics import Metrics
 from shardforge.infer.offline import chat_text, token_ids
 from shardforge.infer.protocol import ChatRequest, CompletionRequest, validation_message
@@ -41,8 +42,10 @@ def build_app(
     served_name: str,
     api_key: str | None = None,
     image_root: Path | None = None,
+    lora_root: Path | None = None,
 ) -> FastAPI:
-    """`image_root`: where a request's local image paths may be read (infer/request_images.py)."""
+    """`image_root`: where a request's local image paths may be read (infer/request_images.py);
+    `lora_root`: where adapters may be loaded from at run time (infer/lora_routes.py; None: not at all)."""
     app = FastAPI(title="shardforge", docs_url=None, redoc_url=None)
     app.add_middleware(Guard, api_key=api_key)
     tokenizer = loaded.tokenizer
@@ -55,6 +58,7 @@ def build_app(
     runner.on_finish = metrics.finished
     call_format = detect(resolve_template(tokenizer, "auto").jinja)
     created = int(time.time())
+    add_lora_routes(app, runner, served_name, lora_root)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -77,10 +81,13 @@ def build_app(
 
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> dict:
-        return {"object": "list", "data": [_model_card(served_name, created)]}
+        adapters = adapter_cards(runner, served_name, created)
+        return {"object": "list", "data": [_model_card(served_name, created), *adapters]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Any:
+        if model in adapter_names(runner):
+            return next(c for c in adapter_cards(runner, served_name, created) if c["id"] == model)
         if model != served_name:
             return APIError(
                 404,
@@ -97,7 +104,7 @@ def build_app(
         except ValidationError as exc:
             message, where = validation_message(exc)
             raise APIError(400, message, "invalid_request_error", param=where) from None
-        if parsed.model != served_name:
+        if parsed.model != served_name and parsed.model not in adapter_names(runner):
             raise APIError(
                 404,
                 f"the model {parsed.model!r} does not exist; this server serves {served_name!r}",
@@ -156,7 +163,8 @@ def build_app(
     ) -> RequestStream:
         """Queue a request; `field`: the request's prompt field (messages or prompt), for errors."""
         try:
-            stream = runner.submit(request_id, prompt, params, asyncio.get_running_loop(), images)
+            adapter = None if body.model == served_name else body.model  # a LoRA adapter's name
+            stream = runner.submit(request_id, prompt, params, asyncio.get_running_loop(), images, adapter)
         except QueueFull as exc:
             metrics.requests.labels("rejected").inc()
             raise APIError(
@@ -191,7 +199,7 @@ def build_app(
             return APIError(400, str(exc), "invalid_request_error", param=exc.param).response()
         except APIError as exc:
             return exc.response()
-        head = {"id": rid, "created": int(time.time()), "model": served_name}
+        head = {"id": rid, "created": int(time.time()), "model": body.model}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             chunks = _chat_chunks(head, stream, params.n, len(prompt), usage, tokenizer, tools)
@@ -266,7 +274,7 @@ def build_app(
             if isinstance(exc, SamplingError):
                 return APIError(400, str(exc), "invalid_request_error", param=exc.param).response()
             return exc.response()
-        head = {"id": rid, "created": int(time.time()), "model": served_name}
+        head = {"id": rid, "created": int(time.time()), "model": body.model}
         prompt_tokens = sum(map(len, prompts))
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -480,13 +488,14 @@ def serve(
     api_key: str | None = None,
     grace: float = 5.0,
     image_root: Path | None = None,
+    lora_root: Path | None = None,
 ) -> None:
     """Run the server until SIGINT or SIGTERM: then stop accepting, let what is in flight finish for up to
     `grace` seconds, abort the rest and return. A host other than loopback needs an API key."""
     import uvicorn
 
     check_host(host, api_key)
-    app = build_app(loaded, runner, served_name or loaded.name, api_key, image_root)
+    app = build_app(loaded, runner, served_name or loaded.name, api_key, image_root, lora_root)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace)
     try:
         uvicorn_server(config).run()
