@@ -21,8 +21,10 @@ DDP = ("adamw_8bit", "muon", "galore", "apollo", "adam_mini")
 ZERO1 = ("adamw_8bit", "muon", "galore")
 # Muon's Newton-Schulz runs in bfloat16 with a slope of ~500 at zero: the last-bit differences of DDP's
 # all-reduce (a sum in another order) grow there to a few elements 1.1e-4 apart after 3 steps (measured; at
-# lr 3e-3 a step moves a matrix element by up to ~1e-2); the others stay within the fp32 bound.
+# lr 3e-3 a step moves a matrix element by up to ~1e-2), and the third step's loss 2e-5 relative apart (a
+# clean-clone run, 2026-12-06); the others stay within the fp32 bound.
 ATOL = {"muon": 3e-4}
+REL = {"muon": 1e-4}
 
 
 def _cfg(tmp_path, name: str, data, optimizer: str, *, mb: int, **parallel) -> dict:
@@ -99,7 +101,7 @@ def two_ranks(tmp_path_factory, data):
 def test_data_parallel_matches_one_process(two_ranks, reference, name, layout):
     """2 ranks x micro-batch 2 x accumulation 2 == 1 process x micro-batch 4 x accumulation 2."""
     run = two_ranks[0][f"{name}-{layout}"][0]
-    assert_same(run, reference[name], atol=ATOL.get(name, 5e-5))
+    assert_same(run, reference[name], rel=REL.get(name, 1e-5), atol=ATOL.get(name, 5e-5))
     assert run["losses"][-1] < run["losses"][0]
 
 
