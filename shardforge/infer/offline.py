@@ -21,9 +21,8 @@ from shardforge.infer.protocol import StructuredOutputs, validation_message
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models.common.images import ImageInputs
 
-_PARAM_KEYS = {f.name for f in fields(SamplingParams)} - {
-    "constraint"
-}  # a line's `structured_outputs` sets it
+# a prompt line's sampling fields; its constraint comes from its `structured_outputs`, as the server's does
+_PARAM_KEYS = {f.name for f in fields(SamplingParams)} - {"constraint"}
 
 
 def chat_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
@@ -121,10 +120,9 @@ def _read_prompts(
                     record["structured_outputs"]
                 ).constraint()
         except ValidationError as exc:
-            message, field = validation_message(exc)
-            raise DataError(
-                f"{where}: structured_outputs: {message}".replace(f"{field}: ", "", field == "body")
-            ) from None
+            field = validation_message(exc)[1]
+            name = "structured_outputs" if field == "body" else f"structured_outputs.{field}"
+            raise DataError(f"{where}: {name}: {exc.errors()[0]['msg']}") from None
         except ShardforgeError as exc:
             raise DataError(f"{where}: {exc}") from None
         try:

@@ -20,6 +20,7 @@ from shardforge.infer.sampling import SamplingError, SamplingParams
 from shardforge.infer.tools import forced_constraint
 
 log = logging.getLogger(__name__)
+ANY_OBJECT = '{"type": "object"}'  # the schema of json_object: any JSON object
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # the OpenAI API's rule for a function's name
 _TOKEN_ID = re.compile(r"-?[0-9]{1,12}")  # ASCII digits only: int() would also read "٣" and refuse "²"
 
@@ -78,7 +79,7 @@ class StructuredOutputs(BaseModel):
         name = given[0]
         param = f"structured_outputs.{name}"
         if name == "json_object":
-            return Constraint("json", '{"type": "object"}', param)
+            return Constraint("json", ANY_OBJECT, param)
         if name == "json":
             return json_constraint(self.json_, param)
         if name == "choice":
@@ -308,7 +309,7 @@ class ChatRequest(_Common):
         if self.structured_outputs is not None and self.structured_outputs.constraint() is not None:
             raise SamplingError("give response_format or structured_outputs, not both", "response_format")
         if kind == "json_object":
-            return Constraint("json", '{"type": "object"}', "response_format")
+            return Constraint("json", ANY_OBJECT, "response_format")
         if kind != "json_schema":
             raise SamplingError(
                 f"response_format.type={kind!r} is invalid: it must be text, json_object or json_schema",
