@@ -47,7 +47,9 @@ def test_checkpoint_modes_give_the_same_loss_and_gradients(packed):
         assert loss == ref_loss
         assert len(grads) == len(ref_grads)
         for i, (grad, ref) in enumerate(zip(grads, ref_grads, strict=True)):
-            torch.testing.assert_close(grad, ref, rtol=0, atol=1e-7, msg=f"{mode}: parameter {i}")
+            # recomputed forwards may take another kernel path on this CPU (one run in a full quick tier
+            # failed at 1e-7, passing alone): fp32's last bits, far below a wrong gradient
+            torch.testing.assert_close(grad, ref, rtol=0, atol=1e-6, msg=f"{mode}: parameter {i}")
 
 
 def test_checkpoint_modes_keep_less_and_less():
