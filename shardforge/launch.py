@@ -6,6 +6,7 @@ Application layer: reads the environment."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -14,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from shardforge.errors import ShardforgeError
+from shardforge.log import get_logger
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,21 @@ def _translate_slurm() -> None:
     )
 
 
+def _shutdown_grace(launch_config: type, stop_grace: float | None) -> dict:
+    """How long torch's agent waits for the ranks after passing a SIGTERM on: the server's graceful shutdown
+    and 30 s more. A torch without `LaunchConfig.shutdown_timeout` (before 2.12) waits its fixed 30 s: said
+    once, since a longer drain is cut there."""
+    if stop_grace is None:
+        return {}
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(launch_config)}:
+        get_logger(__name__).warning(
+            "this torch's launcher has no shutdown_timeout (torch 2.12+): on SIGTERM the ranks get its fixed 30 s,"
+            f" not the {math.ceil(stop_grace) + 30} s a graceful shutdown may take"
+        )
+        return {}
+    return {"shutdown_timeout": math.ceil(stop_grace) + 30}
+
+
 def launch_local(
     nproc: int,
     max_restarts: int,
@@ -88,6 +105,7 @@ def launch_local(
         # another node's failure does not count it, so after a restart ranks could read a dead rank's address.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     config = LaunchConfig(
+        **_shutdown_grace(LaunchConfig, stop_grace),
         min_nodes=rendezvous.nnodes,
         max_nodes=rendezvous.nnodes,
         nproc_per_node=nproc,
@@ -96,7 +114,6 @@ def launch_local(
         rdzv_endpoint=rendezvous.endpoint,
         max_restarts=max_restarts,
         monitor_interval=0.5,
-        shutdown_timeout=None if stop_grace is None else math.ceil(stop_grace) + 30,
     )
     try:
         elastic_launch(config, sys.executable)("-m", "shardforge", *argv)

@@ -194,7 +194,16 @@ def image_processor(folder: str | Path) -> Any:
         raise DataError(
             f"{folder}: a vision-language model needs its image processor (preprocessor_config.json)"
         )
-    processor = AutoImageProcessor.from_pretrained(folder)
+    try:
+        processor = AutoImageProcessor.from_pretrained(folder)
+    except ImportError as exc:  # transformers 5.17's processors need torchvision; 5.24 (tested) reads PIL
+        import transformers
+
+        raise DataError(
+            f"{folder}: transformers {transformers.__version__} cannot load this image processor here: "
+            f"{' '.join(str(exc).split())[:300]} (install the torchvision built for your torch, or the tested "
+            "transformers, constraints.txt)"
+        ) from None
     if getattr(processor, "do_pan_and_scan", False):
         raise DataError(
             f"{folder}: its image processor cuts images into pan-and-scan crops (do_pan_and_scan: true in "

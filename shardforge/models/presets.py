@@ -62,6 +62,9 @@ _PRESETS: dict[str, dict] = {
     "llama-25m": _shape("llama", 512, 1408, 8, 8, 4, 64),
     # GPU benchmark size (~300M with the 1k vocabulary): big enough to load an H200's tensor cores.
     "llama-300m": _shape("llama", 1024, 2816, 24, 16, 8, 64),
+    # Llama-3.2-1B's shape (~0.98B parameters with the 1k vocabulary; its own 128k vocabulary adds 0.26B): the
+    # GPU check's training size (benchmarks/gpu_check.py), bf16 throughput and MFU on one H200.
+    "llama-1b": _shape("llama", 2048, 8192, 16, 32, 8, 64),
 }
 
 

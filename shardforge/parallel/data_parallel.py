@@ -175,6 +175,15 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list from torch 2.13 (`_fsdp_param_groups`), one or none before
+    (`_fsdp_param_group`, torch 2.11/2.12): the feature, looked up, not the version."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
 @contextlib.contextmanager
 def kept_unsharded(roots: Sequence[nn.Module], skip: Sequence[nn.Module] = ()) -> Iterator[float]:
     """The FSDP2 units under `roots` (a model, or a pipeline rank's stage modules: each an FSDP root)
@@ -182,9 +191,9 @@ def kept_unsharded(roots: Sequence[nn.Module], skip: Sequence[nn.Module] = ()) -
     the seconds the gather took. A no-op (0 s) without FSDP2. The units under `skip` are left as they are
     (PPO's separate critic: it never generates).
 
-    The one place that reaches into FSDP2's internals (torch 2.13: `_get_fsdp_state()._lazy_init()`,
-    `_fsdp_param_groups`, `post_forward_mesh_info`), checked by tests/unit/test_data_parallel_internals.py so
-    that a torch that changes them fails loudly."""
+    The one place that reaches into FSDP2's internals (`_get_fsdp_state()._lazy_init()`, the state's param
+    groups, `post_forward_mesh_info`), checked by tests/unit/test_data_parallel_internals.py so that a torch
+    that changes them fails loudly."""
     skip_ids = {id(m) for c in skip for m in c.modules()}
     units = list(
         {
@@ -201,7 +210,7 @@ def kept_unsharded(roots: Sequence[nn.Module], skip: Sequence[nn.Module] = ()) -
     for root in roots:  # the roots' own settings first, as their first forward would
         if isinstance(root, FSDPModule):
             root._get_fsdp_state()._lazy_init()
-    groups = [g for m in units for g in m._get_fsdp_state()._fsdp_param_groups]
+    groups = [g for m in units for g in _param_groups(m._get_fsdp_state())]
     saved = [g.post_forward_mesh_info for g in groups]
     for g in groups:
         g.post_forward_mesh_info = None  # no reshard after forward (set_reshard_after_forward(False))

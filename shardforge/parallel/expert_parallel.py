@@ -34,13 +34,14 @@ def expert_mesh(dims: ParallelDims, mesh: DeviceMesh | None) -> DeviceMesh | Non
     if dims.ep == 1 or mesh is None:
         return None
     sizes = (dims.dp_shard * dims.cp // dims.ep, dims.ep)
+    # By index, not name: torch 2.11's `_unflatten` refuses a dimension given by a name it has.
     if dims.cp == 1:
-        return mesh._unflatten("dp_shard", sizes, ("edp", "ep"))
+        return mesh._unflatten(mesh.mesh_dim_names.index("dp_shard"), sizes, ("edp", "ep"))
     names = tuple(n for n in ("dp_shard", "cp") if dims.degrees()[n] > 1)
     flat = mesh[names] if len(names) > 1 else mesh[names[0]]
     if len(names) > 1:
         flat = flat._flatten("_".join(names))
-    return flat._unflatten(flat.mesh_dim_names[0], sizes, ("edp", "ep"))
+    return flat._unflatten(0, sizes, ("edp", "ep"))
 
 
 def check_expert_parallel(cfg, dims: ParallelDims) -> None:

@@ -11,6 +11,7 @@ docker/Dockerfile, and the CLI table's synopses (CONFIG, [--flag ...]) against e
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -47,8 +48,8 @@ SHORT = ["train.steps=2", "train.eval_every=null"]
 
 # How each documented command is run (the kind names a runner below); the keys are the commands as written.
 HOW = {
-    'python3 -m venv .venv && .venv/bin/pip install -q -e ".[dev]" && .venv/bin/shardforge train examples/demo.yaml': "demo",  # noqa: E501
-    'python3 -m venv .venv && .venv/bin/pip install -q -e ".[dev]" && .venv/bin/python -m pytest -q': "suite",
+    'python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e ".[dev]" && .venv/bin/shardforge train examples/demo.yaml': "demo",  # noqa: E501
+    'python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e ".[dev]" && .venv/bin/python -m pytest -q': "suite",
     '.venv/bin/python -m pytest -q -m "not slow"': "quick",
     "shardforge train examples/demo.yaml": "demo",
     "shardforge train my_sft.yaml": "sft",
@@ -78,7 +79,7 @@ HOW = {
     "shardforge loftq": "synopsis",
     "shardforge loftq MODEL --to DIR [--rank 16] [--alpha A] [--targets q_proj,v_proj] [--iter 4]": "synopsis",  # noqa: E501
     "shardforge convert": "synopsis",
-    'pip install -e ".[eval]"': "extra",
+    'pip install -c constraints.txt -e ".[eval]"': "extra",
     "shardforge plan CONFIG": "synopsis",
     "shardforge train CONFIG [key=value ...]": "synopsis",
     "shardforge train CONFIG --nproc N [key=value ...]": "synopsis",
@@ -94,10 +95,12 @@ HOW = {
     "shardforge": "synopsis",
     "shardforge --debug ...": "synopsis",
     "shardforge env": "env",
-    'pip install -e ".[webui]"': "extra",
-    'pip install -e ".[track]"': "extra",
+    'pip install -c constraints.txt -e ".[webui]"': "extra",
+    'pip install -c constraints.txt -e ".[track]"': "extra",
     "apt-get install -y chromium": "ci",
     "docker build -f docker/Dockerfile -t shardforge .": "docker",
+    "bash scripts/wheelhouse.sh wheelhouse/ --python-version 3.12 --extras gpucheck --exclude numpy,pyarrow": "offline",  # noqa: E501
+    'python -m pip install --no-index --find-links wheelhouse/ -c wheelhouse/constraints.txt "shardforge[gpucheck]"': "offline",  # noqa: E501
     "docker run --rm -v $PWD/runs:/opt/shardforge/runs shardforge train examples/demo.yaml": "docker",
 }  # fmt: skip
 
@@ -418,3 +421,21 @@ def test_the_extras_and_the_image():
     assert re.search(r'ENTRYPOINT \["shardforge"\]', dockerfile)
     mount = re.search(r":(/\S+)/runs", run_).group(1)
     assert f"WORKDIR {mount}" in dockerfile
+
+
+def test_the_offline_install():
+    """The wheelhouse's build for another Python is not run here (its wheels would not install on this one):
+    its options parse as written, and tests/e2e/test_wheelhouse.py builds one for this Python and installs
+    it with the same flags, no index, beside an existing torch, then runs the demo."""
+    build, install = commands("offline")
+    argv = shlex.split(build)
+    assert argv[:2] == ["bash", "scripts/wheelhouse.sh"]
+    spec = importlib.util.spec_from_file_location("wheelhouse", REPO / "scripts" / "wheelhouse.py")
+    wheelhouse = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wheelhouse)
+    args = wheelhouse.parse_args(argv[2:])
+    assert args.python_version == "3.12" and args.extras == "gpucheck"
+    assert re.search(r"^gpucheck = \[", (REPO / "pyproject.toml").read_text(), re.M)
+    used = (REPO / "tests" / "e2e" / "test_wheelhouse.py").read_text()
+    for flag in ("--no-index", "--find-links", "-c", "constraints.txt"):
+        assert flag in install and f'"{flag}"' in used, flag

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -299,7 +301,11 @@ def test_the_names_left_out_for_peft_are_peft_s_own():
             except ValueError:
                 refused.add(name)
         assert set(not_for_peft(model_type)) == set(_MOE_TARGET_MODULE_MAPPING.get(pattern, {})) | refused
-    assert set(REREAD) <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    # No stale names, with the tested transformers (constraints.txt); an older one (5.17) registers fewer
+    # model types, and the names it lacks are for a newer one
+    tested = re.search(r"^transformers==(\S+)$", (REPO / "constraints.txt").read_text(), re.M).group(1)
+    if transformers.__version__ == tested:
+        assert set(REREAD) <= set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
 EXPERT_SHAPES = {  # native (Mixtral, Qwen3-MoE with a dense layer, Qwen2-MoE with its shared expert) and
