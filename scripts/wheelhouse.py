@@ -6,7 +6,7 @@ keeps every package that shardforge needs except torch and what only torch needs
 sympy...), downloads those wheels and builds shardforge's own, and writes the pins of what it holds to
 `constraints.txt` inside the folder. On the target, from the folder's parent or anywhere:
 
-    python -m pip install --no-index --find-links WHEELHOUSE -c WHEELHOUSE/constraints.txt "shardforge[gpucheck]"
+    python -m pip install --no-index --find-links WH -c WH/constraints.txt "shardforge[gpucheck]"
 
 `--exclude` leaves out packages the target already has (e.g. numpy, pyarrow on a GPU image), to keep the
 folder small; the target's own versions must then satisfy shardforge's ranges (pip says so by name if not).
@@ -50,12 +50,19 @@ def _pip(python: str, *args: str, quiet: bool = True) -> None:
 def stub_torch(folder: Path, constraints: Path) -> None:
     """A metadata-only torch wheel at the tested version, with no dependencies, so the resolution below
     never asks for torch's own (its CUDA libraries for the target platform): torch is the target's."""
-    pins = [ln.split("==", 1)[1].strip() for ln in constraints.read_text().splitlines() if ln.startswith("torch==")]
+    pins = [
+        ln.split("==", 1)[1].strip()
+        for ln in constraints.read_text().splitlines()
+        if ln.startswith("torch==")
+    ]
     version = f"{pins[0] if pins else '2.11.0'}+wheelhouse.stub"
     info = f"torch-{version}.dist-info"
     with zipfile.ZipFile(folder / f"torch-{version}-py3-none-any.whl", "w") as whl:
         whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
-        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: wheelhouse\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(
+            f"{info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: wheelhouse\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         whl.writestr(f"{info}/RECORD", "")
 
 
@@ -158,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         report = json.loads(report_path.read_text())
     pins = needed(report, "shardforge", extras, args.python_version, exclude)
-    print(f"wheelhouse: downloading {len(pins)} wheels (torch and {len(exclude)} excluded left out)", flush=True)
+    print(
+        f"wheelhouse: downloading {len(pins)} wheels (torch and {len(exclude)} excluded left out)", flush=True
+    )
     _pip(
         python,
         "download",
@@ -168,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         *(flags or ["--only-binary=:all:"]),
         *[f"{n}=={v}" for n, v in sorted(pins.items())],
     )
-    lines = [f"# The pins of the wheels in this folder (from {args.constraints.name}); torch is the target's."]
+    lines = [
+        f"# The pins of the wheels in this folder (from {args.constraints.name}); torch is the target's."
+    ]
     lines += [f"{n}=={v}" for n, v in sorted(pins.items())]
     (args.out / "constraints.txt").write_text("\n".join(lines) + "\n")
     size = sum(f.stat().st_size for f in args.out.iterdir()) / 2**20

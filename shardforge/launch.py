@@ -68,8 +68,8 @@ def _shutdown_grace(launch_config: type, stop_grace: float | None) -> dict:
         return {}
     if "shutdown_timeout" not in {f.name for f in dataclasses.fields(launch_config)}:
         get_logger(__name__).warning(
-            "this torch's launcher has no shutdown_timeout (torch 2.12+): on SIGTERM the ranks get its fixed 30 s,"
-            f" not the {math.ceil(stop_grace) + 30} s a graceful shutdown may take"
+            "this torch's launcher has no shutdown_timeout (torch 2.12+): on SIGTERM the ranks get its "
+            f"fixed 30 s, not the {math.ceil(stop_grace) + 30} s a graceful shutdown may take"
         )
         return {}
     return {"shutdown_timeout": math.ceil(stop_grace) + 30}

@@ -201,8 +201,8 @@ def image_processor(folder: str | Path) -> Any:
 
         raise DataError(
             f"{folder}: transformers {transformers.__version__} cannot load this image processor here: "
-            f"{' '.join(str(exc).split())[:300]} (install the torchvision built for your torch, or the tested "
-            "transformers, constraints.txt)"
+            f"{' '.join(str(exc).split())[:300]} (install the torchvision built for your torch, or the "
+            "tested transformers, constraints.txt)"
         ) from None
     if getattr(processor, "do_pan_and_scan", False):
         raise DataError(

@@ -24,7 +24,9 @@ def _run(argv: list, **kw) -> subprocess.CompletedProcess:
 
 def test_wheelhouse_installs_beside_an_existing_torch_with_no_index_and_runs_the_demo(tmp_path: Path):
     wheelhouse, venv = tmp_path / "wheelhouse", tmp_path / "venv"
-    _run(["bash", REPO / "scripts" / "wheelhouse.sh", wheelhouse], env={**os.environ, "PYTHON": sys.executable})
+    _run(
+        ["bash", REPO / "scripts" / "wheelhouse.sh", wheelhouse], env={**os.environ, "PYTHON": sys.executable}
+    )
     names = {p.name.split("-")[0].lower() for p in wheelhouse.glob("*.whl")}
     assert "shardforge" in names and "transformers" in names and "torch" not in names
     assert not any(n.startswith(("nvidia", "triton")) for n in names), names
