@@ -37,7 +37,9 @@ def test_wheelhouse_installs_beside_an_existing_torch_with_no_index_and_runs_the
     tested = torch.__version__.split("+")[0]
     _run([python, "-m", "pip", "install", "-q", f"torch=={tested}"])
 
-    offline = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1"}
+    # No pip configuration at all: this machine's (pip.conf, PIP_FIND_LINKS) names other folders of wheels
+    offline = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    offline.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1")
     _run(
         [python, "-m", "pip", "install", "-q", "--no-index", "--find-links", wheelhouse,
          "-c", wheelhouse / "constraints.txt", "shardforge"],
