@@ -32,16 +32,15 @@ REPO = Path(__file__).resolve().parents[1]
 # What the target's torch brings with it: never shipped. A package is shipped only if something other than
 # torch needs it (the walk below does not go through torch). setuptools goes with torch too: torch pins its
 # range (2.11: <82) and needs it on Python 3.12+, so wherever torch is installed, a setuptools it accepts is.
-TORCH = "torch"
-TORCH_OWNS = {TORCH, "setuptools"}
+TORCH_OWNS = {"torch", "setuptools"}
 MANYLINUX_X86_64 = [f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)] + [
     "manylinux2014_x86_64",
     "manylinux1_x86_64",
 ]
 
 
-def _pip(python: str, *args: str, quiet: bool = True) -> None:
-    cmd = [python, "-m", "pip", *args, *(["-q"] if quiet else [])]
+def _pip(python: str, *args: str) -> None:
+    cmd = [python, "-m", "pip", *args, "-q"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"wheelhouse: `pip {args[0]}` failed:\n{done.stderr[-4000:]}")

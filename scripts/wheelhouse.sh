@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A folder of wheels for every dependency of shardforge except torch, for installing with no package index
-# beside a torch that is already there (a cluster's or a GPU image's own CUDA build). README: "Offline install".
+# beside a torch that is already there (a cluster's or a GPU image's own CUDA build). README: "Supported
+# versions, and installing beside your own torch".
 #
 #   bash scripts/wheelhouse.sh wheelhouse/                                   # for this Python and platform
 #   bash scripts/wheelhouse.sh wheelhouse/ --python-version 3.12 --extras gpucheck \
