@@ -57,6 +57,8 @@ def load_dataset_info(info_path: str | Path) -> dict[str, Any]:
         info = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start}); dataset_info is JSON text") from None
     if not isinstance(info, dict):
         raise DataError(f"{path}: expected a JSON object mapping dataset names to entries")
     return info

@@ -33,6 +33,13 @@ def score_labels(method: MethodSection) -> int:
     return build_objective(method).traits.score_head
 
 
+def method_sections(method: MethodSection) -> tuple[str, ...]:
+    """The method.* sub-sections a run of `method` reads: its stage's (the objective's declared traits) and
+    its finetuning's own (method.lora, method.oft, method.freeze: each named as its finetuning)."""
+    own = (method.finetuning,) if method.finetuning in MethodSection.model_fields else ()
+    return objective_class(method.stage).traits.sections + own
+
+
 def reading_of(objective: Objective, system: str | None = None) -> Reading:
     """How the data readers take records for `objective`, with the stages that read each kind of record
     (for messages that name the stage a data set belongs to); `system`: data.default_system."""
@@ -55,6 +62,7 @@ __all__ = [
     "SourceContext",
     "Traits",
     "build_objective",
+    "method_sections",
     "objective_class",
     "reading_for",
     "reading_of",

@@ -55,6 +55,9 @@ class Traits:
     critic: str | None = None  # a separate critic model trained beside the policy (a folder)
     # its rollouts train one group per row, the completions packed (its loss reads sequences, not rows)
     packed_groups: bool = False
+    # the method.* sub-sections whose keys it reads (the web UI shows these for the stage, the rest under
+    # "advanced"); the finetuning's own section (method.lora, ...) is the finetuning's, not the stage's
+    sections: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class ReferencedObjective(CausalLM):
     normalizer: Normalizer = "groups"
     group_size = 2
     summed = False  # per-sequence sums, not one sum of token log-probs
-    traits = Traits(reader="pair", whole_sequences=True)
+    traits = Traits(reader="pair", whole_sequences=True, sections=("pref",))
 
     def __init__(self, method: MethodSection | None = None) -> None:
         super().__init__(method)
@@ -225,7 +225,7 @@ class KTOObjective(ReferencedObjective):
     (summed over them by the run's `dp_sum`, taken in `bind`)."""
 
     name = "kto"
-    traits = Traits(reader="labelled", whole_sequences=True)
+    traits = Traits(reader="labelled", whole_sequences=True, sections=("kto", "pref"))
     # Sums divided by the groups; `finish` turns the per-label ones into means over their label's examples.
     metrics = (
         "loss",

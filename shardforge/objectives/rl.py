@@ -76,7 +76,9 @@ def at_targets(values: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
 
 class GRPOObjective(ReferencedObjective):
     name = "grpo"
-    traits = Traits(reader="prompt", whole_sequences=True, rollouts=True, packed_groups=True)
+    traits = Traits(
+        reader="prompt", whole_sequences=True, rollouts=True, packed_groups=True, sections=("rl", "pref")
+    )
     metrics = ("loss", "kl", "clip_fraction", "ratio", "logprob_delta")
 
     def __init__(self, method: MethodSection | None = None) -> None:
@@ -245,6 +247,7 @@ class PPOObjective(GRPOObjective):
     aggregated as method.rl.loss says (TRL's PPO: a token mean, `dapo`)."""
 
     name = "ppo"
+    traits = replace(GRPOObjective.traits, sections=("rl", "ppo", "pref"))
     metrics = ("loss", "policy_loss", "value_loss", "kl", "clip_fraction", "value_clip_fraction", "ratio")
     metrics += ("logprob_delta",)
 

@@ -12,7 +12,7 @@ from shardforge.data.batching import Batch
 from shardforge.data.examples import Encoder, Sequence_
 from shardforge.data.formats import Record
 from shardforge.data.templates import ChatTemplate, encode_chats, resolve_template
-from shardforge.objectives.base import CausalLM
+from shardforge.objectives.base import CausalLM, Traits
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class ChatEncoder:
 
 class SFTObjective(CausalLM):
     name = "sft"
+    traits = Traits(sections=("sft",))
 
     def encoder(self, tokenizer: Any, data: DataSection) -> Encoder:
         template = resolve_template(tokenizer, data.template, data.enable_thinking)

@@ -42,7 +42,11 @@ class FormField:
 
     @property
     def section(self) -> str:
-        return self.key.split(".")[0] if "." in self.key else "run"
+        """Its group in the form: the top-level section, or method's sub-section (method.lora, ...)."""
+        parts = self.key.split(".")
+        if len(parts) == 1:
+            return "run"
+        return ".".join(parts[:2]) if parts[0] == "method" and len(parts) > 2 else parts[0]
 
     @property
     def elem_id(self) -> str:
@@ -80,6 +84,8 @@ def _kind(members: list) -> Kind:
     if len(members) != 1:
         return "yaml"  # a union (Literal["all"] | list[str]) is written as YAML
     t = members[0]
+    if typing.get_origin(t) is typing.Annotated:  # a path type (config/paths.py): str and its FileRef
+        t = typing.get_args(t)[0]
     if typing.get_origin(t) is Literal:
         return "choice"
     return {bool: "bool", int: "int", float: "number", str: "text"}.get(t, "yaml")
@@ -180,6 +186,18 @@ def values_from_config(config: Config) -> dict[str, Any]:
         node: Any = config
         for part in field.key.split("."):
             node = getattr(node, part)
+        out[field.key] = widget_value(field, node)
+    return out
+
+
+def values_from_tree(tree: dict) -> dict[str, Any]:
+    """A YAML tree as written (not validated: a preset may name a folder a run has yet to make) -> every
+    field's widget value, the schema's default where the tree is silent."""
+    out = {}
+    for field in FIELDS:
+        node: Any = tree
+        for part in field.key.split("."):
+            node = node.get(part, field.default) if isinstance(node, dict) else field.default
         out[field.key] = widget_value(field, node)
     return out
 

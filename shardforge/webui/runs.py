@@ -4,7 +4,6 @@ interrupt handling), watched through the files every run writes (metrics.jsonl, 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -92,23 +91,6 @@ def log_tail(log: Path, lines: int = 60) -> str:
     return "\n".join(text.replace("\r", "\n").splitlines()[-lines:])
 
 
-def metric_points(run_dir: Path) -> list[dict]:
-    """(step, series, value) rows of the run's loss and eval loss, for a line plot."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        for key in ("loss", "eval_loss"):
-            if key in record:
-                rows.append({"step": record["step"], "series": key, "value": record[key]})
-    return rows
-
-
 def checkpoints(run_dir: Path) -> list[str]:
     """The run's complete checkpoints, newest first (what `checkpoint.resume` may name)."""
     folder = run_dir / "checkpoints"
@@ -116,3 +98,13 @@ def checkpoints(run_dir: Path) -> list[str]:
         return []
     done = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith("step-")]
     return [str(p) for p in sorted(done, reverse=True)]
+
+
+def run_folders(root: Path, depth: int = 4) -> list[str]:
+    """Run folders under the root (those with a metrics.jsonl), relative, for the curves' comparison."""
+    found = [
+        p.parent.relative_to(root).as_posix()
+        for p in sorted(root.glob("**/metrics.jsonl"))
+        if len(p.relative_to(root).parts) <= depth + 1 and not any(s.startswith(".") for s in p.parts)
+    ]
+    return found[:200]
