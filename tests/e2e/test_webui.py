@@ -75,10 +75,14 @@ def webui(tmp_path):
     server.wait(30)
 
 
-def _fill(page, key: str, value: str) -> None:
-    """Type into the form field of a config key (its widget's id is cfg- and the key's words)."""
+def _field(page, key: str):
+    """The form field of a config key (its widget's id is cfg- and the key's words)."""
     field = "#" + form.BY_KEY[key].elem_id
-    page.locator(f"{field} textarea, {field} input").first.fill(value)
+    return page.locator(f"{field} textarea, {field} input").first
+
+
+def _fill(page, key: str, value: str) -> None:
+    _field(page, key).fill(value)
 
 
 def _text(page, selector: str) -> str:
@@ -101,24 +105,7 @@ def _choose(page, elem_id: str, option: str) -> None:
 
 
 def _value(page, key: str) -> str:
-    field = "#" + form.BY_KEY[key].elem_id
-    return page.locator(f"{field} textarea, {field} input").first.input_value()
-
-
-def _fill(page, key: str, value: str) -> None:
-    """Type into the form field of a config key (its widget's id is cfg- and the key's words)."""
-    field = "#" + form.BY_KEY[key].elem_id
-    page.locator(f"{field} textarea, {field} input").first.fill(value)
-
-
-def _text(page, selector: str) -> str:
-    return page.locator(selector).inner_text()
-
-
-def _wait_for_text(page, selector: str, text: str, timeout: float = 30_000) -> None:
-    """Until the element's text includes `text` (what a status line says when its work is done)."""
-    condition = f"document.querySelector({selector!r}).innerText.includes({text!r})"
-    page.wait_for_function(condition, timeout=timeout)
+    return _field(page, key).input_value()
 
 
 # Every visible control's accessible name (its label, aria-label or text) and whether a keyboard reaches it.
