@@ -23,7 +23,7 @@ from shardforge.webui.runs import RunManager, checkpoints, log_tail, run_folders
 
 CACHE_DIR = ".shardforge-cache/datasets"  # a launched run's dataset cache when its config sets none
 OPEN_SECTIONS = ("run", "model", "data", "train")
-ADVANCED = ("parallel", "hardware", "log", "method.vision", "method.moe")  # any run may need; few do
+ADVANCED = ("parallel", "hardware", "log", "method.vision", "method.moe")  # any run may need them; few do
 TOP_ROW = ("method.stage", "method.finetuning")  # drawn in the guided row, not in their section
 EVAL_DIR = "eval"
 CSS = """
@@ -328,11 +328,13 @@ def _relative(path: Path, root: Path) -> str:
 
 
 def _sections() -> dict[str, list[form.FormField]]:
-    """The form's fields by section, in schema order (the guided row's fields left out)."""
+    """The form's fields by section, in schema order (the guided row's fields left out); a common section's
+    keys few runs set are in "<section> (more)", under "advanced"."""
     out: dict[str, list[form.FormField]] = {}
     for field in form.FIELDS:
         if field.key not in TOP_ROW:
-            out.setdefault(field.section, []).append(field)
+            more = "" if guide.essential(field.section, field.key) else " (more)"
+            out.setdefault(field.section + more, []).append(field)
     return out
 
 
@@ -365,8 +367,9 @@ def build_app(ui: WebUI) -> gr.Blocks:
                 folded = {}
                 sections = _sections()
                 shown = guide.shown_sections("sft", "full")
+                advanced = [s for s in sections if s.endswith(" (more)")] + list(ADVANCED)
                 for section, fields in sections.items():
-                    if section in ADVANCED:
+                    if section in advanced:
                         continue
                     visible = not section.startswith("method.") or section in shown
                     with gr.Accordion(
@@ -380,8 +383,8 @@ def build_app(ui: WebUI) -> gr.Blocks:
                     show_all = gr.Checkbox(
                         label="show the sections the other stages and finetunings read", elem_id="show-all"
                     )
-                    for section in ADVANCED:
-                        slug = section.replace(".", "-")
+                    for section in advanced:
+                        slug = section.replace(".", "-").replace(" (more)", "-more")
                         with gr.Accordion(section, open=False, elem_id=f"section-{slug}"):
                             widgets |= {f.key: _widget(f, ui.help.get(f.key)) for f in sections[section]}
                 with gr.Row():

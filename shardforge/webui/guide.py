@@ -164,6 +164,22 @@ def train_entries(labels: list[str], choices: list[DatasetChoice]) -> list[dict]
 
 # ---- which sections a run reads ----------------------------------------------------------------------------
 ALWAYS = ("run", "model", "data", "method", "train", "checkpoint")
+# The keys of the common sections that most runs set, shown in their section; the rest of each such section
+# is under "advanced" as "<section> (more)" (an optimizer's settings, streaming, profiling, ...).
+ESSENTIAL = {
+    "model": ("path", "preset", "tokenizer", "dtype", "adapter", "quantize"),
+    "data": ("train", "eval", "max_length", "packing", "train_on_prompt", "template", "default_system"),
+    "train": ("steps", "epochs", "micro_batch", "grad_accum", "global_batch", "lr", "schedule", "warmup",
+              "warmup_ratio", "weight_decay", "clip", "precision", "seed", "log_every", "eval_every",
+              "optimizer.name"),
+    "checkpoint": ("every", "keep", "resume", "save_final"),
+}  # fmt: skip
+
+
+def essential(section: str, key: str) -> bool:
+    """Whether a key is shown in its section (not under "advanced")."""
+    keep = ESSENTIAL.get(section)
+    return keep is None or key[len(section) + 1 :] in keep
 
 
 def shown_sections(stage: str, finetuning: str) -> set[str]:

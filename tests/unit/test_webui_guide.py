@@ -68,6 +68,14 @@ def test_the_sections_shown_follow_the_stage_and_the_finetuning():
 
     drawn = set(guide.ALWAYS) | {f"method.{s}" for s in SUB_SECTIONS} | set(ADVANCED)
     assert {f.section for f in form.FIELDS} <= drawn
+    for section, keys in guide.ESSENTIAL.items():  # the keys shown first are keys of their section
+        assert {f"{section}.{k}" for k in keys} <= {f.key for f in form.FIELDS if f.section == section}
+    from shardforge.webui.app import _sections
+
+    grouped = _sections()
+    assert [f.key for f in grouped["train (more)"]][:3] == ["train.min_lr_ratio", "train.warmup_from_zero",
+                                                           "train.betas"]  # fmt: skip
+    assert sum(len(v) for v in grouped.values()) == len(form.FIELDS) - 2  # and stage, finetuning on top
 
 
 @pytest.mark.parametrize("name", list(guide.PRESETS))
