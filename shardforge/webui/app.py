@@ -439,10 +439,13 @@ def build_app(ui: WebUI) -> gr.Blocks:
                     )
                 with gr.Row():
                     eval_samples = gr.Number(
-                        20, precision=0, label="records (tasks: items) at most", elem_id="eval-samples"
+                        20,
+                        precision=0,
+                        label="records (tasks: items) at most (0: all)",
+                        elem_id="eval-samples",
                     )
                     eval_tokens = gr.Number(
-                        64, precision=0, label="new tokens at most", elem_id="eval-tokens"
+                        64, precision=0, label="new tokens at most (0: the default)", elem_id="eval-tokens"
                     )
                     eval_button = gr.Button("Evaluate", variant="primary", elem_id="evaluate")
                 eval_status = gr.Markdown(elem_id="eval-status")

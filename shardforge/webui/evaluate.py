@@ -22,6 +22,9 @@ def eval_command(
 ) -> list[str]:
     """The `shardforge eval` arguments for data set entries (files, or names of one dataset_info.json) or
     lm-eval tasks (A,B); a choice the command cannot take is a ConfigError saying what would do."""
+    for what, value in (("records at most", max_samples), ("new tokens at most", max_new_tokens)):
+        if value is not None and value < 0:
+            raise ConfigError(f"evaluate: {what} is {value}; give a whole number >= 1 (0 or empty: no limit)")
     args = ["eval", model, "--out", out]
     tasks = tasks.strip()
     if bool(entries) == bool(tasks):

@@ -4,6 +4,7 @@ fills form fields: the form stays the one source of the YAML."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -101,9 +102,10 @@ def model_choices(root: Path) -> list[ModelChoice]:
 
 def _is_model(config_json: Path) -> bool:
     try:
-        return "model_type" in yaml.safe_load(config_json.read_text())
-    except (yaml.YAMLError, OSError, UnicodeDecodeError, TypeError):
+        meta = json.loads(config_json.read_text())
+    except (ValueError, OSError):  # not JSON, not UTF-8, unreadable
         return False
+    return isinstance(meta, dict) and "model_type" in meta
 
 
 def tokenizer_folders(root: Path) -> list[str]:

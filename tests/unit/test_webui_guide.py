@@ -204,6 +204,8 @@ def test_the_evaluate_command():
     assert eval_command("m", [], " shardforge_tiny_mc ", "o", 5, None)[4:] == [
         "--tasks", "shardforge_tiny_mc", "--limit", "5"
     ]  # fmt: skip
+    with pytest.raises(ConfigError, match="records at most is -3; give a whole number >= 1"):
+        eval_command("m", files, "", "o", -3, None)
     with pytest.raises(ConfigError, match="one of the two"):
         eval_command("m", files, "t", "o", None, None)
     with pytest.raises(ConfigError, match="dataset_info files; pick from one"):
