@@ -339,7 +339,7 @@ def test_an_lf_users_dataset_info_folder(tmp_path):
                                    "textarea').value == 'tokenizer'")  # fmt: skip
             options = page.locator("#data-pick input").first
             options.click()
-            listed = page.get_by_role("option").all_inner_texts()
+            listed = page.locator("#data-pick [role=option]").all_inner_texts()  # this picker's own list
             assert listed == ["identity (data/dataset_info.json)", "alpaca_en_demo (data/dataset_info.json)"]
             options.blur()
             _choose(page, "data-pick", "identity (data/dataset_info.json)")
