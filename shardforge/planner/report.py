@@ -10,6 +10,10 @@ from rich.table import Table
 from shardforge.planner.hardware import GIB
 from shardforge.planner.search import Candidate, Plan
 
+# The parts of a layout's memory on each device, in the order people read them ("host": what offload keeps
+# off the device, shown after them).
+DEVICE_PARTS = ("params", "grads", "optimizer", "activations", "reference", "buffers", "rollout", "margin")
+
 
 def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
@@ -55,11 +59,9 @@ def _parts(candidates: list[Candidate], names: list[str]) -> Table:
     t.add_column("")
     for name in names:
         t.add_column(name, justify="right")
-    memory_keys = ["params", "grads", "optimizer", "activations", "reference", "buffers", "rollout", "margin",
-                   "host"]  # fmt: skip
     breakdowns = [c.memory.breakdown() for c in candidates]
     t.add_row("memory GiB", *[_gib(c.memory.device_bytes) for c in candidates], style="bold")
-    for k in memory_keys:
+    for k in (*DEVICE_PARTS, "host"):
         if any(b[k] for b in breakdowns):
             t.add_row(f"  {k}", *[_gib(b[k]) for b in breakdowns])
     t.add_row("step s", *[f"{c.time.total:.3g}" for c in candidates], style="bold")

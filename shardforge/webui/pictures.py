@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from shardforge.planner.hardware import GIB
+from shardforge.planner.report import DEVICE_PARTS
 from shardforge.planner.search import Plan
 
-# Memory parts in the planner table's order (planner/report.py), "host" (offloaded) left out: not on device.
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "reference", "buffers", "rollout", "margin")
 # The curves of the Runs tab: one plot each (drawn where it has points), every chosen run a line in it.
 CURVES = {
     "loss": ("loss", "eval_loss"),
@@ -24,16 +23,20 @@ CURVES = {
 }
 
 
+def layout_names(plan: Plan) -> list[str]:
+    """The ranked layouts as the planner's table numbers them."""
+    return [f"#{i} {c.layout.describe()}" for i, c in enumerate(plan.ranked, 1)]
+
+
 def plan_rows(plan: Plan) -> list[dict[str, Any]]:
     """Per ranked layout and part: GiB per device and seconds per step (what the chart draws)."""
     rows = []
-    for i, c in enumerate(plan.ranked, 1):
-        name = f"#{i} {c.layout.describe()}"
+    for name, c in zip(layout_names(plan), plan.ranked, strict=True):
         assert c.memory is not None and c.time is not None  # ranked layouts were evaluated
         breakdown = c.memory.breakdown()
         rows += [
             {"layout": name, "what": "memory GiB", "part": k, "value": round(breakdown[k] / GIB, 4)}
-            for k in MEMORY_PARTS
+            for k in DEVICE_PARTS
             if breakdown[k]
         ]
         rows += [
@@ -48,7 +51,7 @@ def plan_figure(plan: Plan) -> Any:
     """Stacked bars per layout: memory per device by part with the device's memory as a line, and the
     estimated step time by part."""
     rows = plan_rows(plan)
-    layouts = [f"#{i} {c.layout.describe()}" for i, c in enumerate(plan.ranked, 1)]
+    layouts = layout_names(plan)
     fig, (mem_ax, time_ax) = _figure(2, width=11)
     for ax, what, unit in ((mem_ax, "memory GiB", "GiB per device"), (time_ax, "step s", "seconds per step")):
         parts = list(dict.fromkeys(r["part"] for r in rows if r["what"] == what))
