@@ -245,3 +245,18 @@ def test_whatever_lies_under_the_root_the_pickers_list_without_failing(tmp_path)
             assert model.about
 
     scan()
+
+
+def test_the_data_picker_lists_every_local_entry_of_lfs_own_dataset_info(tmp_path):
+    """LLaMA-Factory 0.9.5's data/ folder as it ships: every entry with a local file is listed, by name,
+    none of its raw files (they mean what their entries say); hub-only entries are not offered."""
+    import shutil
+
+    from tests.lf.reference_env import reference
+
+    shutil.copytree(reference().src / "data", tmp_path / "data")
+    info = json.loads((tmp_path / "data" / "dataset_info.json").read_text())
+    listed = [c.entry for c in guide.dataset_choices(tmp_path)]
+    local = [name for name, entry in info.items() if "file_name" in entry]
+    assert listed == [{"name": name, "dataset_info": "data/dataset_info.json"} for name in local]
+    assert len(local) < len(info)  # LF's list has hub-only entries too
