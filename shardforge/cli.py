@@ -248,7 +248,10 @@ def _cmd_data_prepare(args: argparse.Namespace, console: Console) -> int:
 
 def _cmd_webui(args: argparse.Namespace, console: Console) -> int:
     """The browser face: forms over the same config, the same `shardforge train` launched as a process."""
+    from shardforge.extras import require
     from shardforge.webui.access import Root, require_auth
+
+    require("webui", "shardforge webui")
 
     credentials, warning = require_auth(args.host, args.auth)  # before anything starts
     root = Root(args.root)
@@ -448,6 +451,9 @@ def _cmd_chat(args: argparse.Namespace, console: Console) -> int:
 def _cmd_serve(args: argparse.Namespace, console: Console) -> int:
     from pathlib import Path
 
+    from shardforge.extras import require
+
+    require("serve", "shardforge serve")
     from shardforge.infer.runner import EngineRunner
     from shardforge.infer.server import check_host, serve
 
@@ -521,6 +527,9 @@ def _cmd_eval(args: argparse.Namespace, console: Console) -> int:
         [d for d in args.data.split(",") if d], args.dataset_info, args.format, args.max_samples
     )
     records = read_records(specs, args.system)  # bad data fails before the model loads
+    from shardforge.eval.similarity import require_libraries
+
+    require_libraries()  # and a missing scorer
     if (code := _as_ranks(args)) is not None:
         return code
     with _engine_for(args, console) as driven:

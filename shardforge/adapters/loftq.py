@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardforge.errors import ConfigError, ModelError
+from shardforge.extras import install_hint
 from shardforge.models.io import INDEX_FILE, read_config_json, weight_files, write_weights
 
 ADAPTER = "loftq_init"
@@ -68,7 +69,7 @@ def loftq_folder(
     try:
         import bitsandbytes  # noqa: F401  (the NF4 peft's LoftQ quantizes with)
     except ImportError:
-        raise ConfigError("LoftQ quantizes with bitsandbytes: pip install 'shardforge[optimizers]'") from None
+        raise ConfigError(f"LoftQ quantizes with bitsandbytes: {install_hint('optimizers')}") from None
     tensors: dict[str, torch.Tensor] = {}
     for file in weight_files(source):
         with safe_open(str(file), "pt") as f:

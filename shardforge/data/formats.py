@@ -295,7 +295,9 @@ def _iter_json(path: Path) -> Iterator[RawRow]:
 
 def _iter_parquet(path: Path, start: int = 0) -> Iterator[tuple[str, Any, FilePosition]]:
     """Rows from row `start` on, reading only the row groups from the one that holds it."""
-    import pyarrow as pa
+    from shardforge.extras import require
+
+    (pa,) = require("parquet", f"reading the Parquet file {path}", "pyarrow")
     import pyarrow.parquet as pq
 
     try:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.extras import MissingExtra, install_hint
 from shardforge.infer.engine import Engine, EngineConfig
 from shardforge.infer.sampling import SamplingParams
 from shardforge.log import get_logger
@@ -31,7 +32,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
 except ImportError:  # the optional `eval` extra
-    raise ShardforgeError("lm-evaluation-harness is not installed: pip install 'shardforge[eval]'") from None
+    raise MissingExtra(f"lm-evaluation-harness is not installed: {install_hint('eval')}") from None
 
 log = get_logger(__name__)
 

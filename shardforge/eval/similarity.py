@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from shardforge.errors import ShardforgeError
+from shardforge.extras import MissingExtra, install_hint
 
 KEYS = ("rouge-1", "rouge-2", "rouge-l", "bleu-4")
 
@@ -23,11 +24,15 @@ def _libraries():
         from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
         from rouge_chinese import Rouge
     except ImportError as exc:
-        raise ShardforgeError(
-            f"BLEU/ROUGE need {exc.name}: pip install 'shardforge[eval]' (jieba, nltk, rouge-chinese)"
-        ) from None
+        hint = install_hint("eval")
+        raise MissingExtra(f"BLEU/ROUGE need {exc.name}: {hint} (jieba, nltk, rouge-chinese)") from None
     jieba.setLogLevel(logging.WARNING)  # its dictionary's load is announced on stderr otherwise
     return jieba, SmoothingFunction, sentence_bleu, Rouge
+
+
+def require_libraries() -> None:
+    """The one-line error for a missing package before a model loads and predicts for nothing."""
+    _libraries()
 
 
 def item_scores(pred: str, label: str) -> dict[str, float]:

@@ -17,11 +17,12 @@ from typing import Any, Protocol
 
 from shardforge.config.schema import LogSection
 from shardforge.errors import ConfigError, ShardforgeError, TrainingError
+from shardforge.extras import install_hint
 from shardforge.log import get_logger
 
 logger = get_logger(__name__)  # `log` is the config section here
 
-_INSTALL = "pip install 'shardforge[track]'"
+_INSTALL = install_hint("track")
 
 
 class Tracker(Protocol):

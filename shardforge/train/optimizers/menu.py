@@ -20,6 +20,7 @@ from torch import nn
 from shardforge.config.optimizers import OptimizerSection
 from shardforge.config.schema import TrainSection
 from shardforge.errors import ConfigError
+from shardforge.extras import install_hint
 from shardforge.train.optimizers.groups import split_by_decay, state_tensors_of
 from shardforge.train.optimizers.muon import MuonAdamW, muon_groups
 from shardforge.train.optimizers.projected import apollo_class, apollo_groups, galore_class, galore_groups
@@ -38,7 +39,7 @@ def require(name: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise ConfigError(
             f"train.optimizer.name={name} is built from the {package} package, which is not installed: "
-            f"pip install 'shardforge[optimizers]' (or {package} alone)"
+            f"{install_hint('optimizers')} (or {package} alone)"
         )
 
 
