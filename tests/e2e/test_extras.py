@@ -1,7 +1,7 @@
-"""The core install runs a plain fine-tune, and every face beyond it, without its extra, says in one line which
-extra to install. One process stands in for a core-only install: every module of every extra
-(shardforge/extras.py, checked against pyproject.toml) is hidden from the import system before anything is imported,
-then the CLI runs each face in turn, as a user of the core install would."""
+"""The core install runs a plain fine-tune, and every face beyond it, without its extra, says in one line
+which extra to install. One process stands in for a core-only install: every module of every extra
+(shardforge/extras.py, checked against pyproject.toml) is hidden from the import system before anything is
+imported, then the CLI runs each face in turn, as a user of the core install would."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+
 import tomllib
 
 from shardforge.extras import EXTRAS
@@ -75,7 +76,10 @@ def test_core_install_trains_and_each_face_names_its_extra(tmp_path):
             "optimizers",
             "galore-torch",
         ),
-        ("train", str(cfg_path), "log.report_to=[mlflow]", f"output_dir={tmp_path / 'm'}"): ("track", "mlflow"),
+        ("train", str(cfg_path), "log.report_to=[mlflow]", f"output_dir={tmp_path / 'm'}"): (
+            "track",
+            "mlflow",
+        ),
         (
             "train",
             str(cfg_path),
