@@ -48,7 +48,7 @@ SHORT = ["train.steps=2", "train.eval_every=null"]
 
 # How each documented command is run (the kind names a runner below); the keys are the commands as written.
 HOW = {
-    'python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e ".[dev]" && .venv/bin/shardforge train examples/demo.yaml': "demo",  # noqa: E501
+    "python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e . && .venv/bin/shardforge train examples/demo.yaml": "demo",  # noqa: E501
     'python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e ".[dev]" && .venv/bin/python -m pytest -q': "suite",  # noqa: E501
     '.venv/bin/python -m pytest -q -m "not slow"': "quick",
     "shardforge train examples/demo.yaml": "demo",
@@ -96,6 +96,7 @@ HOW = {
     "shardforge --debug ...": "synopsis",
     "shardforge env": "env",
     'pip install -c constraints.txt -e ".[webui]"': "extra",
+    'pip install -c constraints.txt -e ".[serve]"': "extra",
     'pip install -c constraints.txt -e ".[track]"': "extra",
     "apt-get install -y chromium": "ci",
     "docker build -f docker/Dockerfile -t shardforge .": "docker",

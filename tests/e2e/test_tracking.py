@@ -17,9 +17,6 @@ from shardforge.train.tracking import Trackers
 from shardforge.train.trainer import train
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 
-pytest.importorskip("mlflow")
-pytest.importorskip("wandb")
-
 
 @pytest.fixture
 def offline(monkeypatch):

@@ -22,14 +22,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from playwright.sync_api import sync_playwright
 
 from shardforge.config import load_config
 from shardforge.webui import form
-from tests.conftest import REPO
+from tests.conftest import REPO, unavailable
 
 CHROMIUM = Path("/usr/bin/chromium")
-playwright = pytest.importorskip("playwright.sync_api")
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (.ci/run installs it)")
+
+
+@pytest.fixture(autouse=True)
+def _chromium():
+    if not CHROMIUM.exists():
+        unavailable("needs Debian's chromium (.ci/run installs it)")
+
 
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
          "--disable-sync", "--no-first-run", "--disable-quic"]  # fmt: skip
@@ -138,7 +144,7 @@ def test_a_new_users_path_from_a_preset_to_an_exported_model(webui, tmp_path, mo
     shots = tmp_path / "screenshots"
     shots.mkdir()
     errors: list[str] = []
-    with playwright.sync_playwright() as p:
+    with sync_playwright() as p:
         browser, page = _open(p, url, errors)
         _tab(page, "Train")
 
@@ -331,7 +337,7 @@ def test_an_lf_users_dataset_info_folder(tmp_path):
     url, server = _serve(tmp_path, root)
     errors: list[str] = []
     try:
-        with playwright.sync_playwright() as p:
+        with sync_playwright() as p:
             browser, page = _open(p, url, errors)
             _fill(page, "output_dir", "runs/identity")
             _choose(page, "model-pick", "preset: demo")

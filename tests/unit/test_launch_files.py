@@ -3,7 +3,6 @@ bash and by the Kubernetes client's object models), its errors, and `train`'s mu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +20,6 @@ from shardforge.jobs.spec import job_spec, restart_warnings
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 
 pytestmark = pytest.mark.timeout(60)
-HAS_KUBERNETES = importlib.util.find_spec("kubernetes") is not None  # a dev dependency
 
 
 @pytest.fixture
@@ -271,20 +269,19 @@ def _check_pytorchjob_schema(job: dict) -> None:
         assert isinstance(replica["replicas"], int) and replica["replicas"] >= 1
         assert replica["restartPolicy"] in {"Always", "OnFailure", "Never", "ExitCode"}
         assert any(c["name"] == "pytorch" for c in replica["template"]["spec"]["containers"])
-        if HAS_KUBERNETES:
-            _kubernetes_model("V1PodTemplateSpec", replica["template"])
+        _kubernetes_model("V1PodTemplateSpec", replica["template"])
 
 
 def _kubernetes_model(name: str, obj: dict) -> None:
     """`obj` is a valid Kubernetes object of the model `name`: the client's models parse it (types, required
     fields), and nothing is lost on the way back (a misspelled field would be)."""
-    client = pytest.importorskip("kubernetes.client")
+    import kubernetes.client as client
+
     model = getattr(client, name).from_dict(obj)
     assert client.ApiClient().sanitize_for_serialization(model) == obj
 
 
 def test_the_objects_are_valid_kubernetes_objects(config_file):
-    pytest.importorskip("kubernetes.client")
     for pvc in (None, "runs"):
         _, docs = _objects(config_file, "indexed-job", pvc=pvc)
         for doc in docs:
