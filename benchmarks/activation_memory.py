@@ -18,7 +18,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from shardforge.config.schema import ParallelSection
+from shardforge.config.parallel_schema import ParallelSection
 from shardforge.data.batching import collate
 from shardforge.data.examples import Example
 from shardforge.models import build_preset

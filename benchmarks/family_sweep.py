@@ -349,7 +349,7 @@ def path_lora(folder: Path, work: Path) -> str:
     from shardforge import load_model
     from shardforge.adapters.apply import add_lora
     from shardforge.adapters.peft_format import save_adapter
-    from shardforge.config.schema import LoraSection
+    from shardforge.config.method_schema import LoraSection
 
     ours = load_model(folder).eval()
     section = LoraSection(rank=4)
@@ -370,8 +370,9 @@ def path_generate(folder: Path, work: Path) -> str:
     """The recompute runner (every family's fallback), then the paged one where every layer attends through
     it: "works", "works; paged: <verdict>" (write_verified records which families page)."""
     from shardforge import load_model
-    from shardforge.infer.engine import EngineConfig, paged_pool
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.executor import Executor, LocalRunner, attends_paged
+    from shardforge.infer.kv_pool import paged_pool
     from shardforge.infer.recompute import RecomputeRunner
 
     model = load_model(folder).eval()

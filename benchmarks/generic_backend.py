@@ -30,7 +30,8 @@ def run_side(folder: Path, out: Path, args: argparse.Namespace) -> dict:
     import torch
 
     from shardforge.config import load_config
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.sampling import SamplingParams
     from shardforge.train.trainer import Trainer
 

@@ -280,7 +280,8 @@ def run_shardforge(
     """The engine as `generate` and `serve` build it: loaded for inference, laid out for it on CPU (weights
     prepacked, element-wise work on the fused kernels: infer/packed.py's `inference_layout`). `loras`: the
     adapters served on the base (infer/multi_lora.py), `which`: each request's (None: the base)."""
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.load import load_for_inference
     from shardforge.infer.packed import inference_layout
     from shardforge.infer.sampling import SamplingParams

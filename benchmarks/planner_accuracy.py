@@ -79,7 +79,8 @@ def _rank(cfg_dict: dict, steps: int, threads: int) -> dict:
     import torch.distributed as dist
 
     from shardforge.config import load_config
-    from shardforge.planner.memory import MemoryModel, coords_of
+    from shardforge.planner.memory import MemoryModel
+    from shardforge.planner.model_states import coords_of
     from shardforge.train.trainer import Trainer
 
     torch.set_num_threads(threads)

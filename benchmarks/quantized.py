@@ -80,7 +80,8 @@ def weight_bytes(model) -> int:
 
 
 def run_shardforge(folder: Path, dtype: str, scheme: str | None, group: int, args) -> dict:
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.load import load_for_inference
     from shardforge.infer.packed import inference_layout
     from shardforge.infer.quantized import Quantization

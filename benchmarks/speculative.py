@@ -70,7 +70,8 @@ def truncated_draft(folder: Path, layers: int, out: Path) -> Path:
 
 def engines(folder: Path, variants: list, dtype: str) -> list:
     """(name, engine) per variant (name, SpeculativeConfig or None, draft folder or None), warmed up."""
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.load import load_for_inference
     from shardforge.infer.packed import inference_layout
 

@@ -52,7 +52,8 @@ def main() -> None:
 
     import torch
 
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.grammar import Constraint
     from shardforge.infer.load import load_for_inference
     from shardforge.infer.offline import chat_ids

@@ -211,7 +211,8 @@ def generation(model_dir: Path, info: Path, count: int, new: int) -> dict:
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
     from shardforge.data.images import ImageReader
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.load import load_for_inference
     from shardforge.infer.offline import chat_ids
     from shardforge.infer.sampling import SamplingParams

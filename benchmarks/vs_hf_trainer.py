@@ -138,7 +138,7 @@ def encode(folder: Path, split: str) -> list[tuple[list[int], list[int]]]:
     """Token ids and labels (-100 outside responses) exactly as shardforge's sft stage makes them."""
     from transformers import AutoTokenizer
 
-    from shardforge.config.schema import DataSection, DatasetSpec
+    from shardforge.config.data_schema import DataSection, DatasetSpec
     from shardforge.data.loader import read_dataset
     from shardforge.objectives import build_objective, reading_for
 

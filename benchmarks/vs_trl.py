@@ -44,7 +44,7 @@ def read_pairs(path: Path) -> list[tuple[list[dict], str, str]]:
     """(prompt turns, chosen, rejected) of each pair, read by shardforge's own readers (alpaca or sharegpt
     ranking form), so both sides get the same conversations."""
     sys.path.insert(0, str(REPO))
-    from shardforge.config.schema import DatasetSpec
+    from shardforge.config.data_schema import DatasetSpec
     from shardforge.data.loader import read_dataset
     from shardforge.objectives import reading_for
 

@@ -18,7 +18,7 @@ from shardforge.adapters.expert_lora import EXPERT_PARAMS, ParamLoRA, is_transpo
 from shardforge.adapters.lora import LoRALinear
 from shardforge.adapters.oft import OFTLinear
 from shardforge.adapters.peft_names import not_for_peft
-from shardforge.config.schema import (
+from shardforge.config.method_schema import (
     EXPERT_TARGETS,
     LINEAR_TARGETS,
     FreezeSection,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from shardforge.adapters.lora import AdapterLayer
-from shardforge.config.schema import EXPERT_TARGETS
+from shardforge.config.method_schema import EXPERT_TARGETS
 
 # the parameters `targets` may name, in the order transformers registers them (peft nests its wrappers so)
 EXPERT_PARAMS = tuple(t.removeprefix("experts.") for t in EXPERT_TARGETS)

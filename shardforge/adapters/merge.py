@@ -14,7 +14,7 @@ from shardforge.adapters.expert_lora import ParamLoRA
 from shardforge.adapters.lora import LoRALinear
 from shardforge.adapters.oft import OFTLinear
 from shardforge.adapters.peft_format import adapted_leaves, load_adapter, read_adapter
-from shardforge.config.schema import EXPERT_TARGETS, LINEAR_TARGETS, LoraSection, OFTSection
+from shardforge.config.method_schema import EXPERT_TARGETS, LINEAR_TARGETS, LoraSection, OFTSection
 from shardforge.errors import ModelError
 
 

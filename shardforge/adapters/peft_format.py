@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from shardforge.adapters.expert_lora import EXPERT_PARAMS, ParamLoRA, expert_delta
 from shardforge.adapters.lora import LoRALinear, is_adapter_key, merge_weight
 from shardforge.adapters.oft import OFTLinear
-from shardforge.config.schema import LoraSection, OFTSection
+from shardforge.config.method_schema import LoraSection, OFTSection
 from shardforge.errors import ModelError
 from shardforge.models.quantize import dequantized
 from shardforge.models.spec import spec_for

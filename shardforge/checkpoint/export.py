@@ -20,7 +20,8 @@ from shardforge.adapters.peft_format import merged_state, save_adapter
 from shardforge.checkpoint.store import find_latest, resolve_checkpoint
 from shardforge.checkpoint.trainer_state import load_model_weights, read_trainer_state
 from shardforge.config import Config, load_config
-from shardforge.config.schema import LoraSection, ModelSection, OFTSection
+from shardforge.config.method_schema import LoraSection, OFTSection
+from shardforge.config.schema import ModelSection
 from shardforge.errors import CheckpointError
 from shardforge.models import load_model, save_model
 from shardforge.models.build import build_model, load_tokenizer

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from shardforge.config.schema import Config, DataSection
+from shardforge.config.data_schema import DataSection
+from shardforge.config.schema import Config
 from shardforge.data.batch_source import BatchSource, DatasetSource
 from shardforge.data.cache import DatasetCache, code_fingerprint, default_root, file_fingerprint
 from shardforge.data.examples import Encoder

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from shardforge.config.schema import DataSection, DatasetSpec
+from shardforge.config.data_schema import DataSection, DatasetSpec
 from shardforge.data.cache import DatasetCache, Splits, cache_key, file_fingerprint
 from shardforge.data.dataset_info import resolve_entry
 from shardforge.data.encode import encode_all

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardforge.config.schema import DataSection, DatasetSpec
+from shardforge.config.data_schema import DataSection, DatasetSpec
 from shardforge.data.batch_source import Collate, GlobalBatch
 from shardforge.data.batching import split_global_batch
 from shardforge.data.cache import file_fingerprint

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.extras import MissingExtra, install_hint
-from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.sampling import SamplingParams
 from shardforge.log import get_logger
 from shardforge.models.common.protocol import CausalModel

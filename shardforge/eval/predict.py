@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shardforge.config.schema import DatasetSpec
+from shardforge.config.data_schema import DatasetSpec
 from shardforge.data.formats import Record
 from shardforge.data.loader import read_dataset
 from shardforge.data.templates import ChatTemplate, render, tokenize

@@ -15,24 +15,23 @@ or, for a server, on a thread of its own (`detokenize=False`: the engine hands o
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from shardforge.errors import ConfigError, ShardforgeError
+from shardforge.errors import ConfigError
 from shardforge.infer.blocks import BlockManager
-from shardforge.infer.cpu_kernels import cpu_kernels
 from shardforge.infer.draft import DraftProposer
-from shardforge.infer.executor import Executor, LocalRunner, ModelRunner, StepInput, attends_paged
+from shardforge.infer.engine_types import Completion, EngineConfig, EngineStats, RequestError, TooLong, Update
+from shardforge.infer.executor import Executor, LocalRunner, StepInput, attends_paged
 from shardforge.infer.grammar import ConstraintError, Grammars
+from shardforge.infer.kv_pool import kv_blocks, local_runner, paged_pool
 from shardforge.infer.media import RequestImages, step_images
 from shardforge.infer.multi_lora import AdapterSet
 from shardforge.infer.output import OutputProcessor
-from shardforge.infer.paged import Chunk, PagedKV
+from shardforge.infer.paged import Chunk
 from shardforge.infer.recompute import RecomputeRunner
 from shardforge.infer.sampling import (
     GenerationDefaults,
@@ -44,77 +43,9 @@ from shardforge.infer.sampling import (
     top_logprobs,
 )
 from shardforge.infer.scheduler import Scheduler, Sequence
-from shardforge.infer.speculative import NgramProposer, Proposer, SpeculativeConfig, verify
+from shardforge.infer.speculative import NgramProposer, Proposer, verify
 from shardforge.models.common.images import ImageInputs
 from shardforge.models.common.protocol import CausalModel
-from shardforge.models.generic.config import model_type_of
-from shardforge.models.generic.verified import refuse_measured
-
-log = logging.getLogger(__name__)
-
-
-class RequestError(ShardforgeError):
-    """A request the engine cannot take (a duplicate id, an empty prompt); `param`: the request field at
-    fault (prompt or max_tokens), for an API's error."""
-
-    def __init__(self, message: str, param: str | None = "prompt") -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class TooLong(RequestError):
-    """The prompt and its new tokens do not fit the model's context or the KV cache (the OpenAI API's
-    context_length_exceeded)."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # None: from kv_memory_bytes
-    kv_memory_bytes: int = 1 << 30
-    max_step_tokens: int = 512  # prefill chunks and decodes together, per step
-    max_running: int = 64
-    prefix_cache: bool = True
-    decode_kernel: bool = True  # CPU fp32: one call a layer for the decodes (infer/cpu_kernels.py)
-    speculative: SpeculativeConfig | None = None  # drafts checked in the target's step (speculative.py)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's state, for metrics: sequences running and waiting, KV blocks, the prefix
-    cache's tokens found / looked up, and preemptions so far."""
-
-    running: int = 0
-    waiting: int = 0
-    blocks_used: int = 0
-    blocks_total: int = 0
-    prefix_hits: int = 0
-    prefix_queries: int = 0
-    preemptions: int = 0
-    spec_drafts: int = 0  # speculative steps of a sequence (one verification each)
-    spec_draft_tokens: int = 0  # draft tokens the target checked
-    spec_accepted_tokens: int = 0  # of those, kept
-
-
-@dataclass
-class Update:
-    """What one step added to one completion."""
-
-    request_id: str
-    index: int
-    tokens: list[int]
-    text: str
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    stop_token: bool = False  # it ended on an end-of-sequence or stop token (a token with no text)
-
-
-@dataclass
-class Completion:
-    tokens: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -617,42 +548,3 @@ def _step_tokens(seq: Sequence, n: int) -> list[int]:
     """The n tokens a sequence computes this step: from its first uncached one on, then its drafts."""
     tokens = seq.tokens[seq.computed : seq.computed + n]
     return tokens + seq.draft[: n - len(tokens)] if seq.draft else tokens
-
-
-def kv_blocks(model: CausalModel, config: EngineConfig) -> int:
-    """The pool's block count: the config's, or as many as its memory budget holds (the same on every rank
-    of a group: the whole model's head count sizes it)."""
-    param = next(model.parameters())
-    per_block = PagedKV.bytes_per_block(model.config, config.block_size, param.dtype)
-    return config.num_blocks or max(1, config.kv_memory_bytes // per_block)
-
-
-def paged_pool(model: CausalModel, config: EngineConfig) -> PagedKV:
-    """A rank's pool of `kv_blocks` blocks, with the CPU decode kernel where it applies (fp32 on CPU). Its
-    memory is zeroed here, not in the first step, as vLLM reserves its cache when the engine starts (each
-    layer's is made on first use where its size or dtype is not known here: under tensor parallel, where each
-    rank holds some of the heads, and under autocast, which sets the stream's dtype)."""
-    param = next(model.parameters())
-    fast = config.decode_kernel and param.device.type == "cpu" and param.dtype == torch.float32
-    num_blocks = kv_blocks(model, config)
-    arena = None
-    if not isinstance(param, DTensor) and not torch.is_autocast_enabled(param.device.type):
-        cfg = model.config
-        per_layer = 2 * num_blocks * config.block_size * cfg.num_kv_heads * cfg.head_dim
-        arena = torch.zeros(per_layer * len(model.blocks()), dtype=param.dtype, device=param.device)
-    return PagedKV(num_blocks, config.block_size, cpu_kernels() if fast else None, arena)
-
-
-def local_runner(model: CausalModel, config: EngineConfig) -> ModelRunner:
-    """The model's forward on this rank: over a paged pool where every layer attends through it and the
-    family is known to decode right that way (`pages`: every native family; the generic backend's measured
-    ones), else on the recompute runner (right, slower), said once in the log."""
-    refuse_measured(model_type_of(model.config.family), "generate")
-    if model.pages and attends_paged(model):
-        return LocalRunner(model, paged_pool(model, config))
-    log.warning(
-        "%s: its attention does not go through the engine's paged KV cache (or is not verified to decode "
-        "right over it: docs/families.md); the engine recomputes each sequence whole per step: right, slower",
-        model.config.family,
-    )
-    return RecomputeRunner(model, kv_blocks(model, config), config.block_size)

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardforge.infer.engine import Completion, Engine, EngineConfig, local_runner, paged_pool
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import Completion, EngineConfig
 from shardforge.infer.executor import (
     Executor,
     ModelRunner,
@@ -25,6 +26,7 @@ from shardforge.infer.executor import (
     sampled_positions,
     whole_vocabulary,
 )
+from shardforge.infer.kv_pool import local_runner, paged_pool
 from shardforge.infer.paged import PagedKV, PagedStep
 from shardforge.infer.sampling import GenerationDefaults, SamplingParams
 from shardforge.models.common.images import ImageInputs

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardforge.infer.engine import Engine, RequestError, Update
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import RequestError, Update
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models.common.images import ImageInputs

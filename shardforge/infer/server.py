@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardforge.data.templates import resolve_template
 from shardforge.errors import ConfigError
-from shardforge.infer.engine import RequestError, TooLong, Update
+from shardforge.infer.engine_types import RequestError, TooLong, Update
 from shardforge.infer.http import APIError, ClientGone, Guard, until_disconnected, uvicorn_server
 from shardforge.infer.load import Loaded
 from shardforge.infer.lora_routes import adapter_cards, adapter_names, add_lora_routes

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from shardforge.errors import ConfigError
-from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.load import Loaded, load_for_inference
 from shardforge.infer.multi_lora import attach
 from shardforge.infer.packed import inference_layout

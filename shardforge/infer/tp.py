@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from shardforge.config.schema import ParallelSection
-from shardforge.infer.engine import EngineConfig, local_runner
+from shardforge.config.parallel_schema import ParallelSection
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.executor import Executor
+from shardforge.infer.kv_pool import local_runner
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 
-from shardforge.config.schema import MethodSection
+from shardforge.config.method_schema import MethodSection
 from shardforge.config.stages import STAGES
 from shardforge.data.formats import Reading
 from shardforge.objectives.base import BindContext, Objective, Sampler, SourceContext, Traits

@@ -24,7 +24,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardforge.config.schema import Config, DataSection, MethodSection
+from shardforge.config.data_schema import DataSection
+from shardforge.config.method_schema import MethodSection
+from shardforge.config.schema import Config
 from shardforge.data.batch_source import BatchSource
 from shardforge.data.batching import IGNORE, Batch, collate
 from shardforge.data.build import BatchSplit, Collation, build_batch_source

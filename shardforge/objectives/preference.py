@@ -26,7 +26,8 @@ from torch import nn
 
 from shardforge.adapters.lora import adapter_layers, adapters_disabled
 from shardforge.adapters.merge import merge_adapter
-from shardforge.config.schema import DataSection, MethodSection
+from shardforge.config.data_schema import DataSection
+from shardforge.config.method_schema import MethodSection
 from shardforge.data.batching import IGNORE, Batch, collate, row_tags
 from shardforge.data.examples import Encoder, Example, Sequence_
 from shardforge.data.formats import Record

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from shardforge.config.schema import DataSection
+from shardforge.config.data_schema import DataSection
 from shardforge.data.examples import Encoder, Sequence_
 from shardforge.data.formats import Record
 from shardforge.data.templates import encode_texts

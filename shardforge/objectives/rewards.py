@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardforge.config.schema import RewardSpec
+from shardforge.config.method_schema import RewardSpec
 from shardforge.errors import ConfigError
 
 BUILT_IN = ("math_answer", "format", "length")

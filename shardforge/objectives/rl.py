@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from shardforge.adapters.lora import adapters_disabled
-from shardforge.config.schema import DataSection, MethodSection
+from shardforge.config.data_schema import DataSection
+from shardforge.config.method_schema import MethodSection
 from shardforge.data.batch_source import BatchSource
 from shardforge.data.batching import IGNORE, Batch
 from shardforge.data.examples import Encoder

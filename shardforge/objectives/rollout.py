@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardforge.config.schema import DataSection, MoESection, RLSection
+from shardforge.config.data_schema import DataSection
+from shardforge.config.method_schema import MoESection, RLSection
 from shardforge.data.batch_source import GlobalBatch
 from shardforge.data.batching import (
     IGNORE,

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from shardforge.config.schema import DataSection, MethodSection
+from shardforge.config.data_schema import DataSection
+from shardforge.config.method_schema import MethodSection
 from shardforge.data.batching import Batch
 from shardforge.data.examples import Encoder, Sequence_
 from shardforge.data.formats import Record

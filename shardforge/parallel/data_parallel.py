@@ -21,7 +21,7 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from shardforge.config.schema import ParallelSection
+from shardforge.config.parallel_schema import ParallelSection
 from shardforge.dtypes import PRECISION_DTYPES
 from shardforge.models.moe import moe_layers
 from shardforge.parallel.dims import ParallelDims

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from shardforge.config.schema import ParallelSection, zero_bubble_refusal
+from shardforge.config.parallel_schema import ParallelSection, zero_bubble_refusal
 from shardforge.errors import ConfigError
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
-from shardforge.config.schema import ONE_STAGE_SCHEDULES
+from shardforge.config.parallel_schema import ONE_STAGE_SCHEDULES
 from shardforge.parallel.context_parallel import batch_splitter
 from shardforge.parallel.data_parallel import kept_unsharded
 from shardforge.parallel.dims import ParallelDims

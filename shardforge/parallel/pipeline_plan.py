@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from shardforge.config.schema import (
+from shardforge.config.parallel_schema import (
     INTERLEAVED_SCHEDULES,
     V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from shardforge.config.schema import ParallelSection
+from shardforge.config.parallel_schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.models.spec import spec_for
 from shardforge.parallel.dims import ParallelDims

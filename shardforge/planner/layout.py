@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from shardforge.config.optimizers import layout_refusal
-from shardforge.config.schema import Config, ModelSection, ParallelSection
+from shardforge.config.parallel_schema import ParallelSection
+from shardforge.config.schema import Config, ModelSection
 from shardforge.errors import ConfigError, ShardforgeError
 from shardforge.parallel.context_parallel import check_context_parallel
 from shardforge.parallel.dims import ParallelDims

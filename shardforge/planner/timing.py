@@ -21,7 +21,8 @@ from shardforge.parallel.dims import MESH_ORDER
 from shardforge.parallel.pipeline_plan import bubble_fraction
 from shardforge.planner.hardware import Cluster
 from shardforge.planner.layout import Layout
-from shardforge.planner.memory import StateBytes, activation_itemsize, patches_per_row
+from shardforge.planner.memory import activation_itemsize, patches_per_row
+from shardforge.planner.model_states import StateBytes
 
 DDP_BUCKET = 25 << 20  # DDP's default bucket_cap_mb
 

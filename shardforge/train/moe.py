@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardforge.config.schema import MoESection
+from shardforge.config.method_schema import MoESection
 from shardforge.errors import ConfigError
 from shardforge.models.moe import STAT_FIELDS, Balance, moe_layers
 from shardforge.parallel.dims import ParallelDims

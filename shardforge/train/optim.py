@@ -12,8 +12,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+from shardforge.config.method_schema import MethodSection
 from shardforge.config.optimizers import layout_refusal
-from shardforge.config.schema import CheckpointSection, MethodSection, ParallelSection, TrainSection
+from shardforge.config.parallel_schema import ParallelSection
+from shardforge.config.schema import CheckpointSection, TrainSection
 from shardforge.errors import ConfigError
 from shardforge.log import get_logger
 from shardforge.parallel.offload import OffloadedAdamW

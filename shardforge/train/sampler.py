@@ -18,7 +18,7 @@ from functools import cached_property
 from typing import Any
 
 from shardforge.config.schema import Config
-from shardforge.infer.engine import EngineConfig
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.packed import packed_while
 from shardforge.infer.pp import generate_in_place
 from shardforge.infer.sampling import GenerationDefaults, SamplingParams

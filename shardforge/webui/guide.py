@@ -187,7 +187,7 @@ def essential(section: str, key: str) -> bool:
 def shown_sections(stage: str, finetuning: str) -> set[str]:
     """The form sections shown for a stage and finetuning: the common ones and the method.* sub-sections
     the objective declares it reads (objectives/: Traits.sections) with the finetuning's own."""
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
     from shardforge.objectives import method_sections
 
     try:

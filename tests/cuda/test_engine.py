@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models import load_model
 from tests.unit.test_engine import _run

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from shardforge.config.schema import ParallelSection
+from shardforge.config.parallel_schema import ParallelSection
 from shardforge.models import build_preset
 from shardforge.parallel.data_parallel import _fully_shard
 from shardforge.parallel.distributed import pick_backend

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from shardforge.adapters.apply import add_lora
 from shardforge.adapters.lora import LoRALinear
-from shardforge.config.schema import LoraSection
+from shardforge.config.method_schema import LoraSection
 from shardforge.models import load_model
 from shardforge.models.quantize import dequantized, is_nf4
 from tests.dist._training import tiny_model_folder

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from shardforge.config import load_config
-from shardforge.config.schema import DataSection
+from shardforge.config.data_schema import DataSection
 from shardforge.data.batching import GlobalOrder
 from shardforge.data.formats import Record
 from shardforge.data.loader import read_dataset

@@ -11,7 +11,8 @@ from shardforge.config import load_config
 from shardforge.models.build import model_source
 from shardforge.models.spec import spec_for
 from shardforge.planner.layout import check_layout, layout_of
-from shardforge.planner.memory import MemoryModel, coords_of
+from shardforge.planner.memory import MemoryModel
+from shardforge.planner.model_states import coords_of
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 from tests.dist._harness import run_ranks
 from tests.dist._training import train_runs

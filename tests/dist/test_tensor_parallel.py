@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardforge.config import load_config
-from shardforge.config.schema import ParallelSection
+from shardforge.config.parallel_schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.models import build_preset
 from shardforge.models.common.config import DecoderConfig

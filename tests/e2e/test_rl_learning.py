@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from shardforge.config import load_config
-from shardforge.config.schema import DataSection
+from shardforge.config.data_schema import DataSection
 from shardforge.infer.engine import Engine
 from shardforge.infer.sampling import SamplingParams
 from shardforge.models import load_model

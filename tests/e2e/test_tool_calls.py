@@ -15,7 +15,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from shardforge.config import load_config
-from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.load import load_for_inference
 from shardforge.infer.runner import EngineRunner
 from shardforge.infer.server import build_app

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from shardforge.config import load_config
-from shardforge.config.lf_convert import LF_DEFAULTS, convert_lf, is_training
+from shardforge.config.lf_convert import convert_lf, is_training
+from shardforge.config.lf_tables import LF_DEFAULTS
 from shardforge.errors import ConfigError
 from shardforge.train.optim import lr_factor
 from tests.chat_templates import QWEN3_THINKING, QWEN_TOOLS, tokenizer_with

@@ -90,7 +90,8 @@ def test_every_key_is_documented():
 
     from pydantic import BaseModel
 
-    from shardforge.config.schema import Config, DatasetSpec
+    from shardforge.config.data_schema import DatasetSpec
+    from shardforge.config.schema import Config
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
 

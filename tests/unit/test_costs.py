@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from shardforge.config.schema import ParallelSection
+from shardforge.config.parallel_schema import ParallelSection
 from shardforge.data.batching import collate
 from shardforge.data.examples import Example
 from shardforge.models import build_preset, spec_for
@@ -176,7 +176,7 @@ def test_frozen_weights_are_charged_no_weight_gradients():
     only for the adapters. The model charges (2 + trained share) forwards for the matmuls; it leaves out the
     adapters' own matmuls, so it may undercount them (here by under 10%), never overcount."""
     from shardforge.adapters.apply import add_lora
-    from shardforge.config.schema import LoraSection
+    from shardforge.config.method_schema import LoraSection
 
     torch.manual_seed(0)
     model = build_preset("llama-10m", vocab_size=1024)

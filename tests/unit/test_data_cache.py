@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import shardforge.data.loader as loader
-from shardforge.config.schema import DataSection
+from shardforge.config.data_schema import DataSection
 from shardforge.data.cache import DatasetCache
 from shardforge.data.loader import build_datasets
 from shardforge.data.store import ExampleStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardforge.config.schema import DataSection
+from shardforge.config.data_schema import DataSection
 from shardforge.data.batch_source import DatasetSource, GlobalBatchLoader
 from shardforge.data.batching import IGNORE, GlobalOrder, collate, split_global_batch
 from shardforge.data.encode import encode_all

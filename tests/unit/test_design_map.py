@@ -44,3 +44,32 @@ def test_the_map_check_reads_nested_packages():
     text = "  config/   schema.py\n  models/qwen2_vl/   x\n"
     mapped = set(re.findall(r"^\s*((?:[a-z0-9_]+/)+)\s", text, re.M))
     assert mapped == {"config/", "models/qwen2_vl/"}
+
+
+def _named_per_package() -> dict[str, set[str]]:
+    """Each package line of the map (and its continuation lines) -> the file names it gives."""
+    named: dict[str, set[str]] = {}
+    current = None
+    for line in _package_map().splitlines():
+        head = re.match(r"^(\s*)((?:[a-z0-9_]+/)+)\s", line)
+        if head:
+            path = head.group(2)
+            current = path if path.startswith("shardforge/") or not head.group(1) else "shardforge/" + path
+            named.setdefault(current, set())
+        if current is not None:
+            named[current] |= set(re.findall(r"\b([a-z0-9_]+\.(?:py|cpp|h))\b", line))
+    return named
+
+
+def test_every_file_is_on_the_map():
+    """File by file, not only folder by folder: each module of the library is named on its package's line."""
+    named = _named_per_package()
+    missing = {}
+    for folder in (ROOT / "shardforge").rglob("*"):
+        if not folder.is_dir() or not any(folder.glob("*.py")):
+            continue
+        package = str(folder.relative_to(ROOT)) + "/"
+        files = {f.name for f in folder.iterdir() if f.suffix in (".py", ".cpp", ".h")} - {"__init__.py"}
+        if left := files - named.get(package, set()):
+            missing[package] = sorted(left)
+    assert not missing, f"files DESIGN.md's package map does not name: {missing}"

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from shardforge.config import load_config
-from shardforge.config.schema import DataSection
+from shardforge.config.data_schema import DataSection
 from shardforge.data.formats import read_records
 from shardforge.data.loader import read_dataset
 from shardforge.errors import ConfigError, DataError

@@ -22,7 +22,9 @@ from transformers import (
 from shardforge.infer import paged
 from shardforge.infer.blocks import BlockManager
 from shardforge.infer.cpu_kernels import cpu_kernels
-from shardforge.infer.engine import Engine, EngineConfig, RequestError, paged_pool
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig, RequestError
+from shardforge.infer.kv_pool import paged_pool
 from shardforge.infer.output import OutputProcessor
 from shardforge.infer.sampling import (
     GenerationDefaults,

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardforge.config.schema import DatasetSpec
+from shardforge.config.data_schema import DatasetSpec
 from shardforge.data.formats import Record
 from shardforge.data.loader import read_dataset
 from shardforge.errors import DataError

@@ -375,7 +375,7 @@ def test_the_tower_s_pooling_head_never_trains(headed, method):
     """docs/vision.md: the checkpoint's unused pooling head of the tower never trains (nor is adapted),
     while the rest of the tower does."""
     from shardforge.adapters.apply import apply_finetuning
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
     from shardforge.models import load_model
 
     model = load_model(headed)

@@ -51,7 +51,8 @@ def _generate_reference(reference, ids, kwargs, new=NEW, **extra):
 def _engine(folder, ours, **config):
     from transformers import AutoTokenizer
 
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.sampling import GenerationDefaults
 
     return Engine(ours, AutoTokenizer.from_pretrained(folder), EngineConfig(**config), GenerationDefaults())
@@ -149,7 +150,8 @@ def test_text_generation_on_a_folder_that_cannot_read_images(tmp_path, folder, w
     """A Gemma 3 folder without its image processor (e.g. what `export --merge` writes) or without the image
     tokens in its tokenizer: it still generates from text (as it still trains on text), transformers'
     greedy tokens; only a request with images is refused, by name."""
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.load import load_for_inference
     from shardforge.infer.sampling import SamplingParams
 

@@ -16,9 +16,10 @@ from shardforge.adapters.apply import add_lora
 from shardforge.adapters.merge import merge_adapter
 from shardforge.adapters.peft_format import merged_state, save_adapter
 from shardforge.config import load_config
-from shardforge.config.schema import LoraSection
+from shardforge.config.method_schema import LoraSection
 from shardforge.errors import ConfigError, ModelError
-from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.executor import LocalRunner, StepInput
 from shardforge.infer.paged import Chunk, PagedKV
 from shardforge.infer.recompute import RecomputeRunner
@@ -338,7 +339,7 @@ def test_freeze_selects_layers_by_the_canonical_names(tmp_path, model_type):
     """The last decoder layer and the final norm train, whatever the family calls them (GPT-2:
     transformer.h.1, ln_f)."""
     from shardforge.adapters.apply import freeze
-    from shardforge.config.schema import FreezeSection
+    from shardforge.config.method_schema import FreezeSection
 
     model = load_model(hf_folder(tmp_path, model_type))
     freeze(model, FreezeSection(trainable_layers=1, extra_modules=["norm"]))

@@ -15,7 +15,8 @@ import torch
 from transformers import AutoTokenizer
 
 from shardforge.config import load_config
-from shardforge.config.schema import DataSection, MethodSection
+from shardforge.config.data_schema import DataSection
+from shardforge.config.method_schema import MethodSection
 from shardforge.data.batching import IGNORE
 from shardforge.data.formats import read_records
 from shardforge.data.loader import kto_examples, read_dataset

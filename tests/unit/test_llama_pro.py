@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from shardforge.config import load_config
-from shardforge.config.schema import FreezeSection
+from shardforge.config.method_schema import FreezeSection
 from shardforge.errors import ConfigError, ModelError
 from shardforge.models.expand import expand_blocks
 from shardforge.train.trainer import Trainer

@@ -19,7 +19,7 @@ from shardforge.adapters.apply import add_lora, freeze
 from shardforge.adapters.lora import LoRALinear
 from shardforge.adapters.peft_format import merged_state, read_adapter, save_adapter
 from shardforge.config import load_config
-from shardforge.config.schema import FreezeSection, LoraSection
+from shardforge.config.method_schema import FreezeSection, LoraSection
 from shardforge.errors import ConfigError
 from shardforge.models.io import hf_state_dict
 from tests.conftest import REPO
@@ -167,7 +167,7 @@ def test_bad_lora_settings_are_one_line_errors(tmp_path):
 
 def test_training_starts_from_an_existing_adapter_and_a_mismatch_is_named(tmp_path):
     from shardforge.adapters.apply import apply_finetuning
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
     from shardforge.errors import ModelError
 
     folder = _hf_folder(tmp_path, "qwen3")
@@ -223,7 +223,7 @@ def test_native_models_choose_only_the_named_projections_for_lora_all_and_nf4(pr
     """On our own models `targets: all` is the seven projections and NF4 holds the blocks' attn / mlp
     projections; a MoE block's other linears (qwen2-moe's shared-expert gate) stay as they are, and NF4
     leaves the shared expert. Only the generic backend widens `all` to every linear of the blocks."""
-    from shardforge.config.schema import LINEAR_TARGETS
+    from shardforge.config.method_schema import LINEAR_TARGETS
     from shardforge.models import build_preset
     from shardforge.models.quantize import QUANTIZED, quantized_names
 

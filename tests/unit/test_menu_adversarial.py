@@ -112,7 +112,7 @@ def test_oft_all_on_the_generic_backend_leaves_a_router_alone(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardforge.adapters.apply import add_lora, add_oft
-    from shardforge.config.schema import LoraSection, OFTSection
+    from shardforge.config.method_schema import LoraSection, OFTSection
     from shardforge.models import load_model
 
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from shardforge.config import load_config
-from shardforge.config.schema import MoESection
+from shardforge.config.method_schema import MoESection
 from shardforge.errors import ModelError
 from shardforge.models import build_preset, save_model
 from shardforge.models.io import load_model

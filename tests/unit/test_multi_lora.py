@@ -56,7 +56,8 @@ def _params():
 
 
 def _engine(source, adapter=None, prepack=True, quantize=None):
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.load import load_for_inference
     from shardforge.infer.packed import inference_layout
 
@@ -132,7 +133,7 @@ def test_int8_base_serves_adapters(folders):
 
 
 def test_refusals_name_what(folders, tmp_path):
-    from shardforge.infer.engine import RequestError
+    from shardforge.infer.engine_types import RequestError
     from shardforge.infer.multi_lora import parse_lora_flags
 
     base, adapters = folders

@@ -23,7 +23,7 @@ from shardforge.errors import ConfigError
 from shardforge.models.build import model_source
 from shardforge.models.spec import spec_for
 from shardforge.parallel.memory import memory_report
-from shardforge.planner import memory as planner_memory
+from shardforge.planner import optimizer_states
 from shardforge.train.optim import build_optimizer, build_scheduler
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
 
@@ -509,7 +509,7 @@ def test_build_optimizer_refuses_what_the_rule_refuses():
     ),
 )
 def test_planner_counts_the_measured_optimizer_states(optimizer):
-    from shardforge.planner.memory import inventory
+    from shardforge.planner.inventory import inventory
 
     cfg = _cfg(optimizer)
     model, shape = _tiny(cfg)
@@ -518,7 +518,7 @@ def test_planner_counts_the_measured_optimizer_states(optimizer):
     measured = memory_report(model, opt)["optim_bytes"]
     specs = inventory(shape, cfg)
     trained = [(math.prod(p.shape), p) for p in specs if p.trained]
-    counted = planner_memory.optimizer_state_bytes(cfg.train.optimizer, trained, shape, offload="none")
+    counted = optimizer_states.optimizer_state_bytes(cfg.train.optimizer, trained, shape, offload="none")
     assert counted == measured, (counted, measured)
 
 

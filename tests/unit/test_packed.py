@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.fused_ops import FusedCpuOps
 from shardforge.infer.packed import PackedLinear, PackedLinears, inference_layout, packed_while
 from shardforge.infer.sampling import SamplingParams

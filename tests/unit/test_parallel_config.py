@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardforge.config import load_config
-from shardforge.config.schema import ParallelSection
+from shardforge.config.parallel_schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.parallel.dims import ParallelDims
 from shardforge.planner.layout import resolve_grad_accum

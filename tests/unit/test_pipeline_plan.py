@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardforge.config import load_config
-from shardforge.config.schema import ParallelSection
+from shardforge.config.parallel_schema import ParallelSection
 from shardforge.errors import ConfigError
 from shardforge.models.presets import preset_config
 from shardforge.models.spec import PipelineCosts

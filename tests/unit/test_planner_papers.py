@@ -4,6 +4,8 @@ layout, and each part of the step time on Llama-3-70B's shape."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shardforge.models.build import check_model_source
@@ -105,10 +107,15 @@ def test_our_layer_activations_are_korthikanti_s_with_the_differences_written_ou
     assert ours("full", t, False) == korthikanti_layer_bytes(s, b, h, a, t, False, "full")
 
 
+META_MFU = 0.43  # Llama 3 405B, TP8 CP1 PP16 DP64 on 8,192 H100s, 8192-token rows (Llama 3 paper, Table 4)
+
+
 def test_llama3_405b_at_its_published_layout_fits_without_full_recompute(model_dirs):
     """Meta's Llama 3 405B layout (TP8 x PP16 x DP64 on 8192 H100, 8192-token rows, 2048 a step): with
     sequence parallel's inputs kept sharded it fits with selective recomputation (full was the only fit
-    when the gathered inputs were kept whole, at an estimated 36.9% MFU); Meta reports 38-43%."""
+    when the gathered inputs were kept whole), faster than full recomputation of the same layout. Its MFU is
+    held against what Meta measured on exactly this layout: 43% (Llama 3 paper, arXiv 2407.21783, Table 4:
+    430 teraFLOP/s per GPU on 8,192 GPUs; 38-43% over its three layouts)."""
     cfg = config_for(
         model_dirs["llama3.1-405b"], global_batch=2048, train={"micro_batch": 16},
         parallel={"tp": 8, "pp": 16, "zero_stage": 2, "dp_shard": -1, "activation_checkpoint": "selective",
@@ -118,8 +125,14 @@ def test_llama3_405b_at_its_published_layout_fits_without_full_recompute(model_d
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 8192})})
     planner = Planner(cfg, check_model_source(cfg.model, weights=False), h100s(8192), measure=False)
     c = planner.evaluate(layout_of(cfg, 8192))
-    print(f"\nLlama 3 405B TP8 PP16 DP64, selective: {c.memory.device_bytes / GIB:.1f} GiB, {c.time.mfu:.1%}")
-    assert c.fits and c.time.mfu > 0.369
+    full = planner.evaluate(replace(layout_of(cfg, 8192), activation_checkpoint="full"))
+    print(
+        f"\nLlama 3 405B TP8 PP16 DP64, selective: {c.memory.device_bytes / GIB:.1f} GiB, {c.time.mfu:.1%} "
+        f"(full recomputation: {full.time.mfu:.1%}; Meta measured {META_MFU:.0%})"
+    )
+    assert c.fits and c.layout.activation_checkpoint == "selective"
+    assert c.time.mfu > full.time.mfu  # recomputing less is faster
+    assert 0.75 * META_MFU <= c.time.mfu <= 1.25 * META_MFU  # an estimate within 25% of the measured figure
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,9 @@ from shardforge.models.common.config import DecoderConfig
 from shardforge.models.head import PolicyValues, attach_critic, attach_value_head
 from shardforge.models.llama.model import Decoder
 from shardforge.objectives.rl import load_critic
+from shardforge.planner.inventory import FP32_BYTES
 from shardforge.planner.layout import layout_of
-from shardforge.planner.memory import FP32_BYTES, MemoryModel
+from shardforge.planner.memory import MemoryModel
 from shardforge.planner.preflight import preflight
 from shardforge.train.trainer import Trainer
 from tests.conftest import TOKENIZER, tiny_config

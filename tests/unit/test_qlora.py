@@ -12,7 +12,7 @@ from shardforge.adapters.apply import add_lora
 from shardforge.adapters.lora import LoRALinear
 from shardforge.adapters.peft_format import merged_state
 from shardforge.config import load_config
-from shardforge.config.schema import LoraSection
+from shardforge.config.method_schema import LoraSection
 from shardforge.errors import ConfigError
 from shardforge.models.quantize import NF4_LEVELS, QUANTIZED, is_nf4, nf4, nf4_storage_bytes
 from shardforge.parallel.memory import memory_report

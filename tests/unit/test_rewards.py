@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from shardforge.config.schema import DataSection, RewardSpec
+from shardforge.config.data_schema import DataSection
+from shardforge.config.method_schema import RewardSpec
 from shardforge.data.templates import render, resolve_template
 from shardforge.errors import ConfigError
 from shardforge.models import save_model

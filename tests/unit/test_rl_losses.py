@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardforge.config.schema import MethodSection, MoESection, RLSection
+from shardforge.config.method_schema import MethodSection, MoESection, RLSection
 from shardforge.data.batching import IGNORE, Batch, collate, collate_groups
 from shardforge.data.examples import Example
 from shardforge.models import build_preset

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from shardforge.errors import ConfigError
-from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.sampling import SamplingParams
 from shardforge.infer.speculative import Draft, SpeculativeConfig, lookup, same_vocabulary, verify
 from shardforge.models import load_model

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardforge.config import load_config
-from shardforge.config.schema import DataSection
+from shardforge.config.data_schema import DataSection
 from shardforge.data.batch_source import DatasetSource
 from shardforge.data.batching import collate
 from shardforge.data.formats import iter_from

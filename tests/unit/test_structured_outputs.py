@@ -17,7 +17,8 @@ from pydantic import BaseModel, Field
 from starlette.testclient import TestClient
 
 from shardforge.errors import DataError
-from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.grammar import Constraint
 from shardforge.infer.load import load_for_inference
 from shardforge.infer.offline import generate_file

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from shardforge.config.schema import DatasetSpec
+from shardforge.config.data_schema import DatasetSpec
 from shardforge.data.formats import Reading, default_fields, parse_record
 from shardforge.data.loader import read_dataset
 from shardforge.data.templates import encode_chats, encode_pairs, resolve_template

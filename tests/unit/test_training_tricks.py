@@ -65,7 +65,7 @@ def test_dft_loss_equals_llamafactory_s_over_three_steps(tmp_path):
 
 
 def test_dft_loss_is_ce_weighted_by_the_detached_probability():
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
     from shardforge.objectives.sft import SFTObjective
 
     logps = torch.tensor([-0.1, -2.0, -0.7], requires_grad=True)

@@ -214,7 +214,7 @@ def _logits(model, batch) -> torch.Tensor:
 
 
 def _method(targets="all", freeze_tower=False, **lora):
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
 
     return MethodSection(
         finetuning="lora", lora={"rank": 4, "targets": targets, **lora}, vision={"freeze_tower": freeze_tower}
@@ -288,7 +288,7 @@ def test_what_an_adapted_tower_trains(qwen_dir, llava_dir, family, targets):
     none after it nor in the projector); only adapters train; with freeze_language_model only the tower's
     do."""
     from shardforge.adapters.apply import apply_finetuning
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
     from shardforge.models import load_model
 
     folder = _folder(family, qwen_dir, llava_dir)

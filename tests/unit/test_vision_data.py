@@ -282,7 +282,7 @@ def test_a_pipeline_chunk_of_rows_carries_its_own_images_and_positions(
 )
 def test_method_vision_says_which_parts_train(model_dir, finetuning, vision, trains):
     from shardforge.adapters.apply import apply_finetuning
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
     from shardforge.models import load_model
 
     model = load_model(model_dir)
@@ -296,7 +296,7 @@ def test_lora_with_a_projector_or_tower_it_cannot_reach_is_refused(model_dir):
     kept frozen silently; nor does a tower train whose linears are none of the targets (Qwen2-VL's are
     qkv, proj, fc1, fc2). The frozen base weights of an adapted tower stay frozen."""
     from shardforge.adapters.apply import apply_finetuning
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
     from shardforge.errors import ConfigError
     from shardforge.models import load_model
 
@@ -626,7 +626,7 @@ def test_any_record_with_images_is_read_or_refused_with_its_source(tmp_path_fact
     resolved files or data URLs, one per mark) or a DataError naming it, never a traceback."""
     from dataclasses import replace
 
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
     from shardforge.data.formats import default_fields, parse_record
     from shardforge.data.media import IMAGE
     from shardforge.objectives import build_objective, reading_of

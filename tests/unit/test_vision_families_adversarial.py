@@ -229,7 +229,8 @@ def test_a_sliver_that_image_max_pixels_would_shrink_to_nothing_keeps_a_pixel(tm
 def test_llava_next_greedy_generation_with_odd_images_equals_transformers(next_dir, references, chunk):
     from transformers import AutoTokenizer
 
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.sampling import GenerationDefaults, SamplingParams
     from shardforge.models import load_model
 
@@ -326,7 +327,7 @@ def test_llava_next_image_newline_trains_where_lf_trains_it(next_dir):
     language_model / lm_head under freeze_language_model): `model.image_newline` is in none of them, so it
     trains whenever full tuning does, freeze_language_model included."""
     from shardforge.adapters.apply import apply_finetuning
-    from shardforge.config.schema import MethodSection
+    from shardforge.config.method_schema import MethodSection
     from shardforge.models import load_model
     from shardforge.models.llava.next import NEWLINE
 
@@ -397,7 +398,8 @@ def test_qwen3_vl_generation_with_chunks_cutting_images_equals_transformers(qwen
     image tokens added after the first decoder layers, M-RoPE positions carried over the cut)."""
     from transformers import AutoTokenizer
 
-    from shardforge.infer.engine import Engine, EngineConfig
+    from shardforge.infer.engine import Engine
+    from shardforge.infer.engine_types import EngineConfig
     from shardforge.infer.sampling import GenerationDefaults, SamplingParams
     from shardforge.models import load_model
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardforge.infer.engine import Engine, EngineConfig
+from shardforge.infer.engine import Engine
+from shardforge.infer.engine_types import EngineConfig
 from shardforge.infer.sampling import GenerationDefaults, SamplingParams
 from tests.unit.test_vision_language import FAMILIES, SAMPLES, encode, reference_inputs, reference_model
 
@@ -78,7 +79,7 @@ def test_same_text_other_images_never_share_cached_blocks(folder):
 def test_images_for_a_text_model_are_a_request_error(tmp_path):
     from transformers import AutoTokenizer
 
-    from shardforge.infer.engine import RequestError
+    from shardforge.infer.engine_types import RequestError
     from shardforge.models import load_model
     from tests.conftest import tiny_chat_model
 

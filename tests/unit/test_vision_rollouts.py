@@ -125,7 +125,7 @@ def test_ppo_with_a_value_head_takes_image_prompts(tmp_path, prompts):
 
 
 def test_what_the_rollout_engine_cannot_place_is_refused_by_name(tmp_path, prompts):
-    from shardforge.config.schema import ParallelSection
+    from shardforge.config.parallel_schema import ParallelSection
     from shardforge.objectives import build_objective
     from shardforge.objectives.rollout import check_image_rollouts
     from shardforge.parallel.dims import ParallelDims

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel
 
 from shardforge.config import load_config
-from shardforge.config.schema import MethodSection
+from shardforge.config.method_schema import MethodSection
 from shardforge.config.stages import STAGES
 from shardforge.errors import ConfigError
 from shardforge.objectives import method_sections, objective_class
