@@ -95,7 +95,7 @@ def build_job(folder: Path, args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(REPO))
     from transformers import AutoTokenizer
 
-    from shardforge.data.formats import iter_raw
+    from shardforge.data.files import iter_raw
     from shardforge.models import build_preset, save_model
 
     if args.real:  # a real model and records: the first --records train, the next --eval-records are held out

@@ -38,6 +38,7 @@ SPLITS = ("train", "eval")
 WAIT_S = 2 * 3600.0  # how long a rank waits for another to build the cache before giving up
 _CODE = (
     "data/formats.py",
+    "data/files.py",
     "data/tools.py",
     "data/values.py",
     "data/dataset_info.py",

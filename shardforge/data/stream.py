@@ -33,7 +33,8 @@ from shardforge.data.batching import split_global_batch
 from shardforge.data.cache import file_fingerprint
 from shardforge.data.encode import encode_all
 from shardforge.data.examples import Encoder
-from shardforge.data.formats import FieldMap, Reading, Record, data_files, iter_from, parse_record
+from shardforge.data.files import data_files, iter_from
+from shardforge.data.formats import FieldMap, Reading, Record, parse_record
 from shardforge.data.loader import RowSet, lay_out, resolve_spec
 from shardforge.errors import DataError
 

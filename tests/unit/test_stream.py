@@ -15,7 +15,7 @@ from shardforge.config import load_config
 from shardforge.config.data_schema import DataSection
 from shardforge.data.batch_source import DatasetSource
 from shardforge.data.batching import collate
-from shardforge.data.formats import iter_from
+from shardforge.data.files import iter_from
 from shardforge.data.loader import build_datasets
 from shardforge.data.stream import StreamSource
 from shardforge.errors import ConfigError, DataError
