@@ -10,9 +10,7 @@ import sys
 from rich.console import Console
 from rich.text import Text
 
-from shardforge.cli_launch import add_launch_parser
-from shardforge.commands import convert, data, env, evaluate, export, generate, plan, train, webui
-from shardforge.commands.arg_types import at_least
+from shardforge.commands import convert, data, env, evaluate, export, generate, launch, plan, train, webui
 from shardforge.commands.train import agent_mode
 from shardforge.errors import ShardforgeError
 
@@ -24,9 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show full tracebacks for errors")
     sub = parser.add_subparsers(dest="command", required=True)
-    train.add_parser(sub)
-    add_launch_parser(sub, at_least)
-    for command in (plan, export, convert, data, generate, evaluate, webui, env):
+    for command in (train, launch, plan, export, convert, data, generate, evaluate, webui, env):
         command.add_parser(sub)
     return parser
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from shardforge.config.section import Section
 
 OptimizerName = Literal["adamw", "adamw_8bit", "muon", "galore", "apollo", "badam", "adam_mini"]
 # the ones ZeroRedundancyOptimizer can hold (it builds `optimizer_class(param_groups, **defaults)` over each
@@ -32,11 +34,7 @@ _NO_RESUME = {
 }
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class GaloreSection(_Section):
+class GaloreSection(Section):
     """GaLore (Zhao et al. 2024) through galore-torch's GaLoreAdamW; LF's galore_* keys."""
 
     # all: every linear of the decoder blocks (LF's find_all_linear_modules: not lm_head), or module names
@@ -50,7 +48,7 @@ class GaloreSection(_Section):
     layerwise: bool = False
 
 
-class ApolloSection(_Section):
+class ApolloSection(Section):
     """APOLLO (Zhu et al. 2024) through apollo-torch's APOLLOAdamW; LF's apollo_* keys."""
 
     targets: Literal["all"] | list[str] = "all"
@@ -64,7 +62,7 @@ class ApolloSection(_Section):
     layerwise: bool = False
 
 
-class BadamSection(_Section):
+class BadamSection(Section):
     """BAdam (Luo et al. 2024) through the badam package; LF's badam_* keys."""
 
     mode: Literal["layer", "ratio"] = "layer"
@@ -84,7 +82,7 @@ class BadamSection(_Section):
         return self
 
 
-class MuonSection(_Section):
+class MuonSection(Section):
     """Muon (torch.optim.Muon) on the hidden 2-D weights; the defaults are LF's third_party/muon."""
 
     momentum: float = Field(default=0.95, ge=0, lt=1)
@@ -95,7 +93,7 @@ class MuonSection(_Section):
 _SUBSECTIONS = {"galore": GaloreSection, "apollo": ApolloSection, "badam": BadamSection, "muon": MuonSection}
 
 
-class OptimizerSection(_Section):
+class OptimizerSection(Section):
     """`name` picks the optimizer; train.lr, betas, eps and weight_decay are its hyperparameters (LF's
     learning_rate, adam_beta1/2, adam_epsilon, weight_decay); the sub-section of the chosen name its own."""
 

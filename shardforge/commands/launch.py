@@ -1,21 +1,19 @@
 """`shardforge launch`: the multi-node job file (SLURM batch script or Kubernetes manifest) for a config; the
-command's flags and its handler, apart from cli.py's other commands. Thin: jobs/ renders the files."""
+command's flags and its handler. Thin: jobs/ renders the files."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
 
+from shardforge.commands.arg_types import at_least
 from shardforge.errors import ModelError, ShardforgeError
 
 
-def add_launch_parser(
-    sub: argparse._SubParsersAction, at_least: Callable[[int], Callable[[str], int]]
-) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p_launch = sub.add_parser(
         "launch",
         help="write a multi-node job: a SLURM batch script (--slurm, --submit runs sbatch) or a Kubernetes "
