@@ -21,7 +21,7 @@ STAGES: dict[str, Any] = {
 }
 
 
-def register_stage(name: str, objective: Any) -> None:
+def register_stage(name: str, objective: type | str) -> None:
     """Add a stage: `objective` is its class (or "module:Class"). The config accepts it from then on."""
     STAGES[name] = objective
 

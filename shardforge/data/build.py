@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,6 +32,19 @@ from shardforge.models.generic.model import packs_per_document
 from shardforge.models.io import PROCESSOR_FILES
 
 log = get_logger(__name__)
+
+
+class EncodingObjective(Protocol):
+    """What the data layer reads of an objective (objectives/base.py: `Objective` implements it): its name,
+    how many sequences a group holds, and its encoder. The data layer sits below objectives/."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def group_size(self) -> int: ...
+
+    def encoder(self, tokenizer: Any, data: DataSection) -> Encoder: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +89,7 @@ def packing_for(cfg: Config, shape: Any) -> Config:
 
 
 def build_data(
-    cfg: Config, tokenizer: Any, objective: Any, how: Reading, builder: bool | None = None
+    cfg: Config, tokenizer: Any, objective: EncodingObjective, how: Reading, builder: bool | None = None
 ) -> tuple[RowSet | None, RowSet | None]:
     """Train and eval rows through the dataset cache (local rank 0 builds it, unless `builder` says). With
     data.streaming the training files are streamed (no train rows here) and only the eval files cached. An
@@ -106,7 +119,7 @@ def _cached_rows(
     cfg: Config,
     data: DataSection,
     tokenizer: Any,
-    objective: Any,
+    objective: EncodingObjective,
     how: Reading,
     builder: bool | None,
     names: tuple[str, ...],
@@ -131,7 +144,7 @@ def _cached_rows(
     return rows
 
 
-def record_encoder(cfg: Config, objective: Any, tokenizer: Any, data: DataSection) -> Encoder:
+def record_encoder(cfg: Config, objective: EncodingObjective, tokenizer: Any, data: DataSection) -> Encoder:
     """The objective's encoder, taking images where the model is a vision-language one (its image
     processor from the model folder) and refusing them, by record, where it is not."""
     return ImageEncoder(objective.encoder(tokenizer, data), *record_images(cfg, tokenizer, data))
@@ -153,7 +166,7 @@ def record_images(cfg: Config, tokenizer: Any, data: DataSection) -> tuple[Image
     return ImageReader(processor, prompt, data.image_max_pixels, data.image_min_pixels), ""
 
 
-def encoding_identity(tokenizer: Any, objective: Any, how: Reading, cfg: Config) -> dict:
+def encoding_identity(tokenizer: Any, objective: EncodingObjective, how: Reading, cfg: Config) -> dict:
     """What encoding depends on besides the data: the tokenizer (its files, size and chat template), the
     objective (its settings and code) and the encoding code."""
     folder = Path(getattr(tokenizer, "name_or_path", "") or ".")
@@ -189,9 +202,14 @@ def describe_rows(rows: RowSet, cfg: Config) -> str:
 
 
 def build_batch_source(
-    cfg: Config, rows: RowSet | None, objective: Any, how: Reading, tokenizer: Any, split: BatchSplit,
+    cfg: Config,
+    rows: RowSet | None,
+    objective: EncodingObjective,
+    how: Reading,
+    tokenizer: Any,
+    split: BatchSplit,
     collation: Collation,
-) -> BatchSource:  # fmt: skip
+) -> BatchSource:
     """The training rows' source: the cached rows in a seeded global order, or the stream."""
     c = collation
     if rows is not None:
@@ -202,7 +220,7 @@ def build_batch_source(
     )
 
 
-def prepare_data(cfg: Config, objective: Any, how: Reading) -> dict[str, Any]:
+def prepare_data(cfg: Config, objective: EncodingObjective, how: Reading) -> dict[str, Any]:
     """Build the dataset cache ahead of a job (`shardforge data prepare`) and report what it holds: per
     split, records, sequences, tokens, targets, truncation, drops, rows, fill and a histogram of sequence
     lengths."""

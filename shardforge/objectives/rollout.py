@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ from shardforge.errors import ConfigError, DataError
 from shardforge.log import get_logger
 from shardforge.models.common.images import ImageInputs
 from shardforge.models.moe import moe_layers
-from shardforge.objectives.base import Sampler, SourceContext
+from shardforge.objectives.base import Sampler, SourceContext, Traits
 from shardforge.objectives.rewards import Completions, Reward, build_rewards
 from shardforge.parallel.data_parallel import kept_unsharded
 from shardforge.parallel.dims import ParallelDims
@@ -58,6 +58,19 @@ from shardforge.parallel.engine import Engine, dp_sum
 from shardforge.parallel.tensor_parallel import loss_context
 
 log = get_logger(__name__)
+
+
+class RolloutObjective(Protocol):
+    """What the rollout source calls of an RL objective (objectives/rl.py: GRPO's and PPO's): its traits, its
+    scores of a rollout before the update, and the advantages from the rewards."""
+
+    traits: Traits
+
+    def score_rollout(self, model: nn.Module, batch: Batch, forward: Callable[..., Any]) -> Batch: ...
+
+    def assign_advantages(
+        self, micro: list[Batch], scores: list[torch.Tensor], total: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[list[bool], dict[str, float]]: ...
 
 
 @dataclass(frozen=True)
@@ -139,7 +152,7 @@ def attention_pairs(lengths: list[int], completions: list[int], group_size: int,
     return pairs
 
 
-def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
+def build_rollout_source(ctx: SourceContext, objective: RolloutObjective) -> RolloutSource:
     """An RL stage's batch source: its prompts (with how many did not leave room for max_new_tokens) and
     its rewards."""
     cfg = ctx.config
@@ -174,7 +187,7 @@ def build_rollout_source(ctx: SourceContext, objective: Any) -> RolloutSource:
     )  # fmt: skip
 
 
-def check_image_rollouts(objective: Any, dims: ParallelDims) -> None:
+def check_image_rollouts(objective: RolloutObjective, dims: ParallelDims) -> None:
     """What rolls out prompts with images: the engine places them in one process or under tensor parallel
     (a pipeline's stage runner does not yet), and a separate critic model would read the tokens alone."""
     if dims.pp > 1:
@@ -204,7 +217,7 @@ class RolloutSource:
         rewards: list[Reward],
         tokenizer: Any,
         sampler: Sampler,
-        objective: Any,
+        objective: RolloutObjective,
         engine: Engine,
         dims: ParallelDims,
         mesh: DeviceMesh | None,

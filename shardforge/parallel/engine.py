@@ -33,6 +33,19 @@ Differentiate = Callable[[torch.Tensor], torch.Tensor]
 Autocast = Callable[[], contextlib.AbstractContextManager]
 
 
+class StepObjective(Protocol):
+    """What the engines call of an objective (objectives/base.py: `Objective` implements it): the parallel
+    layer sits below objectives/ and knows it only by this."""
+
+    metrics: tuple[str, ...]  # the keys `loss` returns, "loss" first
+
+    def prepare(self, model: nn.Module, batch: Any) -> Any: ...
+
+    def model_inputs(self, batch: Any) -> dict[str, Any]: ...
+
+    def loss(self, output: Any, batch: Any) -> dict[str, torch.Tensor]: ...
+
+
 class Engine(Protocol):
     model: nn.Module  # what runs forward: a DDP wrapper, an FSDP2/TP model, or the rank's pipeline part
     inner: CausalModel  # the rank's model itself (parameter names, state dicts, checkpoints)
@@ -185,7 +198,7 @@ class PlainEngine:
         *,
         model: nn.Module,
         inner: CausalModel,
-        objective: Any,
+        objective: StepObjective,
         dims: ParallelDims,
         mesh: DeviceMesh | None,
         autocast: Autocast,

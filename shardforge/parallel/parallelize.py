@@ -15,7 +15,6 @@ before its weights existed).
 from __future__ import annotations
 
 import datetime
-from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +26,7 @@ from shardforge.parallel.activation_ckpt import apply_activation_checkpointing
 from shardforge.parallel.context_parallel import apply_context_parallel
 from shardforge.parallel.data_parallel import apply_data_parallel, fully_shard_frozen, unwrap
 from shardforge.parallel.dims import ParallelDims
-from shardforge.parallel.engine import Autocast, Engine, PlainEngine
+from shardforge.parallel.engine import Autocast, Engine, PlainEngine, StepObjective
 from shardforge.parallel.expert_parallel import apply_expert_parallel
 from shardforge.parallel.pipeline_plan import PipelinePlan
 from shardforge.parallel.tensor_parallel import apply_tensor_parallel
@@ -39,7 +38,7 @@ def parallelize(
     mesh: DeviceMesh | None,
     config: Config,
     plan: PipelinePlan | None,
-    objective: Any,
+    objective: StepObjective,
     autocast: Autocast,
     device: torch.device,
 ) -> Engine:

@@ -33,7 +33,14 @@ from shardforge.config.parallel_schema import ONE_STAGE_SCHEDULES
 from shardforge.parallel.context_parallel import batch_splitter
 from shardforge.parallel.data_parallel import kept_unsharded
 from shardforge.parallel.dims import ParallelDims
-from shardforge.parallel.engine import Autocast, Differentiate, clip_grad_norm, dp_sum, gathered_state
+from shardforge.parallel.engine import (
+    Autocast,
+    Differentiate,
+    StepObjective,
+    clip_grad_norm,
+    dp_sum,
+    gathered_state,
+)
 from shardforge.parallel.images import placed
 from shardforge.parallel.pipeline_plan import TORCH_SCHEDULES, PipelinePlan
 from shardforge.parallel.tensor_parallel import loss_context, strip_vocab_padding
@@ -45,7 +52,12 @@ class StageModule(nn.Module):
     objective's sums: it returns the differentiated loss sum and hands every sum to `record`."""
 
     def __init__(
-        self, part: nn.Module, last: bool, objective: Any, autocast: Autocast, record: Callable[[dict], None]
+        self,
+        part: nn.Module,
+        last: bool,
+        objective: StepObjective,
+        autocast: Autocast,
+        record: Callable[[dict], None],
     ) -> None:
         super().__init__()
         self.part = part
@@ -80,7 +92,7 @@ class PipelineEngine:
         *,
         plan: PipelinePlan,
         model: nn.Module,
-        objective: Any,
+        objective: StepObjective,
         dims: ParallelDims,
         mesh: DeviceMesh,
         device: torch.device,

@@ -6,18 +6,18 @@ rank left without a micro-batch in the last round runs one with weight zero."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from shardforge.data.loader import RowSet
+from shardforge.objectives.base import Objective
 from shardforge.parallel.engine import Engine
 
 
 @torch.no_grad()
 def evaluate(
     engine: Engine,
-    objective: Any,
+    objective: Objective,
     rows: RowSet,
     micro_batch: int,
     dp: tuple[int, int],

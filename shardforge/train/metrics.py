@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from shardforge.config.schema import LogSection
 from shardforge.log import get_logger
+from shardforge.objectives.base import Objective
 from shardforge.planner import peak as peaks
 from shardforge.train.runtime import memory_bytes
 from shardforge.train.tracking import Trackers
@@ -90,7 +91,7 @@ class MetricsProcessor:
 
     def __init__(
         self,
-        objective: Any,
+        objective: Objective,
         flops: Flops,
         peak: tuple[float, str],
         world: int,

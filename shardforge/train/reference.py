@@ -35,6 +35,7 @@ from shardforge.errors import ConfigError
 from shardforge.log import get_logger
 from shardforge.models.build import build_model
 from shardforge.objectives.base import BindContext, Objective
+from shardforge.objectives.preference import ReferencedObjective
 from shardforge.parallel.dims import ParallelDims
 from shardforge.parallel.engine import dp_sum
 from shardforge.parallel.parallelize import lay_out_frozen
@@ -80,7 +81,7 @@ def bind_objective(
 
 
 def precompute_reference(
-    objective: Any,
+    objective: ReferencedObjective,
     model: nn.Module,
     rowsets: dict[str, RowSet | None],
     run_dir: Path,
