@@ -41,9 +41,8 @@ def _start_worker(encoder_bytes: bytes) -> None:
 
 
 def _encode_records(encode: Encoder, records: list[Record]) -> list[Encoded]:
-    """Each record's sequences as arrays: in one batch call when the encoder has one."""
-    batch = getattr(encode, "encode_batch", None)
-    groups = batch(records) if batch is not None else [encode(record) for record in records]
+    """Each record's sequences as arrays, from the encoder's batch call."""
+    groups = encode.encode_batch(records)
     return [
         [
             (

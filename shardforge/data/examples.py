@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,5 +55,15 @@ class EncodeStats:
 
 # token ids and per-token target flags (lists or numpy arrays), and the sequence's images where it has some
 Sequence_ = tuple[Any, Any] | tuple[Any, Any, ImageArrays]
-Encoder = Callable[[Record], list[Sequence_]]  # a record -> the sequences of its group; an encoder may also
-# have encode_batch(records) -> [sequences of each record], which encoding prefers (a tokenizer's batch call)
+
+
+class Encoder(ABC):
+    """A record -> the sequences of its group (`__call__`). `encode_batch` encodes many records at once,
+    which encoding calls (an encoder overrides it with a tokenizer's batch call); by default one by one.
+    Encoders are plain objects (not closures), so encoding worker processes can receive them."""
+
+    @abstractmethod
+    def __call__(self, record: Record) -> list[Sequence_]: ...
+
+    def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
+        return [self(record) for record in records]

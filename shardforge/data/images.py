@@ -113,7 +113,7 @@ class ImageReader:
 
 
 @dataclass(frozen=True)
-class ImageEncoder:
+class ImageEncoder(Encoder):
     """Wraps an objective's encoder: a record with images is encoded with its marks expanded, its image
     tokens untrained, and its patches attached; a record without passes through."""
 
@@ -124,20 +124,17 @@ class ImageEncoder:
     def encode_one(self, record: Record) -> list[Sequence_]:
         expanded, arrays = with_images(record, self.reader, self.refusal)
         if arrays is None:
-            encoded = _encode(self.inner, [record])[0]
+            encoded = self.inner.encode_batch([record])[0]
             if self.reader is not None:
                 for ids, *_ in encoded:
                     check_image_tokens(ids, self.reader.prompt.token_id, 0, record.source)
             return encoded
         out: list[Sequence_] = []
-        for ids, trained, *_ in _encode(self.inner, [expanded])[0]:
+        for ids, trained, *_ in self.inner.encode_batch([expanded])[0]:
             ids = np.asarray(ids, dtype=np.int64)
             check_image_tokens(ids, arrays.token, arrays.tokens, record.source)
             out.append((ids, np.asarray(trained, dtype=bool) & (ids != arrays.token), arrays))
         return out
-
-    def encode_batch(self, records: list[Record]) -> list[list[Sequence_]]:
-        return [self.encode_one(r) for r in records]
 
     def __call__(self, record: Record) -> list[Sequence_]:
         return self.encode_one(record)
@@ -178,11 +175,6 @@ def check_image_tokens(ids: Any, token: int, tokens: int, source: str) -> None:
         f"{source}: a sequence of this record holds {held} of its images' {tokens} image tokens; images go "
         f"in the prompt (a reply of a pair or a KTO completion takes none)"
     )
-
-
-def _encode(encoder: Encoder, records: list[Record]) -> list[list[Sequence_]]:
-    batch = getattr(encoder, "encode_batch", None)
-    return batch(records) if batch is not None else [encoder(r) for r in records]
 
 
 def image_processor(folder: str | Path) -> Any:

@@ -39,7 +39,7 @@ from shardforge.objectives.preference_losses import REFERENCE_FREE, Pairs, kto_k
 
 
 @dataclass(frozen=True)
-class PairEncoder:
+class PairEncoder(Encoder):
     """A record -> [its conversation's sequence, the same prompt with the reply in `second`]: a preference
     pair (chosen, then rejected), or a KTO example and its mismatched pair for the KL estimate. Both share
     the prompt's tokens. A plain object, so encoding worker processes can receive it."""

@@ -15,7 +15,7 @@ from shardforge.objectives.base import CausalLM, Traits
 
 
 @dataclass(frozen=True)
-class TextEncoder:
+class TextEncoder(Encoder):
     """A document -> BOS + tokens + EOS, every token a target (`blocks`: tokens + EOS, for LLaMA-Factory's
     pretraining blocks). A plain object (not a closure), so encoding worker processes can receive it."""
 

@@ -17,7 +17,7 @@ from shardforge.objectives.base import CausalLM, Traits
 
 
 @dataclass(frozen=True)
-class ChatEncoder:
+class ChatEncoder(Encoder):
     """A conversation -> its tokens and target flags. A plain object (not a closure), so encoding worker
     processes can receive it."""
 

@@ -6,7 +6,9 @@ independently, sequence by sequence."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from shardforge.config import load_config
 from shardforge.config.data_schema import DataSection
 from shardforge.data.batching import GlobalOrder
+from shardforge.data.examples import Encoder
 from shardforge.data.formats import Record
 from shardforge.data.loader import read_dataset
 from shardforge.data.mixing import split_order
@@ -29,6 +32,17 @@ from tests.dist._training import assert_same, logged, parity_train, train_runs
 WORDS = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf"]
 
 
+@dataclass(frozen=True)
+class ToyPairEncoder(Encoder):
+    """A document and its reversal: the group of two a third party's stage trains on."""
+
+    tokenizer: Any
+
+    def __call__(self, record: Record) -> list:
+        ids = encode_text(self.tokenizer, record.text or "")
+        return [(ids, [True] * len(ids)), (ids[::-1], [True] * len(ids))]
+
+
 class ToyPairs(CausalLM):
     """Prefer each text to its reversal: -log sigmoid(log p(text) - log p(reversed)), per pair."""
 
@@ -40,11 +54,7 @@ class ToyPairs(CausalLM):
     summed = False  # a loss per pair, not a sum of token log-probs
 
     def encoder(self, tokenizer, data: DataSection):
-        def encode(record: Record):
-            ids = encode_text(tokenizer, record.text or "")
-            return [(ids, [True] * len(ids)), (ids[::-1], [True] * len(ids))]
-
-        return encode
+        return ToyPairEncoder(tokenizer)
 
     @staticmethod
     def loss(output, batch):
