@@ -17,7 +17,8 @@
 #
 # Options: --device cuda|cpu, --out DIR (runs/gpu_check), --wheelhouse DIR, --python PY (default: the one
 # running the script: $PYTHON, else .venv/bin/python where it exists, else python3), --budget SECONDS,
-# --peak-flops F (only for a GPU that planner/peak.py has no datasheet figure for).
+# --timeout-scale X (each part's limit times X), --peak-flops F (only for a GPU that planner/peak.py has no
+# datasheet figure for).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PYTHON=${PYTHON:-$( [ -x "$HERE/../.venv/bin/python" ] && echo "$HERE/../.venv/bin/python" || echo python3 )}

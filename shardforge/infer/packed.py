@@ -73,12 +73,14 @@ def _plain(module: nn.Module | None) -> TypeGuard[nn.Linear]:
 
 
 def can_pack(model: nn.Module) -> bool:
-    """oneDNN packs CPU weights of fp32 and (on CPUs with the instructions) bf16."""
+    """oneDNN packs CPU weights of fp32 and, on CPUs with AVX-512 (BW/VL/DQ), bf16: an AVX2-only CPU's
+    oneDNN refuses a bf16 reorder, so there the model keeps torch's own linears."""
     param = next(model.parameters())
+    bf16 = param.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return (
         param.device.type == "cpu"
         and torch.backends.mkldnn.is_available()
-        and param.dtype in (torch.float32, torch.bfloat16)
+        and (param.dtype == torch.float32 or bf16)
         and not isinstance(param, DTensor)
     )
 

@@ -16,10 +16,14 @@ from shardforge.models import load_model
 from shardforge.models.common.elementwise import EAGER, UsesElementwise
 from tests.unit.test_generate import FAMILIES, _hf_generate, _hf_model, _prompts
 
+BF16_PACKS = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # AVX-512 BW/VL/DQ: not on an AVX2-only host
+
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_packed_linear_is_the_same_map(dtype, tol, bias):
+    if dtype == torch.bfloat16 and not BF16_PACKS:
+        pytest.skip("this CPU's oneDNN has no bf16 reorder (AVX2 only): can_pack keeps torch's linears there")
     torch.manual_seed(0)
     linear = nn.Linear(96, 200, bias=bias).to(dtype)
     packed = PackedLinear(linear)
@@ -86,3 +90,21 @@ def test_packed_while_gives_the_trained_model_back(tmp_path):
     assert all(params[n] is p and torch.equal(p, copy) for n, (p, copy) in before.items())
     assert torch.equal(got, want)
     assert torch.allclose(packed, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_bf16_model_packs_only_where_onednn_can_and_runs_either_way():
+    """On an AVX2-only CPU oneDNN refuses bf16 weights: the layout leaves torch's linears, and the forward
+    is the unpacked one's."""
+    from shardforge.infer.packed import can_pack, pack_linears
+    from shardforge.models.presets import build_preset
+
+    torch.manual_seed(0)
+    model = build_preset("tiny-llama", 128).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        want = model(ids)
+        assert can_pack(model) == BF16_PACKS and can_pack(model.float().to(torch.bfloat16)) == BF16_PACKS
+        undo = pack_linears(model)
+        assert bool(undo) == BF16_PACKS
+        got = model(ids)
+    assert torch.allclose(got.float(), want.float(), atol=5e-2, rtol=5e-2)
