@@ -11,9 +11,11 @@ the time of forward + backward relative to no checkpointing. Not a test.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--out", default=None, help="also write the rows here (rank 0), as JSON")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -54,6 +57,7 @@ def main() -> None:
     settings = [(False, "none")] if args.tp == 1 else [(False, "none"), (True, "none")]
     settings += [(settings[-1][0], mode) for mode in ("selective", "full")]
     base_time = None
+    rows = []
     for sp, mode in settings:
         model = build_preset(args.preset, vocab_size=VOCAB, seed=0)
         dims = ParallelDims.from_config(ParallelSection(tp=args.tp, sequence_parallel=sp), world)
@@ -77,6 +81,22 @@ def main() -> None:
                 f"{label} checkpoint={mode:<9} activations {report.total_bytes / 2**20:8.2f} MiB "
                 f"(block norms {norms / 2**20:6.2f} MiB), forward+backward {elapsed / base_time:.2f}x"
             )
+            rows.append(
+                {
+                    "preset": args.preset,
+                    "batch": args.batch,
+                    "seq": args.seq,
+                    "tp": args.tp,
+                    "sequence_parallel": sp,
+                    "checkpoint": mode,
+                    "activations_mib": report.total_bytes / 2**20,
+                    "block_norms_mib": norms / 2**20,
+                    "forward_backward_s": elapsed,
+                    "forward_backward_relative": elapsed / base_time,
+                }
+            )
+    if args.out and (not dist.is_initialized() or dist.get_rank() == 0):
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
     if dist.is_initialized():
         dist.destroy_process_group()
 

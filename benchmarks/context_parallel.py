@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--budget-mib", type=int, default=512)
+    parser.add_argument("--out", default=None, help="also write the table here, as JSON")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = {}
@@ -99,6 +102,16 @@ def main() -> None:
     for cp, (table, fits) in results.items():
         row = " ".join(f"{table[n] / 2**20:10.1f}" for n in args.lengths)
         print(f"{cp:>4} {row}  {fits}")
+    if args.out:
+        rows = [
+            {
+                "cp": cp,
+                "activations_mib": {str(n): table[n] / 2**20 for n in args.lengths},
+                "longest_row_within_budget": fits,
+            }
+            for cp, (table, fits) in results.items()
+        ]
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--out", default=None, help="also write the JSON results here")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -71,6 +72,8 @@ def main() -> None:
                 [f"parallel.zero_stage={stage}"],
             )
     print(json.dumps(results, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
     print("\n| layout | tokens/s | vs 1 process |\n|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x |")

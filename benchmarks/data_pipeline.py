@@ -167,6 +167,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=20000, help="alpaca records (0: skip)")
     parser.add_argument("--text-mb", default="", help="plain text corpus sizes in MiB, e.g. 100,1024")
     parser.add_argument("--stream-batches", type=int, default=100, help="batches drawn after the first")
+    parser.add_argument("--out", default=None, help="also write the JSON results here")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,6 +200,8 @@ def main() -> None:
             corpus.unlink()
             shutil.rmtree(folder / "cache", ignore_errors=True)
     print(json.dumps(results, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

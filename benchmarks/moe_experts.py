@@ -12,8 +12,10 @@ Both are checked to give the same output and gradients. Prints the median millis
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +56,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None, help="also write the rows here, as JSON")
     args = parser.parse_args()
+    rows = []
     print(
         f"threads {torch.get_num_threads()}, {args.tokens} tokens, hidden {args.hidden}, width {args.width}"
     )
@@ -84,6 +88,21 @@ def main() -> None:
             f"E={count:3d} ({empty} without a token): loop {loop_ms:6.2f} ms, grouped {grouped_ms:6.2f} ms "
             f"({loop_ms / grouped_ms:.2f}x)"
         )
+        rows.append(
+            {
+                "experts": count,
+                "threads": torch.get_num_threads(),
+                "tokens": args.tokens,
+                "hidden": args.hidden,
+                "width": args.width,
+                "top_k": args.top_k,
+                "loop_ms": loop_ms,
+                "grouped_ms": grouped_ms,
+                "loop_over_grouped": loop_ms / grouped_ms,
+            }
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ Every variant's output is checked against the batched one. Prints the median tim
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None, help="also write the rows here, as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -105,6 +108,7 @@ def main() -> None:
         return torch.cat(out)
 
     reference = batched()
+    rows = []
     print(f"{g} sequences of {min(lengths)}-{max(lengths)} keys, {h} heads over {kvh} kv heads of {d}")
     print("| variant | ms per layer | max difference from batched |")
     print("|---|---|---|")
@@ -117,7 +121,11 @@ def main() -> None:
     ):
         diff = (fn() - reference).abs().max().item()
         assert diff < 1e-5, f"{name} differs from the batched attention by {diff}"
-        print(f"| {name} | {1e3 * timed(fn, args.repeats):.2f} | {diff:.1e} |")
+        ms = 1e3 * timed(fn, args.repeats)
+        print(f"| {name} | {ms:.2f} | {diff:.1e} |")
+        rows.append({"variant": name, "ms_per_layer": ms, "max_difference": diff})
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

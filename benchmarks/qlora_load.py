@@ -60,6 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--out", default=None, help="also write the JSON results here")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     import torch
@@ -101,6 +102,9 @@ def main() -> None:
             f"peak RSS {rss:6.0f} MiB  parameters {held:6.0f} MiB"
         )
     print(json.dumps(results, indent=1))
+    if args.out:
+        summary = {"hidden": args.hidden, "layers": args.layers, "parameters": params, **results}
+        Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
 
 
 if __name__ == "__main__":

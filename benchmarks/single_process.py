@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--peak-flops", type=float, default=None, help="MFU denominator (default: measured)")
+    parser.add_argument("--out", default=None, help="also write the JSON result here")
     args = parser.parse_args()
     result = run(
         args.preset,
@@ -101,6 +102,8 @@ def main() -> None:
         args.peak_flops,
     )
     print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(
         f"\n{result['preset']} ({result['parameters'] / 1e6:.1f}M params), {args.threads} threads: "
         f"{result['tokens_per_s']:.0f} tokens/s, MFU {result['mfu']:.1%} of "

@@ -65,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default="examples/demo.yaml")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="also write the JSON result here")
     args = parser.parse_args()
     runs = []
     for _ in range(args.repeats):
@@ -86,7 +87,10 @@ def main() -> None:
             "shardforge --help": statistics.median(_wall([*cli, "--help"]) for _ in range(args.repeats)),
             "config error": statistics.median(_wall([*cli, "train", bad.name]) for _ in range(args.repeats)),
         }
+    result = {"config": args.config, "repeats": args.repeats, "phases_s": phases, "wall_s": walls}
     print(json.dumps({"phases_s": phases, "wall_s": walls}, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
