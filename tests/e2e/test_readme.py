@@ -48,8 +48,8 @@ SHORT = ["train.steps=2", "train.eval_every=null"]
 
 # How each documented command is run (the kind names a runner below); the keys are the commands as written.
 HOW = {
-    "python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e . && .venv/bin/shardforge train examples/demo.yaml": "demo",  # noqa: E501
-    'python3 -m venv .venv && .venv/bin/pip install -q -c constraints.txt -e ".[dev]" && .venv/bin/python -m pytest -q': "suite",  # noqa: E501
+    "python3 -m venv .venv && .venv/bin/pip install -q --no-compile -c constraints.txt -e . && .venv/bin/shardforge train examples/demo.yaml": "demo",  # noqa: E501
+    'python3 -m venv --clear .venv && .venv/bin/pip install -q -c constraints.txt -e ".[dev]" && .venv/bin/python -m pytest -q': "suite",  # noqa: E501
     '.venv/bin/python -m pytest -q -m "not slow"': "quick",
     "shardforge train examples/demo.yaml": "demo",
     "shardforge train my_sft.yaml": "sft",
