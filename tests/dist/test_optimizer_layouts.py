@@ -22,9 +22,13 @@ ZERO1 = ("adamw_8bit", "muon", "galore")
 # Muon's Newton-Schulz runs in bfloat16 with a slope of ~500 at zero: the last-bit differences of DDP's
 # all-reduce (a sum in another order) grow there to a few elements 1.1e-4 apart after 3 steps (measured; at
 # lr 3e-3 a step moves a matrix element by up to ~1e-2), and the third step's loss 2e-5 relative apart (a
-# clean-clone run, 2026-12-06); the others stay within the fp32 bound.
-ATOL = {"muon": 3e-4}
+# clean-clone run, 2026-12-06, AVX-512 host); the others stay within the fp32 bound. The host's bf16 matmul
+# kernel sets how far: on an AVX2-only host (2026-12-07) one element of 4096 (an o_proj) ended 3.1e-4 apart,
+# the rest within 3e-4. So Muon's weights: every element within 1e-3, and all but 0.1% of each tensor's
+# within 3e-4 (the amplification reaches a few elements, not the tensor).
+ATOL = {"muon": 1e-3}
 REL = {"muon": 1e-4}
+MOST = {"muon": (3e-4, 1e-3)}  # (bound, the fraction of a tensor's elements allowed past it)
 
 
 def _cfg(tmp_path, name: str, data, optimizer: str, *, mb: int, **parallel) -> dict:
@@ -102,6 +106,11 @@ def test_data_parallel_matches_one_process(two_ranks, reference, name, layout):
     """2 ranks x micro-batch 2 x accumulation 2 == 1 process x micro-batch 4 x accumulation 2."""
     run = two_ranks[0][f"{name}-{layout}"][0]
     assert_same(run, reference[name], rel=REL.get(name, 1e-5), atol=ATOL.get(name, 5e-5))
+    if name in MOST:
+        bound, fraction = MOST[name]
+        for key, value in reference[name]["state"].items():
+            past = ((run["state"][key] - value).abs() > bound).float().mean().item()
+            assert past <= fraction, f"{layout}: {key}: {past:.2%} of its elements past {bound}"
     assert run["losses"][-1] < run["losses"][0]
 
 
