@@ -194,12 +194,17 @@ def test_lf_truncation_keeps_examples_a_long_prompt_would_drop():
     import numpy as np
 
     from shardforge.data.encode import encode_all
+    from shardforge.data.examples import Encoder
     from shardforge.data.formats import Record
     from shardforge.data.truncate import cut_turns
 
-    def pair(record):
-        prompt, chosen, rejected = [1] * 30, [2] * 5, [3] * 8
-        return [(prompt + chosen, [False] * 30 + [True] * 5), (prompt + rejected, [False] * 30 + [True] * 8)]
+    class Pair(Encoder):
+        def __call__(self, record):
+            prompt, chosen, rejected = [1] * 30, [2] * 5, [3] * 8
+            chosen_flags, rejected_flags = [False] * 30 + [True] * 5, [False] * 30 + [True] * 8
+            return [(prompt + chosen, chosen_flags), (prompt + rejected, rejected_flags)]
+
+    pair = Pair()
 
     records = [Record(f"pairs.jsonl:{i}", None, "x") for i in range(3)]
     with pytest.raises(Exception, match="no example has a trainable token"):
