@@ -46,9 +46,9 @@ print("RESULTS " + json.dumps(out))
 
 def test_extras_name_pyproject_modules():
     """EXTRAS (what the code asks for) covers each extra pyproject.toml declares for a face."""
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras, core = project["optional-dependencies"], project["dependencies"]
     assert set(EXTRAS) <= set(extras)
-    core = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     for modules in EXTRAS.values():  # nothing an extra brings is a core dependency too
         assert not any(c.split(">")[0].split("=")[0].replace("-", "_").lower() in modules for c in core)
 
