@@ -19,6 +19,24 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+# Workers (pytest-xdist, pyproject.toml's addopts): one a core, at most four, since a test of tests/dist
+# spawns ranks of its own and each worker holds its built models. Each worker takes its share of the threads:
+# two workers on two cores with torch's default thread count each would oversubscribe them (OpenMP spins).
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # the CLI runs a test starts, too
+
+
 def unavailable(reason: str) -> None:
     """A piece the test needs could not be set up: a skip on a developer's machine, a failure in CI, which
     installs every such piece itself (.ci/run), so a broken install there never passes as a skip."""
