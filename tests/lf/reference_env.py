@@ -7,6 +7,7 @@ fail)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import subprocess
@@ -66,25 +67,33 @@ def _run(args: list[str], what: str) -> None:
 
 
 def reference() -> Reference:
+    """Made once under a file lock: the suite's worker processes (pytest-xdist) may all ask at once, and one
+    that read LF's files while another was still writing them would see half an environment."""
     venv, src = ROOT / "venv", ROOT / f"llamafactory-{VERSION}"
     python, done = venv / "bin" / "python", ROOT / "ready"
     # the version and the pins it was made with: an environment made before a pin changed is brought up to it
     stamp = f"{VERSION} {hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()[:16]}"
-    if not done.is_file() or done.read_text() != stamp:
-        ROOT.mkdir(exist_ok=True)
-        if not python.is_file():
-            _run([sys.executable, "-m", "venv", str(venv)], "venv")
-        pip = [str(python), "-m", "pip", "install", "-q"]
-        _run([*pip, "-r", str(REQUIREMENTS)], "its pinned dependencies")
-        _run([*pip, "--no-deps", f"llamafactory=={VERSION}"], "llamafactory")
-        if not src.is_dir():
-            sdist = ROOT / "sdist"
-            _run(
-                [str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d",
-                 str(sdist), f"llamafactory=={VERSION}"],
-                "its source distribution (examples and demo data)",
-            )  # fmt: skip
-            with tarfile.open(next(sdist.glob("llamafactory-*.tar.gz"))) as tar:
-                tar.extractall(ROOT, filter="data")
-        done.write_text(stamp)
+    ROOT.mkdir(exist_ok=True)
+    with (ROOT / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.is_file() or done.read_text() != stamp:
+            _make(venv, python, src)
+            done.write_text(stamp)
     return Reference(python, src)
+
+
+def _make(venv: Path, python: Path, src: Path) -> None:
+    if not python.is_file():
+        _run([sys.executable, "-m", "venv", str(venv)], "venv")
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    _run([*pip, "-r", str(REQUIREMENTS)], "its pinned dependencies")
+    _run([*pip, "--no-deps", f"llamafactory=={VERSION}"], "llamafactory")
+    if not src.is_dir():
+        sdist = ROOT / "sdist"
+        _run(
+            [str(python), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d",
+             str(sdist), f"llamafactory=={VERSION}"],
+            "its source distribution (examples and demo data)",
+        )  # fmt: skip
+        with tarfile.open(next(sdist.glob("llamafactory-*.tar.gz"))) as tar:
+            tar.extractall(ROOT, filter="data")

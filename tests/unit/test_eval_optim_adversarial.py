@@ -20,9 +20,7 @@ from shardforge.cli import main
 from shardforge.config import load_config
 from shardforge.errors import ConfigError, ShardforgeError
 from tests.conftest import REPO, TOKENIZER, alpaca_records, tiny_chat_model, tiny_config, write_jsonl
-
-LF_SRC = REPO / ".lf-reference" / "llamafactory-0.9.5" / "src" / "llamafactory"
-
+from tests.lf.reference_env import reference
 
 # ---- helpers -----------------------------------------------------------------------------------------------
 
@@ -51,7 +49,8 @@ def _run(argv: list[str], capsys) -> tuple[int, str]:
 def _lf_compute_similarity():
     """LF 0.9.5's own `ComputeSimilarity` (train/sft/metric.py, its source executed as it is) with its
     package-relative imports replaced by their values: IGNORE_INDEX -100, numpify = np.asarray."""
-    source = (LF_SRC / "train" / "sft" / "metric.py").read_text()
+    metric = reference().src / "src" / "llamafactory" / "train" / "sft" / "metric.py"  # made on first use
+    source = metric.read_text()
     source = source.replace("from ...extras.constants import IGNORE_INDEX", "IGNORE_INDEX = -100")
     source = source.replace("from ...extras.misc import numpify", "numpify = __import__('numpy').asarray")
     source = source.replace(
@@ -59,7 +58,7 @@ def _lf_compute_similarity():
         "is_jieba_available = is_rouge_available = lambda: True",
     )
     module = types.ModuleType("lf_metric")
-    exec(compile(source, str(LF_SRC / "train/sft/metric.py"), "exec"), module.__dict__)
+    exec(compile(source, str(metric), "exec"), module.__dict__)
     return module.ComputeSimilarity
 
 

@@ -26,8 +26,8 @@ from shardforge.parallel.memory import memory_report
 from shardforge.planner import optimizer_states
 from shardforge.train.optim import build_optimizer, build_scheduler
 from tests.conftest import alpaca_records, tiny_config, write_jsonl
+from tests.lf.reference_env import reference
 
-LF = Path(__file__).resolve().parents[2] / ".lf-reference/venv/lib/python3.11/site-packages/llamafactory"
 TRAIN = {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "eps": 1e-8}
 
 
@@ -146,7 +146,8 @@ def lf_optim_kwargs() -> dict:
 
 
 def lf_muon_module():
-    spec = importlib.util.spec_from_file_location("lf_muon", LF / "third_party/muon/muon.py")
+    (lf,) = reference().python.parents[1].glob("lib/python3*/site-packages/llamafactory")  # made on first use
+    spec = importlib.util.spec_from_file_location("lf_muon", lf / "third_party/muon/muon.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
