@@ -23,16 +23,17 @@ if os.environ.get("CI"):
 # spawns ranks of its own and each worker holds its built models. Each worker takes its share of the threads:
 # two workers on two cores with torch's default thread count each would oversubscribe them (OpenMP spins).
 MAX_WORKERS = 4
+CORES = len(os.sched_getaffinity(0))
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    return max(1, min(CORES, MAX_WORKERS))
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
-    threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    threads = max(1, CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # the CLI runs a test starts, too
 

@@ -31,6 +31,11 @@ class Reference:
     python: Path
     src: Path  # the unpacked sdist: examples/, data/
 
+    @property
+    def package(self) -> Path:
+        """LF's own source (the sdist's src/llamafactory, the code its venv installed): what a test reads."""
+        return self.src / "src" / "llamafactory"
+
     def _ask(
         self, command: str, request: object, extra: list[str], work: Path, cwd: Path, timeout: int
     ) -> Any:

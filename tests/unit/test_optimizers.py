@@ -146,8 +146,8 @@ def lf_optim_kwargs() -> dict:
 
 
 def lf_muon_module():
-    (lf,) = reference().python.parents[1].glob("lib/python3*/site-packages/llamafactory")  # made on first use
-    spec = importlib.util.spec_from_file_location("lf_muon", lf / "third_party/muon/muon.py")
+    muon = reference().package / "third_party" / "muon" / "muon.py"  # made on first use
+    spec = importlib.util.spec_from_file_location("lf_muon", muon)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
